@@ -1,0 +1,9 @@
+//! lockstep: runs precision configurations of an RL recipe (BF16, MXFP8, NVFP4, ...) through short GRPO
+//! loops and tells whether the low-precision ones still train like BF16.
+//!
+//! Module map: [`formats`] holds the one quantizer every path calls; [`recipe`] maps site names to
+//! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer.
+
+pub mod engine;
+pub mod formats;
+pub mod recipe;
