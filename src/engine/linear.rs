@@ -32,7 +32,12 @@ pub struct LinearCache {
 pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize) -> PreparedWeight {
     assert_eq!(w.len(), out_dim * in_dim);
     let _ = plan; // TODO(formats): quantize per plan; FP32 for now.
-    PreparedWeight { out_dim, in_dim, w_fwd: w.to_vec(), w_bwd: w.to_vec() }
+    PreparedWeight {
+        out_dim,
+        in_dim,
+        w_fwd: w.to_vec(),
+        w_bwd: w.to_vec(),
+    }
 }
 
 /// `y[n, m] = x[n, k] · Wᵀ`; returns the cache the backward needs.
@@ -47,8 +52,16 @@ pub fn forward(
     let k = w.in_dim;
     assert_eq!(x.len(), n * k);
     let _ = plan; // TODO(formats): quantize activations per plan.
-    be.gemm(MatRef::new(x, n, k), MatRef::new(&w.w_fwd, w.out_dim, k).t(), y, false);
-    LinearCache { x_bwd: x.to_vec(), n }
+    be.gemm(
+        MatRef::new(x, n, k),
+        MatRef::new(&w.w_fwd, w.out_dim, k).t(),
+        y,
+        false,
+    );
+    LinearCache {
+        x_bwd: x.to_vec(),
+        n,
+    }
 }
 
 /// Backward: `dx = dy · W` (written to `dx` when given) and `dW += dyᵀ · x` (accumulated).
@@ -65,7 +78,17 @@ pub fn backward(
     assert_eq!(dy.len(), n * m);
     let _ = plan; // TODO(formats): quantize dy in `Quantized` mode.
     if let Some(dx) = dx {
-        be.gemm(MatRef::new(dy, n, m), MatRef::new(&w.w_bwd, m, k), dx, false);
+        be.gemm(
+            MatRef::new(dy, n, m),
+            MatRef::new(&w.w_bwd, m, k),
+            dx,
+            false,
+        );
     }
-    be.gemm(MatRef::new(dy, n, m).t(), MatRef::new(&cache.x_bwd, n, k), dw, true);
+    be.gemm(
+        MatRef::new(dy, n, m).t(),
+        MatRef::new(&cache.x_bwd, n, k),
+        dw,
+        true,
+    );
 }

@@ -59,7 +59,10 @@ impl SitePlan {
         act_scale: SecondScale::PerToken,
         shards: 1,
     };
-    pub const BF16: SitePlan = SitePlan { precision: Precision::Bf16, ..SitePlan::FP32 };
+    pub const BF16: SitePlan = SitePlan {
+        precision: Precision::Bf16,
+        ..SitePlan::FP32
+    };
 }
 
 /// Plans of the matmul sites of one transformer block.
@@ -98,6 +101,9 @@ pub struct ModelPlan {
 impl ModelPlan {
     /// Every site of an `n_layers` model on the same plan.
     pub fn uniform(n_layers: usize, p: SitePlan) -> Self {
-        ModelPlan { layers: vec![LayerPlan::uniform(p); n_layers], output_layer: p }
+        ModelPlan {
+            layers: vec![LayerPlan::uniform(p); n_layers],
+            output_layer: p,
+        }
     }
 }

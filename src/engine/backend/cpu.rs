@@ -15,8 +15,16 @@ impl Backend for CpuBackend {
     fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool) {
         let (m, k) = a.shape();
         let (kb, n) = b.shape();
-        assert_eq!(k, kb, "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}");
-        assert_eq!(c.len(), m * n, "gemm output has {} values, expected {m}x{n}", c.len());
+        assert_eq!(
+            k, kb,
+            "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}"
+        );
+        assert_eq!(
+            c.len(),
+            m * n,
+            "gemm output has {} values, expected {m}x{n}",
+            c.len()
+        );
         if m == 0 || n == 0 {
             return;
         }
@@ -27,8 +35,16 @@ impl Backend for CpuBackend {
             return;
         }
         // Strides of the logical (transposed or not) row-major operands.
-        let (rsa, csa) = if a.trans { (1, a.cols as isize) } else { (a.cols as isize, 1) };
-        let (rsb, csb) = if b.trans { (1, b.cols as isize) } else { (b.cols as isize, 1) };
+        let (rsa, csa) = if a.trans {
+            (1, a.cols as isize)
+        } else {
+            (a.cols as isize, 1)
+        };
+        let (rsb, csb) = if b.trans {
+            (1, b.cols as isize)
+        } else {
+            (b.cols as isize, 1)
+        };
         let beta = if accumulate { 1.0 } else { 0.0 };
         // SAFETY-free: matrixmultiply's sgemm is an unsafe fn over raw pointers; the shape asserts above
         // guarantee every index it touches is inside the three slices.
@@ -60,8 +76,20 @@ mod tests {
     fn naive(a: MatRef, b: MatRef) -> Vec<f32> {
         let (m, k) = a.shape();
         let (_, n) = b.shape();
-        let at = |i: usize, j: usize| if a.trans { a.data[j * a.cols + i] } else { a.data[i * a.cols + j] };
-        let bt = |i: usize, j: usize| if b.trans { b.data[j * b.cols + i] } else { b.data[i * b.cols + j] };
+        let at = |i: usize, j: usize| {
+            if a.trans {
+                a.data[j * a.cols + i]
+            } else {
+                a.data[i * a.cols + j]
+            }
+        };
+        let bt = |i: usize, j: usize| {
+            if b.trans {
+                b.data[j * b.cols + i]
+            } else {
+                b.data[i * b.cols + j]
+            }
+        };
         let mut c = vec![0.0f32; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -81,8 +109,16 @@ mod tests {
         let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            let ar = if ta { MatRef::new(&a, k, m).t() } else { MatRef::new(&a, m, k) };
-            let br = if tb { MatRef::new(&b, n, k).t() } else { MatRef::new(&b, k, n) };
+            let ar = if ta {
+                MatRef::new(&a, k, m).t()
+            } else {
+                MatRef::new(&a, m, k)
+            };
+            let br = if tb {
+                MatRef::new(&b, n, k).t()
+            } else {
+                MatRef::new(&b, k, n)
+            };
             let mut c = vec![1.0f32; m * n];
             CpuBackend.gemm(ar, br, &mut c, false);
             let want = naive(ar, br);

@@ -20,15 +20,27 @@ pub struct MatRef<'a> {
 impl<'a> MatRef<'a> {
     pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
         debug_assert_eq!(data.len(), rows * cols);
-        MatRef { data, rows, cols, trans: false }
+        MatRef {
+            data,
+            rows,
+            cols,
+            trans: false,
+        }
     }
     /// The same storage read as its transpose.
     pub fn t(self) -> Self {
-        MatRef { trans: !self.trans, ..self }
+        MatRef {
+            trans: !self.trans,
+            ..self
+        }
     }
     /// Logical (rows, cols) after the optional transpose.
     pub fn shape(&self) -> (usize, usize) {
-        if self.trans { (self.cols, self.rows) } else { (self.rows, self.cols) }
+        if self.trans {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
     }
 }
 

@@ -1,0 +1,126 @@
+//! DeepSeek-V3-style FP8 block scaling (the Hopper recipe): E4M3 elements, one FP32 scale per
+//! 1x128 activation tile or 128x128 weight tile. Spec §5.
+//!
+//! The variants differ in how the scale is computed and applied, and a scale from one variant used
+//! with another's math is not bit-exact (`x/s` vs `x·(1/s)`), so the variant travels with the data.
+//! The stored scale is always the *decode* multiplier ("scale_inv"): `x' = e4m3(q) · s`.
+
+use super::QuantStats;
+use super::fp8::{E4M3_MAX, E4M3_TABLE, e4m3_from_f32_sat};
+use serde::{Deserialize, Serialize};
+
+/// Tile edge: 128 along K for activations; 128x128 for weights.
+pub const TILE: usize = 128;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fp8BlockVariant {
+    /// TE blockwise reference: `scale = 448/amax` (Inf → FLT_MAX, amax 0 → 1), `q = sat(x·scale)`,
+    /// stores `1/scale`. The default: it is what the TE-based Hopper recipe runs.
+    Te,
+    /// DeepSeek-V3 `act_quant`: `s = max(amax, 1e-4)/448`, `q = e4m3(x / s)`.
+    DeepseekV3,
+    /// DeepSeek-V3 with a UE8M0 scale: `s = 2^ceil(log2(max(amax,1e-4)/448))`, `q = e4m3(x / s)`.
+    DeepseekV3Ue8m0,
+    /// DeepGEMM: `s = max(amax, 1e-4)/448`, `q = e4m3(x · fp32(1/s))`.
+    Deepgemm,
+    /// DeepGEMM with `ceil_to_ue8m0(s)` (biased exponent + (mantissa≠0), clamped to [1, 254]).
+    DeepgemmUe8m0,
+}
+
+/// How elements are brought into range for one tile.
+#[derive(Debug, Clone, Copy)]
+pub struct TileScale {
+    /// Stored decode multiplier.
+    pub scale_inv: f32,
+    apply: Apply,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Apply {
+    Mul(f32),
+    Div(f32),
+}
+
+/// Scale of a tile from its amax (NaN-propagating).
+pub fn tile_scale(amax: f32, v: Fp8BlockVariant) -> TileScale {
+    use Fp8BlockVariant::*;
+    match v {
+        Te => {
+            let mut scale = if amax == 0.0 {
+                f32::INFINITY
+            } else {
+                E4M3_MAX / amax
+            };
+            if scale.is_infinite() {
+                scale = f32::MAX;
+            }
+            if amax == 0.0 {
+                scale = 1.0;
+            }
+            TileScale {
+                scale_inv: 1.0 / scale,
+                apply: Apply::Mul(scale),
+            }
+        }
+        DeepseekV3 | DeepseekV3Ue8m0 | Deepgemm | DeepgemmUe8m0 => {
+            let mut s = amax.max(1e-4) / E4M3_MAX;
+            if amax.is_nan() {
+                s = f32::NAN;
+            }
+            s = match v {
+                DeepgemmUe8m0 => ceil_ue8m0_deepgemm(s),
+                DeepseekV3Ue8m0 => pow2_ceil(s),
+                _ => s,
+            };
+            let apply = if matches!(v, Deepgemm | DeepgemmUe8m0) {
+                Apply::Mul(1.0 / s)
+            } else {
+                Apply::Div(s)
+            };
+            TileScale {
+                scale_inv: s,
+                apply,
+            }
+        }
+    }
+}
+
+/// DeepGEMM `ceil_to_ue8m0`: biased exponent + (mantissa ≠ 0), clamped to [1, 254].
+fn ceil_ue8m0_deepgemm(s: f32) -> f32 {
+    if s.is_nan() {
+        return s;
+    }
+    let b = s.abs().to_bits();
+    let e = ((b >> 23) & 0xFF) + u32::from(b & 0x7F_FFFF != 0);
+    f32::from_bits(e.clamp(1, 254) << 23)
+}
+
+/// 2^ceil(log2 s) for a positive normal s (exact).
+fn pow2_ceil(s: f32) -> f32 {
+    if !s.is_finite() || s <= 0.0 {
+        return s;
+    }
+    let b = s.to_bits();
+    let e = ((b >> 23) & 0xFF) + u32::from(b & 0x7F_FFFF != 0);
+    f32::from_bits(e.min(254) << 23)
+}
+
+/// Encode one value of a tile (saturating E4M3).
+#[inline]
+pub fn encode(v: f32, t: &TileScale, stats: &mut QuantStats) -> u8 {
+    let s = match t.apply {
+        Apply::Mul(m) => v * m,
+        Apply::Div(d) => v / d,
+    };
+    stats.note(v, s.abs() > E4M3_MAX);
+    let c = e4m3_from_f32_sat(s);
+    stats.note_underflow(v, c & 0x7F == 0);
+    c
+}
+
+/// Decode one value.
+#[inline]
+pub fn decode(c: u8, scale_inv: f32) -> f32 {
+    E4M3_TABLE[c as usize] * scale_inv
+}

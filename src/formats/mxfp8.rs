@@ -1,0 +1,145 @@
+//! MXFP8 block quantization: 32 FP8 elements share one E8M0 power-of-two scale. Spec §2 and §3.
+//!
+//! Two scale rules, both golden-checked:
+//! - [`MxScaleRule::TeCeil`] (default, what TransformerEngine and the Blackwell recipes run):
+//!   `b = ceil_e8m0(fp32(amax · fp32(1/max_elem)))`, elements `sat(x · 2^(127-b))`. NaN elements
+//!   are ignored by the amax (fmaxf) and encode as NaN; nothing ever clips.
+//! - [`MxScaleRule::OcpFloor`] (OCP MX v1.0 / microxcaling, RNE): `shared = floor(log2 amax) - emax`;
+//!   a block max with mantissa above 1.75 clips to the element max; NaN/Inf anywhere makes the whole
+//!   block NaN (scale 0xFF).
+
+use super::QuantStats;
+use super::e8m0::{e8m0_ceil_from_f32, e8m0_from_exponent, e8m0_reciprocal, e8m0_to_f32};
+use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_from_f32_sat, e5m2_from_f32_sat};
+use serde::{Deserialize, Serialize};
+
+/// Elements per MXFP8 block.
+pub const MX_BLOCK: usize = 32;
+
+/// Element format of an MX block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fp8Elem {
+    E4M3,
+    E5M2,
+}
+
+impl Fp8Elem {
+    fn max(self) -> f32 {
+        match self {
+            Fp8Elem::E4M3 => super::fp8::E4M3_MAX,
+            Fp8Elem::E5M2 => super::fp8::E5M2_MAX,
+        }
+    }
+    /// fp32(1/max) — TE multiplies by this reciprocal, it does not divide.
+    fn rcp_max(self) -> f32 {
+        1.0 / self.max()
+    }
+    /// Exponent of the element format's largest binade (E4M3: 8, E5M2: 15).
+    fn emax(self) -> i32 {
+        match self {
+            Fp8Elem::E4M3 => 8,
+            Fp8Elem::E5M2 => 15,
+        }
+    }
+    #[inline]
+    pub fn encode_sat(self, x: f32) -> u8 {
+        match self {
+            Fp8Elem::E4M3 => e4m3_from_f32_sat(x),
+            Fp8Elem::E5M2 => e5m2_from_f32_sat(x),
+        }
+    }
+    #[inline]
+    pub fn decode(self, c: u8) -> f32 {
+        match self {
+            Fp8Elem::E4M3 => E4M3_TABLE[c as usize],
+            Fp8Elem::E5M2 => E5M2_TABLE[c as usize],
+        }
+    }
+}
+
+/// How the E8M0 scale of a block is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MxScaleRule {
+    TeCeil,
+    OcpFloor,
+}
+
+/// floor(log2(a)) for a finite positive FP32, exact (subnormals included).
+fn floor_log2(a: f32) -> i32 {
+    let u = a.to_bits();
+    let e = ((u >> 23) & 0xFF) as i32;
+    if e != 0 {
+        e - 127
+    } else {
+        (31 - (u & 0x7F_FFFF).leading_zeros() as i32) - 149
+    }
+}
+
+/// Quantize one block (up to 32 values); writes the codes and returns the E8M0 scale byte.
+#[inline]
+pub fn quantize_block(
+    x: &[f32],
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+    codes: &mut [u8],
+    stats: &mut QuantStats,
+) -> u8 {
+    match rule {
+        MxScaleRule::TeCeil => {
+            let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs())); // f32::max ignores NaN, like fmaxf
+            let b = e8m0_ceil_from_f32(amax * elem.rcp_max());
+            let inv = e8m0_reciprocal(b);
+            encode(x, inv, elem, codes, stats);
+            b
+        }
+        MxScaleRule::OcpFloor => {
+            let mut amax = 0.0f32;
+            let mut nan = false;
+            for v in x {
+                nan |= v.is_nan();
+                amax = amax.max(v.abs());
+            }
+            if nan || amax.is_infinite() {
+                codes.fill(0x7F);
+                return 0xFF;
+            }
+            let e = if amax == 0.0 { -126 } else { floor_log2(amax) };
+            let shared = e - elem.emax();
+            let b = e8m0_from_exponent(shared);
+            if b == 0xFF {
+                codes.fill(0x7F);
+                return 0xFF;
+            }
+            let shared = shared.max(-127);
+            let mul = 2f64.powi(-shared); // exact power of two; scaling in f64 is exact
+            for (c, &v) in codes.iter_mut().zip(x) {
+                let s = (v as f64 * mul) as f32;
+                stats.note(v, s.abs() > elem.max());
+                *c = elem.encode_sat(s);
+                stats.note_underflow(v, *c & 0x7F == 0);
+            }
+            b
+        }
+    }
+}
+
+#[inline]
+fn encode(x: &[f32], inv: f32, elem: Fp8Elem, codes: &mut [u8], stats: &mut QuantStats) {
+    for (c, &v) in codes.iter_mut().zip(x) {
+        let s = v * inv;
+        stats.note(v, s.abs() > elem.max());
+        *c = elem.encode_sat(s);
+        stats.note_underflow(v, *c & 0x7F == 0);
+    }
+}
+
+/// Dequantize one block: `decode(code) · 2^(b-127)`; scale 0xFF gives NaN.
+#[inline]
+pub fn dequantize_block(codes: &[u8], scale: u8, elem: Fp8Elem, out: &mut [f32]) {
+    let s = e8m0_to_f32(scale);
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = elem.decode(c) * s;
+    }
+}

@@ -1,0 +1,598 @@
+//! 2-D tensors through the block quantizers.
+//!
+//! A tensor `x` of shape `[rows, cols]` (row-major FP32) is quantized along an [`Axis`]:
+//! - `Row`: blocks run along each row (the K dimension of the forward GEMM's `x · Wᵀ`);
+//! - `Col`: blocks run down each column (the backward's transposed use). The two copies are
+//!   quantized independently from the original, never one from the other (spec §3.2).
+//!
+//! Layout: every quantized tensor stores its *blocked view* row-major, blocks contiguous. For `Row`
+//! that is `x` itself; for `Col` it is `xᵀ` (`[cols, rows]`) — the K-major layout a backward GEMM
+//! reads, and the layout TE uses for NVFP4's column-wise copy. (TE keeps MXFP8 column-wise data
+//! untransposed; lockstep transposes both so that column quantization of X is, byte for byte, row
+//! quantization of Xᵀ — one rule instead of two.) [`QuantizedTensor::dequantize`] returns the
+//! original `[rows, cols]` orientation.
+//!
+//! Rows are processed in parallel; each row's codes depend only on that row (and on precomputed
+//! tensor-level scales), so results are identical whatever the thread count.
+
+use super::bf16::{bf16_from_f32, bf16_to_f32};
+use super::e2m1::{pack_fp4, unpack_fp4};
+use super::fp8_block::{self, Fp8BlockVariant, TILE};
+use super::mxfp8::{self, Fp8Elem, MX_BLOCK, MxScaleRule};
+use super::nvfp4::{self, GlobalScale, NV_BLOCK, amax_nan_propagating};
+use super::{FormatError, QuantStats};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Which dimension the blocks run along.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Axis {
+    Row,
+    Col,
+}
+
+/// NVFP4 second-level (FP32) scale granularity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SecondScale {
+    /// One amax for the whole tensor (per shard): a token's codes depend on its batch neighbours.
+    PerTensor,
+    /// One amax per row (= per token): a token's codes depend on that token alone.
+    PerToken,
+}
+
+/// FP8 block-scaling tile shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fp8Tile {
+    /// 1x128 along K (activations, per token).
+    Act1x128,
+    /// 128x128 (weights).
+    Weight128x128,
+}
+
+/// A complete quantization recipe for one tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "format", rename_all = "kebab-case")]
+pub enum QuantFormat {
+    /// Round to BF16 (no scales).
+    Bf16,
+    Mxfp8 {
+        elem: Fp8Elem,
+        rule: MxScaleRule,
+    },
+    Nvfp4 {
+        second: SecondScale,
+        shards: usize,
+    },
+    Fp8Block {
+        tile: Fp8Tile,
+        variant: Fp8BlockVariant,
+    },
+}
+
+impl QuantFormat {
+    /// MXFP8 as the Blackwell recipes run it (E4M3, TE ceil scale).
+    pub const MXFP8: QuantFormat = QuantFormat::Mxfp8 {
+        elem: Fp8Elem::E4M3,
+        rule: MxScaleRule::TeCeil,
+    };
+
+    /// A short display name, e.g. `mxfp8`, `nvfp4(per-token, 2 shards)`.
+    pub fn name(&self) -> String {
+        match self {
+            QuantFormat::Bf16 => "bf16".into(),
+            QuantFormat::Mxfp8 { elem, rule } => format!("mxfp8({elem:?}, {rule:?})"),
+            QuantFormat::Nvfp4 { second, shards } => format!("nvfp4({second:?}, {shards} shards)"),
+            QuantFormat::Fp8Block { tile, variant } => format!("fp8-block({tile:?}, {variant:?})"),
+        }
+    }
+
+    /// Elements per block along the blocked dimension that the shape must divide (1 when any
+    /// length works: BF16, and FP8 block tiles, whose last tile may be partial as in DeepSeek-V3).
+    pub fn required_multiple(&self) -> usize {
+        match self {
+            QuantFormat::Bf16 | QuantFormat::Fp8Block { .. } => 1,
+            QuantFormat::Mxfp8 { .. } => MX_BLOCK,
+            QuantFormat::Nvfp4 { shards, .. } => NV_BLOCK * shards,
+        }
+    }
+}
+
+/// Block scales of a quantized tensor, row-major over the blocked view.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scales {
+    None,
+    /// MXFP8: `[rows, cols/32]` E8M0 bytes.
+    E8m0(Vec<u8>),
+    /// NVFP4: `[rows, cols/16]` E4M3 bytes.
+    E4m3(Vec<u8>),
+    /// FP8 block: decode multipliers, `[rows, ceil(cols/128)]` (1x128) or
+    /// `[ceil(rows/128), ceil(cols/128)]` (128x128).
+    F32(Vec<f32>),
+}
+
+/// A quantized 2-D tensor: codes, scales, second-level scales and the layout needed to read them.
+#[derive(Debug, Clone)]
+pub struct QuantizedTensor {
+    pub format: QuantFormat,
+    pub axis: Axis,
+    /// Shape of the original tensor.
+    pub rows: usize,
+    pub cols: usize,
+    /// Codes of the blocked view (see module doc): one byte per element; FP4 two per byte (element
+    /// 2i in the low nibble); BF16 two bytes per element, little-endian.
+    pub codes: Vec<u8>,
+    pub scales: Scales,
+    /// NVFP4 only: FP32 global amax, `[shards]` per tensor or `[blocked rows, shards]` per token.
+    pub global_amax: Vec<f32>,
+    /// Saturation and underflow counts of this quantization.
+    pub stats: QuantStats,
+}
+
+impl QuantizedTensor {
+    /// Shape of the blocked view (`[rows, cols]` for `Row`, `[cols, rows]` for `Col`).
+    pub fn blocked_shape(&self) -> (usize, usize) {
+        blocked_shape(self.rows, self.cols, self.axis)
+    }
+
+    /// Unpacked 4-bit codes of an NVFP4 tensor (or the raw codes of other formats).
+    pub fn unpacked_codes(&self) -> Vec<u8> {
+        match self.format {
+            QuantFormat::Nvfp4 { .. } => unpack_fp4(&self.codes, self.rows * self.cols),
+            _ => self.codes.clone(),
+        }
+    }
+
+    /// Back to FP32 in the original `[rows, cols]` orientation.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let (br, bc) = self.blocked_shape();
+        let mut out = vec![0.0f32; br * bc];
+        self.dequantize_blocked(&mut out);
+        match self.axis {
+            Axis::Row => out,
+            Axis::Col => transpose(&out, br, bc),
+        }
+    }
+
+    fn dequantize_blocked(&self, out: &mut [f32]) {
+        let (br, bc) = self.blocked_shape();
+        if br == 0 || bc == 0 {
+            return;
+        }
+        let min_rows = (16 * 1024 / bc).max(1);
+        match (&self.format, &self.scales) {
+            (QuantFormat::Bf16, _) => {
+                for (o, b) in out.iter_mut().zip(self.codes.chunks_exact(2)) {
+                    *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+            (QuantFormat::Mxfp8 { elem, .. }, Scales::E8m0(s)) => {
+                let nb = bc / MX_BLOCK;
+                out.par_chunks_mut(bc)
+                    .with_min_len(min_rows)
+                    .enumerate()
+                    .for_each(|(r, orow)| {
+                        let crow = &self.codes[r * bc..(r + 1) * bc];
+                        for b in 0..nb {
+                            let span = b * MX_BLOCK..(b + 1) * MX_BLOCK;
+                            mxfp8::dequantize_block(
+                                &crow[span.clone()],
+                                s[r * nb + b],
+                                *elem,
+                                &mut orow[span],
+                            );
+                        }
+                    });
+            }
+            (QuantFormat::Nvfp4 { second, shards }, Scales::E4m3(s)) => {
+                let nb = bc / NV_BLOCK;
+                let per_shard = nb / shards;
+                let half = bc / 2;
+                out.par_chunks_mut(bc)
+                    .with_min_len(min_rows)
+                    .enumerate()
+                    .for_each(|(r, orow)| {
+                        let crow = unpack_fp4(&self.codes[r * half..(r + 1) * half], bc);
+                        for b in 0..nb {
+                            let g = global_index(*second, *shards, r, b / per_shard);
+                            let span = b * NV_BLOCK..(b + 1) * NV_BLOCK;
+                            nvfp4::dequantize_block(
+                                &crow[span.clone()],
+                                s[r * nb + b],
+                                self.global_amax[g],
+                                &mut orow[span],
+                            );
+                        }
+                    });
+            }
+            (QuantFormat::Fp8Block { tile, .. }, Scales::F32(s)) => {
+                let tc = bc.div_ceil(TILE);
+                out.par_chunks_mut(bc)
+                    .with_min_len(min_rows)
+                    .enumerate()
+                    .for_each(|(r, orow)| {
+                        let tr = match tile {
+                            Fp8Tile::Act1x128 => r,
+                            Fp8Tile::Weight128x128 => r / TILE,
+                        };
+                        for (j, o) in orow.iter_mut().enumerate() {
+                            *o = fp8_block::decode(self.codes[r * bc + j], s[tr * tc + j / TILE]);
+                        }
+                    });
+            }
+            _ => unreachable!("scales variant always matches the format (built by `quantize`)"),
+        }
+    }
+}
+
+fn blocked_shape(rows: usize, cols: usize, axis: Axis) -> (usize, usize) {
+    match axis {
+        Axis::Row => (rows, cols),
+        Axis::Col => (cols, rows),
+    }
+}
+
+/// Index into `global_amax` of blocked row `r`, shard `s`.
+fn global_index(second: SecondScale, shards: usize, r: usize, s: usize) -> usize {
+    match second {
+        SecondScale::PerTensor => s,
+        SecondScale::PerToken => r * shards + s,
+    }
+}
+
+/// Row-major transpose of a `[r, c]` matrix.
+pub fn transpose(x: &[f32], r: usize, c: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; r * c];
+    const B: usize = 32;
+    for i0 in (0..r).step_by(B) {
+        for j0 in (0..c).step_by(B) {
+            for i in i0..(i0 + B).min(r) {
+                for j in j0..(j0 + B).min(c) {
+                    t[j * r + i] = x[i * c + j];
+                }
+            }
+        }
+    }
+    t
+}
+
+fn validate(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    fmt: &QuantFormat,
+    axis: Axis,
+) -> Result<(), FormatError> {
+    if x.len() != rows * cols {
+        return Err(FormatError::ShapeMismatch {
+            rows,
+            cols,
+            got: x.len(),
+            want: rows * cols,
+        });
+    }
+    if rows == 0 || cols == 0 {
+        return Err(FormatError::Empty { rows, cols });
+    }
+    if let QuantFormat::Nvfp4 { shards, .. } = fmt
+        && *shards == 0
+    {
+        return Err(FormatError::Option("NVFP4 needs at least 1 shard".into()));
+    }
+    let m = fmt.required_multiple();
+    let (dim, name, size) = match axis {
+        Axis::Row => (1, "cols", cols),
+        Axis::Col => (0, "rows", rows),
+    };
+    if size % m != 0 {
+        let format = match fmt {
+            QuantFormat::Nvfp4 { shards, .. } if *shards > 1 => {
+                format!("NVFP4 ({shards} shards x 16)")
+            }
+            QuantFormat::Nvfp4 { .. } => "NVFP4".to_string(),
+            _ => "MXFP8".to_string(),
+        };
+        return Err(FormatError::NotDivisible {
+            dim,
+            name,
+            size,
+            format,
+            block: m,
+        });
+    }
+    Ok(())
+}
+
+/// Quantize `x` (`[rows, cols]`, row-major) along `axis`.
+pub fn quantize(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    fmt: &QuantFormat,
+    axis: Axis,
+) -> Result<QuantizedTensor, FormatError> {
+    validate(x, rows, cols, fmt, axis)?;
+    let owned;
+    let xb: &[f32] = match axis {
+        Axis::Row => x,
+        Axis::Col => {
+            owned = transpose(x, rows, cols);
+            &owned
+        }
+    };
+    let (br, bc) = blocked_shape(rows, cols, axis);
+    let mut q = match *fmt {
+        QuantFormat::Bf16 => quantize_bf16(xb),
+        QuantFormat::Mxfp8 { elem, rule } => quantize_mxfp8(xb, br, bc, elem, rule),
+        QuantFormat::Nvfp4 { second, shards } => {
+            let amax = nvfp4_global_amax(xb, br, bc, second, shards);
+            quantize_nvfp4_with(xb, br, bc, second, shards, amax)
+        }
+        QuantFormat::Fp8Block { tile, variant } => quantize_fp8_block(xb, br, bc, tile, variant),
+    };
+    q.format = *fmt;
+    q.axis = axis;
+    q.rows = rows;
+    q.cols = cols;
+    Ok(q)
+}
+
+/// Quantize then dequantize into `out` (`[rows, cols]`): the FP32 values a GEMM on the quantized
+/// operand sees. Goes through [`quantize`], so it is the same bytes the weight export ships.
+pub fn fake_quantize(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    fmt: &QuantFormat,
+    axis: Axis,
+    out: &mut [f32],
+) -> Result<QuantStats, FormatError> {
+    let q = quantize(x, rows, cols, fmt, axis)?;
+    match axis {
+        Axis::Row => q.dequantize_blocked(out),
+        Axis::Col => out.copy_from_slice(&q.dequantize()),
+    }
+    Ok(q.stats)
+}
+
+/// Quantize several NVFP4 tensors (e.g. a gate and an up projection) under one shared second-level
+/// scale: the global amax is the maximum over all parts (per shard, and per row for per-token
+/// scales, which then needs equal row counts). Each part is `(data, rows)`; all share `cols`.
+pub fn quantize_nvfp4_joint(
+    parts: &[(&[f32], usize)],
+    cols: usize,
+    second: SecondScale,
+    shards: usize,
+) -> Result<Vec<QuantizedTensor>, FormatError> {
+    let fmt = QuantFormat::Nvfp4 { second, shards };
+    for &(x, rows) in parts {
+        validate(x, rows, cols, &fmt, Axis::Row)?;
+    }
+    if second == SecondScale::PerToken && parts.windows(2).any(|w| w[0].1 != w[1].1) {
+        return Err(FormatError::Option(
+            "a joint per-token NVFP4 quantization needs equal row counts".into(),
+        ));
+    }
+    let mut joint: Option<Vec<f32>> = None;
+    for &(x, rows) in parts {
+        let a = nvfp4_global_amax(x, rows, cols, second, shards);
+        joint = Some(match joint {
+            None => a,
+            Some(j) => j.iter().zip(&a).map(|(p, q)| nan_max(*p, *q)).collect(),
+        });
+    }
+    let joint = joint.unwrap_or_default();
+    Ok(parts
+        .iter()
+        .map(|&(x, rows)| {
+            let mut q = quantize_nvfp4_with(x, rows, cols, second, shards, joint.clone());
+            q.format = fmt;
+            q.rows = rows;
+            q.cols = cols;
+            q
+        })
+        .collect())
+}
+
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+fn empty(fmt: QuantFormat) -> QuantizedTensor {
+    QuantizedTensor {
+        format: fmt,
+        axis: Axis::Row,
+        rows: 0,
+        cols: 0,
+        codes: Vec::new(),
+        scales: Scales::None,
+        global_amax: Vec::new(),
+        stats: QuantStats::default(),
+    }
+}
+
+fn quantize_bf16(x: &[f32]) -> QuantizedTensor {
+    let mut q = empty(QuantFormat::Bf16);
+    q.codes = x
+        .iter()
+        .flat_map(|v| bf16_from_f32(*v).to_le_bytes())
+        .collect();
+    q.stats.elements = x.len() as u64;
+    q.stats.saturated = x
+        .iter()
+        .filter(|v| v.is_finite() && bf16_to_f32(bf16_from_f32(**v)).is_infinite())
+        .count() as u64;
+    q.stats.underflowed = x
+        .iter()
+        .filter(|v| **v != 0.0 && bf16_to_f32(bf16_from_f32(**v)) == 0.0)
+        .count() as u64;
+    q
+}
+
+fn quantize_mxfp8(
+    x: &[f32],
+    br: usize,
+    bc: usize,
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+) -> QuantizedTensor {
+    let nb = bc / MX_BLOCK;
+    let mut codes = vec![0u8; br * bc];
+    let mut scales = vec![0u8; br * nb];
+    let stats = codes
+        .par_chunks_mut(bc)
+        .zip(scales.par_chunks_mut(nb))
+        .zip(x.par_chunks(bc))
+        .with_min_len((16 * 1024 / bc).max(1))
+        .map(|((crow, srow), xrow)| {
+            let mut st = QuantStats::default();
+            for (b, s) in srow.iter_mut().enumerate() {
+                let span = b * MX_BLOCK..(b + 1) * MX_BLOCK;
+                *s = mxfp8::quantize_block(
+                    &xrow[span.clone()],
+                    elem,
+                    rule,
+                    &mut crow[span],
+                    &mut st,
+                );
+            }
+            st
+        })
+        .reduce(QuantStats::default, QuantStats::merge);
+    let mut q = empty(QuantFormat::Mxfp8 { elem, rule });
+    q.codes = codes;
+    q.scales = Scales::E8m0(scales);
+    q.stats = stats;
+    q
+}
+
+/// Global amax of an NVFP4 tensor: `[shards]` (per tensor) or `[br, shards]` (per token).
+fn nvfp4_global_amax(
+    x: &[f32],
+    br: usize,
+    bc: usize,
+    second: SecondScale,
+    shards: usize,
+) -> Vec<f32> {
+    let w = bc / shards;
+    let per_row: Vec<f32> = x
+        .par_chunks(bc)
+        .with_min_len((16 * 1024 / bc).max(1))
+        .flat_map_iter(|row| row.chunks(w).map(amax_nan_propagating).collect::<Vec<_>>())
+        .collect();
+    match second {
+        SecondScale::PerToken => per_row,
+        SecondScale::PerTensor => (0..shards)
+            .map(|s| (0..br).map(|r| per_row[r * shards + s]).fold(0.0, nan_max))
+            .collect(),
+    }
+}
+
+fn quantize_nvfp4_with(
+    x: &[f32],
+    br: usize,
+    bc: usize,
+    second: SecondScale,
+    shards: usize,
+    amax: Vec<f32>,
+) -> QuantizedTensor {
+    let nb = bc / NV_BLOCK;
+    let per_shard = nb / shards;
+    let globals: Vec<GlobalScale> = amax.iter().map(|a| GlobalScale::from_amax(*a)).collect();
+    let mut packed = vec![0u8; br * bc / 2];
+    let mut scales = vec![0u8; br * nb];
+    let stats = packed
+        .par_chunks_mut(bc / 2)
+        .zip(scales.par_chunks_mut(nb))
+        .zip(x.par_chunks(bc))
+        .enumerate()
+        .with_min_len((16 * 1024 / bc).max(1))
+        .map(|(r, ((prow, srow), xrow))| {
+            let mut st = QuantStats::default();
+            let mut codes = [0u8; NV_BLOCK];
+            for (b, s) in srow.iter_mut().enumerate() {
+                let g = &globals[global_index(second, shards, r, b / per_shard)];
+                *s = nvfp4::quantize_block(
+                    &xrow[b * NV_BLOCK..(b + 1) * NV_BLOCK],
+                    g,
+                    &mut codes,
+                    &mut st,
+                );
+                prow[b * NV_BLOCK / 2..(b + 1) * NV_BLOCK / 2].copy_from_slice(&pack_fp4(&codes));
+            }
+            st
+        })
+        .reduce(QuantStats::default, QuantStats::merge);
+    let mut q = empty(QuantFormat::Nvfp4 { second, shards });
+    q.codes = packed;
+    q.scales = Scales::E4m3(scales);
+    q.global_amax = amax;
+    q.stats = stats;
+    q
+}
+
+fn quantize_fp8_block(
+    x: &[f32],
+    br: usize,
+    bc: usize,
+    tile: Fp8Tile,
+    variant: Fp8BlockVariant,
+) -> QuantizedTensor {
+    let tc = bc.div_ceil(TILE);
+    // Tile amax grid first (a 128x128 tile spans rows), then every row encodes independently.
+    let amax: Vec<f32> = match tile {
+        Fp8Tile::Act1x128 => x
+            .par_chunks(bc)
+            .flat_map_iter(|row| {
+                row.chunks(TILE)
+                    .map(amax_nan_propagating)
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+        Fp8Tile::Weight128x128 => x
+            .par_chunks(bc * TILE)
+            .flat_map_iter(|band| {
+                let mut a = vec![0.0f32; tc];
+                for row in band.chunks(bc) {
+                    for (t, chunk) in row.chunks(TILE).enumerate() {
+                        a[t] = nan_max(a[t], amax_nan_propagating(chunk));
+                    }
+                }
+                a
+            })
+            .collect(),
+    };
+    let tiles: Vec<_> = amax
+        .iter()
+        .map(|a| fp8_block::tile_scale(*a, variant))
+        .collect();
+    let mut codes = vec![0u8; br * bc];
+    let stats = codes
+        .par_chunks_mut(bc)
+        .zip(x.par_chunks(bc))
+        .enumerate()
+        .with_min_len((16 * 1024 / bc).max(1))
+        .map(|(r, (crow, xrow))| {
+            let tr = match tile {
+                Fp8Tile::Act1x128 => r,
+                Fp8Tile::Weight128x128 => r / TILE,
+            };
+            let mut st = QuantStats::default();
+            for (j, (c, v)) in crow.iter_mut().zip(xrow).enumerate() {
+                *c = fp8_block::encode(*v, &tiles[tr * tc + j / TILE], &mut st);
+            }
+            st
+        })
+        .reduce(QuantStats::default, QuantStats::merge);
+    let mut q = empty(QuantFormat::Fp8Block { tile, variant });
+    q.codes = codes;
+    q.scales = Scales::F32(tiles.iter().map(|t| t.scale_inv).collect());
+    q.stats = stats;
+    q
+}
