@@ -596,3 +596,332 @@ fn quantize_fp8_block(
     q.stats = stats;
     q
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    const MX: QuantFormat = QuantFormat::MXFP8;
+    const NV_TOKEN: QuantFormat = QuantFormat::Nvfp4 {
+        second: SecondScale::PerToken,
+        shards: 1,
+    };
+    const NV_TENSOR: QuantFormat = QuantFormat::Nvfp4 {
+        second: SecondScale::PerTensor,
+        shards: 1,
+    };
+
+    /// Normal values with a few large outliers, like real activations.
+    fn sample(seed: u64, n: usize) -> Vec<f32> {
+        let mut r = ChaCha8Rng::seed_from_u64(seed);
+        (0..n)
+            .map(|_| {
+                let u: f32 = r.random::<f32>() * 2.0 - 1.0;
+                let big = if r.random::<f32>() < 0.02 { 50.0 } else { 1.0 };
+                u * big * (0.1 + r.random::<f32>())
+            })
+            .collect()
+    }
+
+    fn all_formats() -> Vec<QuantFormat> {
+        vec![
+            QuantFormat::Bf16,
+            MX,
+            QuantFormat::Mxfp8 {
+                elem: Fp8Elem::E5M2,
+                rule: MxScaleRule::OcpFloor,
+            },
+            NV_TOKEN,
+            NV_TENSOR,
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                shards: 2,
+            },
+            QuantFormat::Fp8Block {
+                tile: Fp8Tile::Act1x128,
+                variant: Fp8BlockVariant::Te,
+            },
+            QuantFormat::Fp8Block {
+                tile: Fp8Tile::Weight128x128,
+                variant: Fp8BlockVariant::Deepgemm,
+            },
+        ]
+    }
+
+    fn scales_bytes(q: &QuantizedTensor) -> Vec<u8> {
+        match &q.scales {
+            Scales::None => vec![],
+            Scales::E8m0(s) | Scales::E4m3(s) => s.clone(),
+            Scales::F32(s) => s.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    fn same(a: &QuantizedTensor, b: &QuantizedTensor) -> bool {
+        a.codes == b.codes
+            && scales_bytes(a) == scales_bytes(b)
+            && a.global_amax
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(b.global_amax.iter().map(|v| v.to_bits()))
+    }
+
+    #[test]
+    fn column_quantization_is_row_quantization_of_the_transpose() {
+        let (r, c) = (256, 160);
+        let x = sample(1, r * c);
+        let xt = transpose(&x, r, c);
+        for f in all_formats() {
+            if f.required_multiple() > 0 && (r % f.required_multiple() != 0) {
+                continue;
+            }
+            let col = quantize(&x, r, c, &f, Axis::Col).unwrap();
+            let row_t = quantize(&xt, c, r, &f, Axis::Row).unwrap();
+            assert!(same(&col, &row_t), "{}", f.name());
+            // And dequantize gives back the original orientation.
+            assert_eq!(
+                col.dequantize(),
+                transpose(&row_t.dequantize(), c, r),
+                "{}",
+                f.name()
+            );
+        }
+    }
+
+    #[test]
+    fn per_token_rows_ignore_their_neighbours_but_per_tensor_rows_do_not() {
+        let (r, c) = (8, 64);
+        let x = sample(2, r * c);
+        let mut y = x.clone();
+        // Row 5 gets a 100x outlier; row 2 is untouched.
+        y[5 * c + 3] = 400.0;
+        let row2 = |q: &QuantizedTensor| {
+            (
+                q.codes[2 * c / 2..3 * c / 2].to_vec(),
+                match &q.scales {
+                    Scales::E4m3(s) => s[2 * c / 16..3 * c / 16].to_vec(),
+                    _ => unreachable!(),
+                },
+            )
+        };
+        let a = quantize(&x, r, c, &NV_TOKEN, Axis::Row).unwrap();
+        let b = quantize(&y, r, c, &NV_TOKEN, Axis::Row).unwrap();
+        assert_eq!(
+            row2(&a),
+            row2(&b),
+            "per-token codes of row 2 changed with row 5"
+        );
+        let a = quantize(&x, r, c, &NV_TENSOR, Axis::Row).unwrap();
+        let b = quantize(&y, r, c, &NV_TENSOR, Axis::Row).unwrap();
+        assert_ne!(
+            row2(&a),
+            row2(&b),
+            "per-tensor codes of row 2 should depend on row 5"
+        );
+        // The same token in a batch of one quantizes identically under per-token scales.
+        let alone = quantize(&x[2 * c..3 * c], 1, c, &NV_TOKEN, Axis::Row).unwrap();
+        let batched = quantize(&x, r, c, &NV_TOKEN, Axis::Row).unwrap();
+        assert_eq!(alone.codes, batched.codes[c..3 * c / 2]);
+    }
+
+    #[test]
+    fn sharded_scales_equal_each_shard_quantized_alone() {
+        let (r, c, s) = (6, 128, 4);
+        let x = sample(3, r * c);
+        for second in [SecondScale::PerToken, SecondScale::PerTensor] {
+            let whole = quantize(
+                &x,
+                r,
+                c,
+                &QuantFormat::Nvfp4 { second, shards: s },
+                Axis::Row,
+            )
+            .unwrap();
+            let w = c / s;
+            let deq = whole.dequantize();
+            for k in 0..s {
+                let part: Vec<f32> = (0..r)
+                    .flat_map(|i| x[i * c + k * w..i * c + (k + 1) * w].to_vec())
+                    .collect();
+                let alone = quantize(
+                    &part,
+                    r,
+                    w,
+                    &QuantFormat::Nvfp4 { second, shards: 1 },
+                    Axis::Row,
+                )
+                .unwrap();
+                let whole_codes = whole.unpacked_codes();
+                let got: Vec<u8> = (0..r)
+                    .flat_map(|i| whole_codes[i * c + k * w..i * c + (k + 1) * w].to_vec())
+                    .collect();
+                assert_eq!(got, alone.unpacked_codes(), "{second:?} shard {k} codes");
+                let got_deq: Vec<u32> = (0..r)
+                    .flat_map(|i| {
+                        deq[i * c + k * w..i * c + (k + 1) * w]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                let alone_deq: Vec<u32> = alone.dequantize().iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got_deq, alone_deq, "{second:?} shard {k} dequant");
+            }
+        }
+        // Sharding changes the codes when shards have different ranges (so the option is not a no-op).
+        let mut y = x.clone();
+        y[7] = 300.0;
+        let one = quantize(&y, r, c, &NV_TOKEN, Axis::Row).unwrap();
+        let four = quantize(
+            &y,
+            r,
+            c,
+            &QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                shards: 4,
+            },
+            Axis::Row,
+        )
+        .unwrap();
+        assert_ne!(one.codes, four.codes);
+    }
+
+    #[test]
+    fn gate_and_up_share_one_second_level_scale() {
+        let (r, c) = (4, 64);
+        let gate = sample(4, r * c);
+        let mut up = sample(5, r * c);
+        up[9] = 80.0; // the up half holds the tensor's amax
+        let qs =
+            quantize_nvfp4_joint(&[(&gate, r), (&up, r)], c, SecondScale::PerTensor, 1).unwrap();
+        assert_eq!(qs[0].global_amax, vec![80.0]);
+        assert_eq!(qs[1].global_amax, vec![80.0]);
+        // Joint quantization equals quantizing the fused [gate; up] matrix as one tensor.
+        let fused: Vec<f32> = gate.iter().chain(&up).copied().collect();
+        let f = quantize(&fused, 2 * r, c, &NV_TENSOR, Axis::Row).unwrap();
+        assert_eq!([qs[0].codes.clone(), qs[1].codes.clone()].concat(), f.codes);
+        // Quantized alone, the gate would get its own (smaller) scale and different codes.
+        let alone = quantize(&gate, r, c, &NV_TENSOR, Axis::Row).unwrap();
+        assert_ne!(alone.codes, qs[0].codes);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let (r, c) = (512, 256);
+        let x = sample(6, r * c);
+        for f in all_formats() {
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let many = rayon::ThreadPoolBuilder::new()
+                .num_threads(5)
+                .build()
+                .unwrap();
+            let a = one.install(|| quantize(&x, r, c, &f, Axis::Row).unwrap());
+            let b = many.install(|| quantize(&x, r, c, &f, Axis::Row).unwrap());
+            assert!(same(&a, &b), "{}", f.name());
+            assert_eq!(a.stats, b.stats);
+        }
+    }
+
+    #[test]
+    fn representable_tensors_round_trip_exactly() {
+        // Blocks whose amax is exactly 448 get scale 2^0 under TE MXFP8: every E4M3 value survives.
+        let vals: Vec<f32> = (0..=0x7Eu8).map(crate::formats::fp8::e4m3_to_f32).collect();
+        let mut x: Vec<f32> = Vec::new();
+        for b in 0..8 {
+            let mut block: Vec<f32> = (0..32)
+                .map(|i| vals[(b * 31 + i * 7) % vals.len()] * if i % 3 == 0 { -1.0 } else { 1.0 })
+                .collect();
+            block[b] = 448.0;
+            x.extend(block);
+        }
+        let q = quantize(&x, 8, 32, &MX, Axis::Row).unwrap();
+        assert_eq!(q.dequantize(), x);
+        // NVFP4: a tensor with amax 2688 has S_enc = 1; blocks with max 6·s for E4M3 s reproduce E2M1 grid values.
+        let mut y: Vec<f32> = (0..64)
+            .map(|i| crate::formats::e2m1::E2M1_VALUES[i % 16] * 448.0)
+            .collect();
+        y[0] = 2688.0;
+        let q = quantize(&y, 1, 64, &NV_TENSOR, Axis::Row).unwrap();
+        let d = q.dequantize();
+        for (a, b) in d.iter().zip(&y) {
+            assert_eq!(a.abs(), b.abs(), "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_name_the_dimension_and_block() {
+        let x = vec![0.5f32; 3 * 40];
+        let e = quantize(&x, 3, 40, &MX, Axis::Row).unwrap_err();
+        assert_eq!(
+            e,
+            FormatError::NotDivisible {
+                dim: 1,
+                name: "cols",
+                size: 40,
+                format: "MXFP8".into(),
+                block: 32
+            }
+        );
+        let e = quantize(&x, 3, 40, &NV_TOKEN, Axis::Col).unwrap_err();
+        assert!(e.to_string().contains("rows = 3"), "{e}");
+        let e = quantize(
+            &x,
+            3,
+            40,
+            &QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                shards: 2,
+            },
+            Axis::Row,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("block size 32"), "{e}");
+        assert!(matches!(
+            quantize(&[], 0, 32, &MX, Axis::Row),
+            Err(FormatError::Empty { .. })
+        ));
+        assert!(matches!(
+            quantize(&x, 4, 40, &MX, Axis::Row),
+            Err(FormatError::ShapeMismatch { .. })
+        ));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Within a block, quantization preserves order: x_i <= x_j implies x'_i <= x'_j.
+        #[test]
+        fn block_quantization_is_monotonic(xs in prop::collection::vec(-1000.0f32..1000.0, 32), fi in 0usize..8) {
+            let f = all_formats()[fi];
+            let d = quantize(&xs, 1, 32, &f, Axis::Row).unwrap().dequantize();
+            for i in 0..32 {
+                // Only within one block: neighbouring blocks have their own scales (16 = the smallest block).
+                for j in (i / 16 * 16)..(i / 16 * 16 + 16) {
+                    if xs[i] <= xs[j] {
+                        prop_assert!(d[i] <= d[j], "{}: x[{i}]={} <= x[{j}]={} but {} > {}", f.name(), xs[i], xs[j], d[i], d[j]);
+                    }
+                }
+            }
+        }
+
+        /// Error bound: MXFP8 (TE) never clips, so every element is within half an E4M3 step.
+        #[test]
+        fn mxfp8_error_is_within_half_a_step(xs in prop::collection::vec(-1e4f32..1e4, 32)) {
+            let q = quantize(&xs, 1, 32, &MX, Axis::Row).unwrap();
+            let Scales::E8m0(s) = &q.scales else { unreachable!() };
+            let scale = crate::formats::e8m0::e8m0_to_f32(s[0]) as f64;
+            let d = q.dequantize();
+            for (x, y) in xs.iter().zip(&d) {
+                let v = (*x as f64 / scale).abs();
+                let step = if v < 2f64.powi(-6) { 2f64.powi(-9) } else { 2f64.powi(v.log2().floor() as i32 - 3) };
+                prop_assert!(((*x as f64) - (*y as f64)).abs() <= 0.5 * step * scale * (1.0 + 1e-9), "{x} -> {y}");
+            }
+            prop_assert_eq!(q.stats.saturated, 0);
+        }
+    }
+}
