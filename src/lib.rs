@@ -2,8 +2,11 @@
 //! loops and tells whether the low-precision ones still train like BF16.
 //!
 //! Module map: [`formats`] holds the one quantizer every path calls; [`recipe`] maps site names to
-//! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer.
+//! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer; [`io`] reads
+//! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks).
 
 pub mod engine;
 pub mod formats;
+pub mod io;
 pub mod recipe;
+pub mod tools;

@@ -1,1 +1,69 @@
-fn main() {}
+//! The `lockstep` binary: parse flags, call the library, map the outcome to an exit code.
+//! Exit codes: 0 pass, 1 a check failed or a regression was found, 2 an error (bad input, I/O).
+
+mod cli;
+
+use clap::Parser;
+use cli::{BenchCommand, Cli, Command};
+use std::process::ExitCode;
+
+const EXIT_PASS: u8 = 0;
+const EXIT_FAIL: u8 = 1;
+const EXIT_ERROR: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match dispatch(&cli.command) {
+        Ok(true) => ExitCode::from(EXIT_PASS),
+        Ok(false) => ExitCode::from(EXIT_FAIL),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
+    match cmd {
+        Command::Quantize(args) => cli::quantize::run(args),
+        Command::Bench(BenchCommand::Quantize { size, min_time }) => {
+            let all = std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1);
+            let rows = lockstep::tools::bench::quantize_throughput(
+                *size,
+                all,
+                std::time::Duration::from_secs_f64(*min_time),
+            );
+            println!(
+                "quantize {size}x{size} fp32 ({:.0} MiB), median of repetitions",
+                (*size * *size * 4) as f64 / (1 << 20) as f64
+            );
+            println!(
+                "{:<18} {:>7} {:>10} {:>9} {:>9}",
+                "what", "threads", "median_ms", "GB/s", "vs copy"
+            );
+            for r in &rows {
+                println!(
+                    "{:<18} {:>7} {:>10.2} {:>9.2} {:>9.3}",
+                    r.what,
+                    r.threads,
+                    r.median_s * 1e3,
+                    r.gb_per_s,
+                    r.vs_copy
+                );
+            }
+            for w in ["mxfp8", "nvfp4 per-token"] {
+                let t1 = rows.iter().find(|r| r.what == w && r.threads == 1);
+                let tn = rows.iter().find(|r| r.what == w && r.threads == all);
+                if let (Some(a), Some(b)) = (t1, tn) {
+                    println!(
+                        "{w}: scaling 1 -> {all} threads: {:.2}x",
+                        a.median_s / b.median_s
+                    );
+                }
+            }
+            Ok(true)
+        }
+    }
+}

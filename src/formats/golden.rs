@@ -28,15 +28,12 @@ pub struct CaseResult {
 /// Errors reading a golden folder (not mismatches: those are failed [`CaseResult`]s).
 #[derive(Debug, thiserror::Error)]
 pub enum GoldenError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}: not valid JSON: {source}")]
+    #[error("{path}: {err}")]
+    Io { path: String, err: std::io::Error },
+    #[error("{path}: not valid JSON: {err}")]
     Json {
         path: String,
-        source: serde_json::Error,
+        err: serde_json::Error,
     },
     #[error("{path}: {what} (is this a golden file written by gen_golden.py?)")]
     Layout { path: String, what: String },
@@ -65,13 +62,13 @@ pub fn check_dir(dir: &Path) -> Result<Vec<CaseResult>, GoldenError> {
             continue;
         }
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(&path).map_err(|source| GoldenError::Io {
+        let text = std::fs::read_to_string(&path).map_err(|err| GoldenError::Io {
             path: p.clone(),
-            source,
+            err,
         })?;
-        let v: Value = serde_json::from_str(&text).map_err(|source| GoldenError::Json {
+        let v: Value = serde_json::from_str(&text).map_err(|err| GoldenError::Json {
             path: p.clone(),
-            source,
+            err,
         })?;
         let cases = run(&v).map_err(|what| GoldenError::Layout {
             path: p.clone(),

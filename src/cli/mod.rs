@@ -1,0 +1,36 @@
+//! Command-line definitions (clap derive: each doc comment is the flag's help) and the mapping of raw
+//! flags to validated library calls. Exit codes are defined once, in `main.rs`.
+
+pub mod quantize;
+
+use clap::{Parser, Subcommand};
+
+/// lockstep: does a low-precision RL recipe still train like BF16?
+#[derive(Debug, Parser)]
+#[command(name = "lockstep", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Quantize a 2-D float32 .npy with one format, or check golden vectors (--check DIR).
+    Quantize(quantize::QuantizeArgs),
+    /// Benchmarks: ratios measured side by side in one run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// MXFP8 and NVFP4 per-token quantizer throughput next to a plain copy, on 1 core and all cores.
+    Quantize {
+        /// Side of the square FP32 tensor.
+        #[arg(long, default_value_t = 4096)]
+        size: usize,
+        /// Minimum seconds spent per measurement (median of the repetitions is reported).
+        #[arg(long, default_value_t = 1.0)]
+        min_time: f64,
+    },
+}

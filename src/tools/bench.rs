@@ -1,0 +1,94 @@
+//! Benchmarks that print ratios measured side by side in one run (timings never live in tests).
+//!
+//! `quantize`: throughput (GB/s of FP32 input) of MXFP8 and NVFP4 per-token quantization next to a
+//! plain copy of the same tensor, on one core and on all cores. The copy is the memory-bandwidth
+//! yardstick, so "0.25 of copy" reads the same on any machine.
+
+use crate::formats::{Axis, QuantFormat, SecondScale, quantize};
+use rayon::prelude::*;
+use std::time::{Duration, Instant};
+
+/// One measured line.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchRow {
+    pub what: String,
+    pub threads: usize,
+    pub median_s: f64,
+    pub gb_per_s: f64,
+    /// Throughput relative to the copy with the same thread count.
+    pub vs_copy: f64,
+}
+
+/// Median wall time of `f` over at least `min_reps` runs and `min_time` (after one warm-up).
+pub fn time_median(min_reps: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    let mut times = Vec::new();
+    while times.len() < min_reps || start.elapsed() < min_time {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    times[times.len() / 2]
+}
+
+/// Quantizer throughput vs copy on an `n x n` tensor, on 1 thread and on `all` threads.
+pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<BenchRow> {
+    let x: Vec<f32> = (0..n * n)
+        .map(|i| ((i as f32) * 0.618).sin() * if i % 97 == 0 { 40.0 } else { 1.0 })
+        .collect();
+    let bytes = (n * n * 4) as f64;
+    let formats = [
+        ("mxfp8", QuantFormat::MXFP8),
+        (
+            "nvfp4 per-token",
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                shards: 1,
+            },
+        ),
+    ];
+    let mut rows = Vec::new();
+    for threads in [1, all.max(1)] {
+        let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
+            Ok(p) => p,
+            Err(_) => continue,
+        };
+        let mut dst = vec![0.0f32; n * n];
+        let copy_s = pool.install(|| {
+            time_median(3, min_time, || {
+                dst.par_chunks_mut(64 * 1024)
+                    .zip(x.par_chunks(64 * 1024))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                std::hint::black_box(&dst);
+            })
+        });
+        rows.push(BenchRow {
+            what: "copy".into(),
+            threads,
+            median_s: copy_s,
+            gb_per_s: bytes / copy_s / 1e9,
+            vs_copy: 1.0,
+        });
+        for (name, fmt) in formats {
+            let s = pool.install(|| {
+                time_median(3, min_time, || {
+                    std::hint::black_box(
+                        quantize(&x, n, n, &fmt, Axis::Row)
+                            .map(|q| q.codes.len())
+                            .ok(),
+                    );
+                })
+            });
+            rows.push(BenchRow {
+                what: name.into(),
+                threads,
+                median_s: s,
+                gb_per_s: bytes / s / 1e9,
+                vs_copy: copy_s / s,
+            });
+        }
+    }
+    rows
+}

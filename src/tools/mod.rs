@@ -1,0 +1,5 @@
+//! The library side of the standalone commands: `lockstep quantize` and the benchmarks. The binary
+//! only parses flags and prints what these return.
+
+pub mod bench;
+pub mod quantize;
