@@ -28,8 +28,37 @@ pub enum E2m1Convention {
 }
 
 /// FP32 → E2M1 code (4 bits), round to nearest even, saturating to ±6.
+///
+/// Same branch-free shape as the fast E4M3 encode: clamp |x| to 6, bit-trick RNE for normals
+/// (|x| >= 1), FP32-addition RNE in steps of 0.5 below; specials per convention.
 #[inline]
 pub fn e2m1_from_f32(x: f32, conv: E2m1Convention) -> u8 {
+    let u = x.to_bits();
+    let a = f32::from_bits(u & 0x7FFF_FFFF).min(6.0);
+    let ab = a.to_bits();
+    let normal = ab
+        .wrapping_sub(126 << 23)
+        .wrapping_add(0x1F_FFFF + ((ab >> 22) & 1))
+        >> 22;
+    let sub = (a * 2.0 + 8_388_608.0).to_bits().wrapping_sub(0x4B00_0000);
+    let mag = if ab < (127 << 23) { sub } else { normal };
+    let code = ((u >> 28) & 8) as u8 | mag as u8;
+    if x.is_nan() {
+        return match conv {
+            E2m1Convention::TeRef => 0,
+            E2m1Convention::MlDtypes => 8,
+            E2m1Convention::PtxSatfinite => 7,
+        };
+    }
+    if u == 0x8000_0000 && conv == E2m1Convention::TeRef {
+        0
+    } else {
+        code
+    }
+}
+
+/// Reference (slow, generic) E2M1 encode; kept to test the fast path against.
+pub fn e2m1_from_f32_reference(x: f32, conv: E2m1Convention) -> u8 {
     let u = x.to_bits();
     let abs = u & 0x7FFF_FFFF;
     if abs > 0x7F80_0000 {
@@ -117,6 +146,40 @@ mod tests {
             e2m1_from_f32(f32::from_bits(2.5f32.to_bits() - 1), TeRef),
             4
         );
+    }
+
+    #[test]
+    fn fast_encode_matches_the_generic_rounding() {
+        let mut u: u32 = 0;
+        while u < 0x4200_0000 {
+            for x in [f32::from_bits(u), -f32::from_bits(u)] {
+                for conv in [TeRef, MlDtypes, PtxSatfinite] {
+                    assert_eq!(
+                        e2m1_from_f32(x, conv),
+                        e2m1_from_f32_reference(x, conv),
+                        "x = {x:e}"
+                    );
+                }
+            }
+            u += 0x0000_0FFF;
+        }
+        for x in [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::MAX,
+            -0.0,
+            0.0,
+        ] {
+            for conv in [TeRef, MlDtypes, PtxSatfinite] {
+                assert_eq!(
+                    e2m1_from_f32(x, conv),
+                    e2m1_from_f32_reference(x, conv),
+                    "x = {x:e}"
+                );
+            }
+        }
     }
 
     #[test]

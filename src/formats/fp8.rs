@@ -30,8 +30,33 @@ fn sign_bit(x: f32) -> u8 {
 }
 
 /// FP32 → E4M3 code, saturating (TE quantizers, `cvt.rn.satfinite.e4m3x2.f32`).
+///
+/// Branch-free fast path (this runs once per element in every quantizer): clamp |x| to 448 (exact,
+/// so clamp-then-round equals round-then-saturate), then round to nearest even either with the
+/// BF16-style bit trick (normal targets: add `half - 1 + lsb` and shift) or, below 2^-6, with the
+/// float trick `|x|·2^9 + 2^23` whose FP32 rounding *is* RNE to a multiple of the subnormal step.
+/// The generic `minifloat` rounding is the independent reference it is tested against.
 #[inline]
 pub fn e4m3_from_f32_sat(x: f32) -> u8 {
+    let u = x.to_bits();
+    let a = f32::from_bits(u & 0x7FFF_FFFF).min(E4M3_MAX); // min() ignores NaN: handled below
+    let ab = a.to_bits();
+    // Normal E4M3 (|x| >= 2^-6): rebias the exponent (127 -> 7) and round off 20 mantissa bits.
+    let normal = ab
+        .wrapping_sub(120 << 23)
+        .wrapping_add(0x7_FFFF + ((ab >> 20) & 1))
+        >> 20;
+    // Subnormal E4M3: units of 2^-9, rounded by FP32 addition at magnitude 2^23.
+    let sub = (a * 512.0 + 8_388_608.0)
+        .to_bits()
+        .wrapping_sub(0x4B00_0000);
+    let mag = if ab < (121 << 23) { sub } else { normal };
+    let code = ((u >> 24) & 0x80) as u8 | mag as u8;
+    if x.is_nan() { 0x7F } else { code }
+}
+
+/// Reference (slow, generic) saturating E4M3 encode; kept to test the fast path against.
+pub fn e4m3_from_f32_sat_reference(x: f32) -> u8 {
     if x.is_nan() {
         return 0x7F;
     }
@@ -211,6 +236,40 @@ mod tests {
                     assert_eq!(enc(-x), brute_nearest(-x, table, max), "x = {:e}", -x);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn fast_e4m3_matches_the_generic_rounding() {
+        // Every FP32 whose magnitude lies below 2^10, at a stride that hits every mantissa pattern
+        // class, plus all midpoints ±1 ulp (above) and the specials.
+        let mut u: u32 = 0;
+        while u < 0x4480_0000 {
+            for x in [f32::from_bits(u), -f32::from_bits(u)] {
+                assert_eq!(
+                    e4m3_from_f32_sat(x),
+                    e4m3_from_f32_sat_reference(x),
+                    "x = {x:e} ({u:#x})"
+                );
+            }
+            u += 0x0000_0FFF;
+        }
+        for x in [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::MAX,
+            f32::MIN,
+            1e30,
+            -0.0,
+            0.0,
+        ] {
+            assert_eq!(
+                e4m3_from_f32_sat(x),
+                e4m3_from_f32_sat_reference(x),
+                "x = {x:e}"
+            );
         }
     }
 

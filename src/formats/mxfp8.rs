@@ -88,7 +88,7 @@ pub fn quantize_block(
 ) -> u8 {
     match rule {
         MxScaleRule::TeCeil => {
-            let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs())); // f32::max ignores NaN, like fmaxf
+            let amax = amax_ignoring_nan(x);
             let b = e8m0_ceil_from_f32(amax * elem.rcp_max());
             let inv = e8m0_reciprocal(b);
             encode(x, inv, elem, codes, stats);
@@ -125,14 +125,60 @@ pub fn quantize_block(
     }
 }
 
+/// max |x| skipping NaN (CUDA `fmaxf` semantics, which TE's MXFP8 amax uses).
+#[inline]
+fn amax_ignoring_nan(x: &[f32]) -> f32 {
+    let mut m = 0.0f32;
+    for v in x {
+        let a = v.abs();
+        m = if a > m { a } else { m }; // a NaN compares false and is skipped
+    }
+    m
+}
+
 #[inline]
 fn encode(x: &[f32], inv: f32, elem: Fp8Elem, codes: &mut [u8], stats: &mut QuantStats) {
+    match elem {
+        Fp8Elem::E4M3 => encode_with(
+            x,
+            inv,
+            super::fp8::E4M3_MAX,
+            e4m3_from_f32_sat,
+            codes,
+            stats,
+        ),
+        Fp8Elem::E5M2 => encode_with(
+            x,
+            inv,
+            super::fp8::E5M2_MAX,
+            e5m2_from_f32_sat,
+            codes,
+            stats,
+        ),
+    }
+}
+
+/// The per-element loop, monomorphised per element codec so it stays branch-free.
+#[inline(always)]
+fn encode_with(
+    x: &[f32],
+    inv: f32,
+    max: f32,
+    enc: impl Fn(f32) -> u8,
+    codes: &mut [u8],
+    stats: &mut QuantStats,
+) {
+    let (mut sat, mut under) = (0u32, 0u32);
     for (c, &v) in codes.iter_mut().zip(x) {
         let s = v * inv;
-        stats.note(v, s.abs() > elem.max());
-        *c = elem.encode_sat(s);
-        stats.note_underflow(v, *c & 0x7F == 0);
+        let code = enc(s);
+        sat += u32::from(s.abs() > max && v.is_finite());
+        under += u32::from(code & 0x7F == 0 && v != 0.0);
+        *c = code;
     }
+    stats.elements += x.len() as u64;
+    stats.saturated += u64::from(sat);
+    stats.underflowed += u64::from(under);
 }
 
 /// Dequantize one block: `decode(code) · 2^(b-127)`; scale 0xFF gives NaN.

@@ -16,7 +16,7 @@
 //! tensor-level scales), so results are identical whatever the thread count.
 
 use super::bf16::{bf16_from_f32, bf16_to_f32};
-use super::e2m1::{pack_fp4, unpack_fp4};
+use super::e2m1::unpack_fp4;
 use super::fp8_block::{self, Fp8BlockVariant, TILE};
 use super::mxfp8::{self, Fp8Elem, MX_BLOCK, MxScaleRule};
 use super::nvfp4::{self, GlobalScale, NV_BLOCK, amax_nan_propagating};
@@ -515,16 +515,11 @@ fn quantize_nvfp4_with(
         .with_min_len((16 * 1024 / bc).max(1))
         .map(|(r, ((prow, srow), xrow))| {
             let mut st = QuantStats::default();
-            let mut codes = [0u8; NV_BLOCK];
             for (b, s) in srow.iter_mut().enumerate() {
                 let g = &globals[global_index(second, shards, r, b / per_shard)];
-                *s = nvfp4::quantize_block(
-                    &xrow[b * NV_BLOCK..(b + 1) * NV_BLOCK],
-                    g,
-                    &mut codes,
-                    &mut st,
-                );
-                prow[b * NV_BLOCK / 2..(b + 1) * NV_BLOCK / 2].copy_from_slice(&pack_fp4(&codes));
+                let x16 = &xrow[b * NV_BLOCK..(b + 1) * NV_BLOCK];
+                let p8 = &mut prow[b * NV_BLOCK / 2..(b + 1) * NV_BLOCK / 2];
+                *s = nvfp4::quantize_block(x16, g, p8, &mut st);
             }
             st
         })
