@@ -5,6 +5,7 @@
 //! - [`e8m0_ceil_from_f32`]: TE's `float_to_e8m0` = PTX `cvt.rp.satfinite.ue8m0x2.f32` (round the
 //!   value *up* to a power of two, saturate at 2^127);
 //! - [`e8m0_from_exponent`]: the OCP/MSX rule, given the already-floored exponent.
+//!
 //! Never round scales "to nearest in the linear domain" (ml_dtypes `astype`): see spec §2.
 
 /// TE `float_to_e8m0`: NaN → 0xFF, ±Inf → 0xFE, 0 → 0x00; otherwise the FP32 exponent field,

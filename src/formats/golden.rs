@@ -44,11 +44,14 @@ pub enum GoldenError {
 }
 
 type Res<T> = Result<T, String>;
+/// Checks of one golden file: (case name, outcome) pairs, or a layout error.
+type FileChecks = Res<Vec<(String, Res<String>)>>;
+type Checker = fn(&Value) -> FileChecks;
 
 /// Run every known golden file present in `dir`.
 pub fn check_dir(dir: &Path) -> Result<Vec<CaseResult>, GoldenError> {
     let mut out = Vec::new();
-    let runners: [(&str, fn(&Value) -> Res<Vec<(String, Res<String>)>>); 6] = [
+    let runners: [(&str, Checker); 6] = [
         ("bf16.json", check_bf16),
         ("e4m3.json", check_e4m3),
         ("e2m1.json", check_e2m1),
@@ -204,14 +207,14 @@ fn elementwise(
     Ok(compare(out_key, &got, &want, &xb))
 }
 
-fn check_bf16(v: &Value) -> Res<Vec<(String, Res<String>)>> {
+fn check_bf16(v: &Value) -> FileChecks {
     Ok(vec![(
         "bf16_bits".into(),
         elementwise(v, "bf16_bits", |x| bf16_from_f32(x) as u32, true)?,
     )])
 }
 
-fn check_e4m3(v: &Value) -> Res<Vec<(String, Res<String>)>> {
+fn check_e4m3(v: &Value) -> FileChecks {
     Ok(vec![
         (
             "e4m3_sat".into(),
@@ -229,7 +232,7 @@ fn check_e4m3(v: &Value) -> Res<Vec<(String, Res<String>)>> {
     ])
 }
 
-fn check_e2m1(v: &Value) -> Res<Vec<(String, Res<String>)>> {
+fn check_e2m1(v: &Value) -> FileChecks {
     let mut out = Vec::new();
     for (key, conv) in [
         ("code_te", E2m1Convention::TeRef),
@@ -244,7 +247,7 @@ fn check_e2m1(v: &Value) -> Res<Vec<(String, Res<String>)>> {
     Ok(out)
 }
 
-fn check_mxfp8(v: &Value) -> Res<Vec<(String, Res<String>)>> {
+fn check_mxfp8(v: &Value) -> FileChecks {
     let mut out = Vec::new();
     for case in arr(v, "cases")? {
         let name = field(case, "name")?.as_str().unwrap_or("?").to_string();
@@ -288,7 +291,7 @@ fn check_mxfp8(v: &Value) -> Res<Vec<(String, Res<String>)>> {
     Ok(out)
 }
 
-fn check_nvfp4(v: &Value) -> Res<Vec<(String, Res<String>)>> {
+fn check_nvfp4(v: &Value) -> FileChecks {
     let mut out = Vec::new();
     for case in arr(v, "cases")? {
         let name = field(case, "name")?.as_str().unwrap_or("?").to_string();
@@ -369,7 +372,7 @@ fn check_nvfp4(v: &Value) -> Res<Vec<(String, Res<String>)>> {
     Ok(out)
 }
 
-fn check_fp8_block(v: &Value) -> Res<Vec<(String, Res<String>)>> {
+fn check_fp8_block(v: &Value) -> FileChecks {
     let variants = [
         ("deepseek_v3_act_quant", Fp8BlockVariant::DeepseekV3),
         ("deepseek_v3_ue8m0", Fp8BlockVariant::DeepseekV3Ue8m0),
