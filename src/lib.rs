@@ -9,4 +9,6 @@ pub mod engine;
 pub mod formats;
 pub mod io;
 pub mod recipe;
+pub mod store;
+pub mod suite;
 pub mod tools;

@@ -26,6 +26,11 @@ fn main() -> ExitCode {
 fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
     match cmd {
         Command::Quantize(args) => cli::quantize::run(args),
+        Command::RunOne(args) => cli::engine::run_one_cmd(args),
+        Command::Recipe(cmd) => cli::engine::recipe_cmd(cmd),
+        Command::Suite(cmd) => cli::suite::suite_cmd(cmd),
+        Command::Run(args) => cli::suite::run_cmd(args),
+        Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
         Command::Bench(BenchCommand::Quantize { size, min_time }) => {
             let all = std::thread::available_parallelism()
                 .map(|n| n.get())

@@ -1,7 +1,9 @@
 //! Command-line definitions (clap derive: each doc comment is the flag's help) and the mapping of raw
 //! flags to validated library calls. Exit codes are defined once, in `main.rs`.
 
+pub mod engine;
 pub mod quantize;
+pub mod suite;
 
 use clap::{Parser, Subcommand};
 
@@ -17,6 +19,19 @@ pub struct Cli {
 pub enum Command {
     /// Quantize a 2-D float32 .npy with one format, or check golden vectors (--check DIR).
     Quantize(quantize::QuantizeArgs),
+    /// Run one configuration and seed of the built-in engine into a run folder.
+    RunOne(engine::RunOneArgs),
+    /// Suite files: show the expanded run list or validate.
+    #[command(subcommand)]
+    Suite(suite::SuiteCommand),
+    /// Run every unfinished run of a suite into the run store (resumable).
+    Run(suite::RunArgs),
+    /// Inspect the run store.
+    #[command(subcommand)]
+    Runs(suite::RunsCommand),
+    /// Precision recipes.
+    #[command(subcommand)]
+    Recipe(engine::RecipeCommand),
     /// Benchmarks: ratios measured side by side in one run.
     #[command(subcommand)]
     Bench(BenchCommand),

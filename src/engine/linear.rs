@@ -266,7 +266,6 @@ fn fake_quantize_col_padded_t(x: &[f32], r: usize, c: usize, fmt: &QuantFormat) 
 mod tests {
     use super::*;
     use crate::engine::backend::CpuBackend;
-    use crate::formats::SecondScale;
 
     fn data(n: usize, seed: f32) -> Vec<f32> {
         (0..n)
@@ -278,8 +277,7 @@ mod tests {
         SitePlan {
             precision: p,
             backward: b,
-            act_scale: SecondScale::PerToken,
-            shards: 1,
+            ..SitePlan::FP32
         }
     }
 

@@ -2,4 +2,15 @@
 //! trainer, with every matmul site quantized per the precision recipe through `crate::formats`.
 
 pub mod backend;
+pub mod checkpoint;
+pub mod contract;
 pub mod linear;
+pub mod metrics;
+pub mod model;
+pub mod ops;
+pub mod optim;
+pub mod rollout;
+pub mod run;
+pub mod task;
+pub mod trainer;
+pub mod warmstart;

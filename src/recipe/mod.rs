@@ -13,7 +13,7 @@ pub mod file;
 pub mod presets;
 
 pub use crate::formats::SecondScale;
-use crate::formats::{Fp8BlockVariant, Fp8Tile, QuantFormat};
+use crate::formats::{Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat};
 use globset::{Glob, GlobMatcher};
 use serde::{Deserialize, Serialize};
 
@@ -84,6 +84,8 @@ pub struct SitePlan {
     pub act_scale: SecondScale,
     /// NVFP4 per-token scale computed over K split into this many equal shards (expert TP size).
     pub shards: usize,
+    /// MXFP8 E8M0 scale rule (TE's rounded-up scale everywhere, unless a contract break asks).
+    pub mx_rule: MxScaleRule,
 }
 
 impl SitePlan {
@@ -92,6 +94,7 @@ impl SitePlan {
         backward: BackwardMode::HighPrecision,
         act_scale: SecondScale::PerToken,
         shards: 1,
+        mx_rule: MxScaleRule::TeCeil,
     };
     pub const BF16: SitePlan = SitePlan {
         precision: Precision::Bf16,
@@ -103,7 +106,10 @@ impl SitePlan {
         match self.precision {
             Precision::Fp32 => None,
             Precision::Bf16 => Some(QuantFormat::Bf16),
-            Precision::Mxfp8 => Some(QuantFormat::MXFP8),
+            Precision::Mxfp8 => Some(QuantFormat::Mxfp8 {
+                elem: Fp8Elem::E4M3,
+                rule: self.mx_rule,
+            }),
             Precision::Nvfp4 => Some(QuantFormat::Nvfp4 {
                 second: SecondScale::PerTensor,
                 shards: 1,
@@ -460,6 +466,7 @@ impl Recipe {
             backward: r.backward.unwrap_or(self.backward),
             act_scale: self.nvfp4_activation_scale,
             shards: self.nvfp4_shards,
+            mx_rule: MxScaleRule::TeCeil,
         }
     }
 

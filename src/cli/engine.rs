@@ -1,0 +1,212 @@
+//! `lockstep run-one` and `lockstep recipe show`: flags → a validated run configuration.
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use lockstep::engine::backend::CpuBackend;
+use lockstep::engine::model::ModelConfig;
+use lockstep::engine::run::{RunConfig, default_cache, run_one, step_line};
+use lockstep::engine::task::Task;
+use lockstep::engine::trainer::{ContractBreak, GrpoConfig};
+use lockstep::engine::warmstart::WarmStartConfig;
+use lockstep::recipe::{Precision, Site, file::load};
+use lockstep::store::RunStatus;
+use std::path::PathBuf;
+
+/// A model preset name.
+pub fn model_preset(name: &str) -> Result<ModelConfig> {
+    lockstep::suite::plan::model_preset(name)
+        .with_context(|| format!("unknown model `{name}`; presets: tiny, small"))
+}
+
+#[derive(Debug, Args)]
+pub struct RunOneArgs {
+    /// Model preset: tiny (CI-sized) or small (nightly: 6 layers, 8 experts top-2).
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Task: add:N (N-digit addition) or sort:N (sort N digits).
+    #[arg(long, default_value = "add:2")]
+    pub task: String,
+    /// Recipe preset (bf16, mxfp8, mxfp8-hp, mxfp8-dq, nvfp4-hp, nvfp4-dq, fp8-block) or a .toml/.yaml file.
+    #[arg(long, default_value = "bf16")]
+    pub recipe: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Run folder to write (manifest.json, scalars.csv, layers.csv, events.jsonl, log.txt).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Prompts per step.
+    #[arg(long)]
+    pub prompts: Option<usize>,
+    /// Samples per prompt (GRPO group size).
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Maximum response tokens.
+    #[arg(long)]
+    pub max_response: Option<usize>,
+    /// Break the trainer/rollout quantization contract on purpose: per-tensor-nvfp4, shards:N, mxfp8-floor-scale.
+    #[arg(long, default_value = "none")]
+    pub contract_break: String,
+    /// Warm-start cache folder (default: $LOCKSTEP_CACHE or runs/cache).
+    #[arg(long)]
+    pub cache: Option<PathBuf>,
+}
+
+pub fn parse_break(s: &str) -> Result<ContractBreak> {
+    lockstep::suite::plan::parse_break(s)
+        .with_context(|| format!("unknown contract break `{s}`; use none, per-tensor-nvfp4, shards:N or mxfp8-floor-scale"))
+}
+
+impl RunOneArgs {
+    pub fn config(&self) -> Result<RunConfig> {
+        let model = model_preset(&self.model)?;
+        model.validate()?;
+        let task: Task = self.task.parse()?;
+        let recipe = load(&self.recipe)?;
+        let mut grpo = GrpoConfig::default();
+        if let Some(p) = self.prompts {
+            grpo.prompts_per_step = p;
+        }
+        if let Some(s) = self.samples {
+            grpo.samples_per_prompt = s;
+        }
+        grpo.max_response_tokens = self.max_response.unwrap_or(task.answer_len() + 2);
+        Ok(RunConfig {
+            model,
+            task,
+            recipe,
+            grpo,
+            warm_start: WarmStartConfig::default(),
+            contract_break: parse_break(&self.contract_break)?,
+            seed: self.seed,
+            steps: self.steps,
+        })
+    }
+}
+
+pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
+    let cfg = args.config()?;
+    let cache = args.cache.clone().unwrap_or_else(default_cache);
+    let id = args
+        .out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".into());
+    let m = run_one(&CpuBackend, &cfg, &id, &args.out, Some(&cache), |r| {
+        println!("{}", step_line(r))
+    })
+    .with_context(|| format!("run {}", args.out.display()))?;
+    println!(
+        "status {:?}, {} steps, wrote {}",
+        m.status,
+        m.steps_done,
+        args.out.display()
+    );
+    if let Some(e) = &m.error {
+        eprintln!("error: {e}");
+    }
+    Ok(m.status == RunStatus::Ok)
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RecipeCommand {
+    /// Print the resolved table (site x layer -> format, backward mode) and weight bytes per format.
+    Show {
+        /// Preset name or recipe file.
+        name: String,
+        #[arg(long, default_value = "small")]
+        model: String,
+    },
+}
+
+pub fn recipe_cmd(cmd: &RecipeCommand) -> Result<bool> {
+    let RecipeCommand::Show { name, model } = cmd;
+    let cfg = model_preset(model)?;
+    let recipe = load(name)?;
+    let plan = recipe.resolve(cfg.n_layers)?;
+    println!(
+        "recipe {} on model {model} ({} layers)",
+        recipe.name, cfg.n_layers
+    );
+    print!("{:<32}", "site \\ layer");
+    for i in 0..cfg.n_layers {
+        print!(" {:>16}", i);
+    }
+    println!();
+    let (d, e, f, fs) = (cfg.d_model, cfg.n_experts, cfg.d_ff, cfg.d_ff_shared);
+    let mut bytes: std::collections::BTreeMap<&str, (usize, f64)> = Default::default();
+    for s in Site::ALL {
+        print!("{:<32}", s.suffix());
+        for l in &plan.layers {
+            let p = l.get(s);
+            let cell = if p.precision == Precision::Bf16 || p.precision == Precision::Fp32 {
+                p.precision.label().to_string()
+            } else {
+                format!("{}/{}", p.precision.label(), short(p.backward.label()))
+            };
+            print!(" {:>16}", cell);
+            let n = match s {
+                Site::LinearQkv => 3 * d * d,
+                Site::LinearProj => d * d,
+                Site::Router => e * d,
+                Site::ExpertsFc1 => e * 2 * f * d,
+                Site::ExpertsFc2 => e * d * f,
+                Site::SharedFc1 => 2 * fs * d,
+                Site::SharedFc2 => d * fs,
+            };
+            let tensors = if matches!(s, Site::ExpertsFc1 | Site::ExpertsFc2) {
+                e
+            } else {
+                1
+            };
+            let entry = bytes.entry(p.precision.label()).or_default();
+            entry.0 += n;
+            entry.1 += weight_bytes(p.precision, n, tensors);
+        }
+        println!();
+    }
+    let out = plan.output_layer;
+    println!("{:<32} {:>16}", "output_layer", out.precision.label());
+    let entry = bytes.entry(out.precision.label()).or_default();
+    entry.0 += cfg.vocab * d;
+    entry.1 += weight_bytes(out.precision, cfg.vocab * d, 1);
+    println!(
+        "\nbackward: hp = high-precision, dq = dequantized, q = quantized. NVFP4 activations: {:?}, shards {}",
+        recipe.nvfp4_activation_scale, recipe.nvfp4_shards
+    );
+    println!("\nmatmul weight bytes per format (codes + scales + second-level scales):");
+    let total: f64 = bytes.values().map(|v| v.1).sum();
+    for (fmt, (n, b)) in &bytes {
+        println!(
+            "  {fmt:<10} {n:>10} weights  {b:>12.0} bytes  ({:.1} %)",
+            100.0 * b / total.max(1.0)
+        );
+    }
+    println!(
+        "  total      {:>10} weights  {total:>12.0} bytes  (BF16 would be {} bytes)",
+        bytes.values().map(|v| v.0).sum::<usize>(),
+        2 * bytes.values().map(|v| v.0).sum::<usize>()
+    );
+    Ok(true)
+}
+
+fn short(b: &str) -> &str {
+    match b {
+        "high-precision" => "hp",
+        "dequantized" => "dq",
+        _ => "q",
+    }
+}
+
+/// Stored bytes of `n` weights in `tensors` tensors at a precision.
+fn weight_bytes(p: Precision, n: usize, tensors: usize) -> f64 {
+    let n = n as f64;
+    match p {
+        Precision::Fp32 => 4.0 * n,
+        Precision::Bf16 => 2.0 * n,
+        Precision::Mxfp8 => n + n / 32.0,
+        Precision::Nvfp4 => n / 2.0 + n / 16.0 + 4.0 * tensors as f64,
+        Precision::Fp8Block => n + 4.0 * (n / (128.0 * 128.0)).ceil().max(tensors as f64),
+    }
+}

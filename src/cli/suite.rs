@@ -1,0 +1,252 @@
+//! `lockstep suite show|check`, `lockstep run SUITE` and `lockstep runs list|show|rm`.
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use lockstep::engine::backend::CpuBackend;
+use lockstep::engine::run::default_cache;
+use lockstep::store::RunDir;
+use lockstep::suite::runner::{Progress, RunnerOptions, run_suite, safe_component, suite_dir};
+use lockstep::suite::{expand, load};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+#[derive(Debug, Subcommand)]
+pub enum SuiteCommand {
+    /// Print the expanded run list.
+    Show { file: PathBuf },
+    /// Validate a suite without running it.
+    Check { file: PathBuf },
+}
+
+pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
+    match cmd {
+        SuiteCommand::Show { file } => {
+            let s = load(file)?;
+            let runs = expand(&s)?;
+            println!(
+                "suite {} ({} engine): {} runs",
+                s.name,
+                s.engine,
+                runs.len()
+            );
+            for r in &runs {
+                println!("  {:<40} seed {:<4} {}", r.config, r.seed, r.run_id);
+            }
+            Ok(true)
+        }
+        SuiteCommand::Check { file } => {
+            let s = load(file)?;
+            let runs = expand(&s)?;
+            println!("{}: ok ({} runs)", file.display(), runs.len());
+            Ok(true)
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Suite file (TOML).
+    pub suite: PathBuf,
+    /// Run store root.
+    #[arg(long, default_value = "runs")]
+    pub store: PathBuf,
+    /// Parallel runs (default: number of cores).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Redo finished runs too.
+    #[arg(long)]
+    pub force: bool,
+}
+
+pub fn run_cmd(args: &RunArgs) -> Result<bool> {
+    let s = load(&args.suite)?;
+    let runs = expand(&s)?;
+    let jobs = args.jobs.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let opts = RunnerOptions {
+        store: args.store.clone(),
+        jobs,
+        force: args.force,
+        cache: default_cache(),
+    };
+    let total = runs.len();
+    let start = Instant::now();
+    let state = Mutex::new((0usize, 0usize)); // (done, failed)
+    let tty = std::io::stdout().is_terminal();
+    println!(
+        "suite {}: {total} runs, {jobs} workers, store {}",
+        s.name,
+        args.store.display()
+    );
+    let progress = |p: Progress<'_>| {
+        let Ok(mut st) = state.lock() else { return };
+        let eta = |done: usize| {
+            if done == 0 {
+                "?".to_string()
+            } else {
+                format!(
+                    "{:.0}s",
+                    start.elapsed().as_secs_f64() / done as f64 * (total - done) as f64
+                )
+            }
+        };
+        match p {
+            Progress::Skipped { run } => {
+                st.0 += 1;
+                println!(
+                    "[{}/{total}] skip {} seed {} (finished)",
+                    st.0, run.config, run.seed
+                );
+            }
+            Progress::Busy { run } => println!(
+                "[{}/{total}] busy {} seed {} (another process holds it)",
+                st.0, run.config, run.seed
+            ),
+            Progress::Started { run } => println!(
+                "[{}/{total}] start {} seed {} on cpu",
+                st.0, run.config, run.seed
+            ),
+            Progress::Step { run, record } => {
+                if tty || record.step % 10 == 0 {
+                    println!(
+                        "  {} s{} step {}/{} reward {:.3} (done {}/{total}, failed {}, ETA {})",
+                        run.config,
+                        run.seed,
+                        record.step + 1,
+                        run.run.steps,
+                        record.get("rollout/raw_reward").unwrap_or(f64::NAN),
+                        st.0,
+                        st.1,
+                        eta(st.0)
+                    );
+                }
+            }
+            Progress::Finished { run, status, error } => {
+                st.0 += 1;
+                if !matches!(status, lockstep::store::RunStatus::Ok) {
+                    st.1 += 1;
+                }
+                println!(
+                    "[{}/{total}] {:?} {} seed {}{} (ETA {})",
+                    st.0,
+                    status,
+                    run.config,
+                    run.seed,
+                    error.map(|e| format!(": {e}")).unwrap_or_default(),
+                    eta(st.0)
+                );
+            }
+        }
+    };
+    let sum = run_suite(&CpuBackend, &s, &runs, &opts, &progress)?;
+    println!(
+        "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged, {} busy",
+        start.elapsed().as_secs_f64(),
+        sum.ok,
+        sum.skipped,
+        sum.failed,
+        sum.diverged,
+        sum.busy
+    );
+    Ok(sum.failed == 0)
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunsCommand {
+    /// List the runs of a suite (or every suite) with their status.
+    List {
+        suite: Option<String>,
+        #[arg(long, default_value = "runs")]
+        store: PathBuf,
+    },
+    /// Print one run's manifest.
+    Show {
+        suite: String,
+        run_id: String,
+        #[arg(long, default_value = "runs")]
+        store: PathBuf,
+    },
+    /// Delete one run.
+    Rm {
+        suite: String,
+        run_id: String,
+        #[arg(long, default_value = "runs")]
+        store: PathBuf,
+    },
+}
+
+pub fn runs_cmd(cmd: &RunsCommand) -> Result<bool> {
+    match cmd {
+        RunsCommand::List { suite, store } => {
+            let suites: Vec<String> = match suite {
+                Some(s) => vec![s.clone()],
+                None => std::fs::read_dir(store)
+                    .with_context(|| {
+                        format!("{}: no run store here (run a suite first)", store.display())
+                    })?
+                    .filter_map(|e| e.ok())
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| safe_component(n).is_ok() && n != "cache")
+                    .collect(),
+            };
+            for s in suites {
+                let dir = suite_dir(store, &s)?;
+                let mut entries: Vec<_> = std::fs::read_dir(&dir)
+                    .with_context(|| format!("{}", dir.display()))?
+                    .filter_map(|e| e.ok())
+                    .filter(|e| e.path().is_dir())
+                    .collect();
+                entries.sort_by_key(|e| e.file_name());
+                for e in entries {
+                    match RunDir::open(&e.path()).read_manifest() {
+                        Ok(m) => println!(
+                            "{s}/{:<48} {:<9} {}/{} steps",
+                            m.run_id,
+                            format!("{:?}", m.status).to_lowercase(),
+                            m.steps_done,
+                            m.steps_planned
+                        ),
+                        Err(_) => {
+                            println!("{s}/{:<48} (no manifest)", e.file_name().to_string_lossy())
+                        }
+                    }
+                }
+            }
+            Ok(true)
+        }
+        RunsCommand::Show {
+            suite,
+            run_id,
+            store,
+        } => {
+            let dir = run_path(store, suite, run_id)?;
+            let m = RunDir::open(&dir).read_manifest()?;
+            println!("{}", serde_json::to_string_pretty(&m)?);
+            Ok(true)
+        }
+        RunsCommand::Rm {
+            suite,
+            run_id,
+            store,
+        } => {
+            let dir = run_path(store, suite, run_id)?;
+            std::fs::remove_dir_all(&dir).with_context(|| format!("{}", dir.display()))?;
+            println!("removed {}", dir.display());
+            Ok(true)
+        }
+    }
+}
+
+/// A run folder from user-given names, refusing anything that could leave the store.
+fn run_path(store: &std::path::Path, suite: &str, run_id: &str) -> Result<PathBuf> {
+    if let Err(why) = safe_component(run_id) {
+        bail!("run id `{run_id}`: {why}");
+    }
+    Ok(suite_dir(store, suite)?.join(run_id))
+}

@@ -1,0 +1,141 @@
+//! One configuration and seed, end to end: warm start (cached), precision conversion, GRPO steps,
+//! and the run folder the run store holds. A non-finite loss stops the run with status `diverged`
+//! and its events recorded; a panic inside the engine becomes status `failed` — neither takes the
+//! process (or a sweep) down.
+
+use super::backend::Backend;
+use super::metrics::StepRecord;
+use super::model::ModelConfig;
+use super::task::Task;
+use super::trainer::{ContractBreak, GrpoConfig, Trainer};
+use super::warmstart::{WarmStartConfig, warm_start};
+use crate::io::IoError;
+use crate::recipe::Recipe;
+use crate::store::{Manifest, RunDir, RunStatus};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Everything that determines a built-in engine run (hashing it gives the run id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    pub model: ModelConfig,
+    pub task: Task,
+    pub recipe: Recipe,
+    pub grpo: GrpoConfig,
+    pub warm_start: WarmStartConfig,
+    pub contract_break: ContractBreak,
+    pub seed: u64,
+    pub steps: usize,
+}
+
+/// Run `cfg` into `out`, calling `on_step` after each step. `cache` holds warm starts.
+pub fn run_one(
+    be: &dyn Backend,
+    cfg: &RunConfig,
+    run_id: &str,
+    out: &Path,
+    cache: Option<&Path>,
+    mut on_step: impl FnMut(&StepRecord),
+) -> Result<Manifest, IoError> {
+    let dir = RunDir::create(out)?;
+    let config_json =
+        serde_json::to_value(cfg).map_err(|e| IoError::invalid(out, e.to_string()))?;
+    let mut manifest = Manifest::start(
+        run_id,
+        "builtin",
+        config_json,
+        cfg.seed,
+        cfg.steps,
+        &be.name(),
+    );
+    dir.write_manifest(&manifest)?;
+    let log_dir = dir.clone();
+    let (init, ws) = warm_start(be, &cfg.model, cfg.task, &cfg.warm_start, cache, |l| {
+        log_dir.log(l)
+    })?;
+    manifest.extra.insert(
+        "warm_start".into(),
+        serde_json::to_value(&ws).unwrap_or_default(),
+    );
+    let mut records: Vec<StepRecord> = Vec::new();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+        || -> Result<RunStatus, String> {
+            let mut trainer = Trainer::new(
+                init,
+                cfg.task,
+                cfg.recipe.clone(),
+                cfg.grpo.clone(),
+                cfg.seed,
+                cfg.contract_break,
+            )
+            .map_err(|e| e.to_string())?;
+            for _ in 0..cfg.steps {
+                let rec = trainer.step(be);
+                let diverged = rec
+                    .events
+                    .iter()
+                    .any(|e| e.kind == "non_finite" && e.site == "train/loss");
+                dir.log(&step_line(&rec));
+                on_step(&rec);
+                records.push(rec);
+                if diverged {
+                    return Ok(RunStatus::Diverged);
+                }
+            }
+            Ok(RunStatus::Ok)
+        },
+    ));
+    let (status, error) = match outcome {
+        Ok(Ok(s)) => (s, None),
+        Ok(Err(e)) => (RunStatus::Failed, Some(e)),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            (
+                RunStatus::Failed,
+                Some(format!("engine panicked: {}", msg.unwrap_or_default())),
+            )
+        }
+    };
+    dir.write_metrics(&records)?;
+    manifest.status = status;
+    manifest.error = error;
+    manifest.steps_done = records.len();
+    manifest.finished = Some(crate::store::run::now_utc());
+    dir.write_manifest(&manifest)?;
+    Ok(manifest)
+}
+
+/// The one-line progress summary of a step.
+pub fn step_line(r: &StepRecord) -> String {
+    let g = |k: &str| r.get(k).unwrap_or(f64::NAN);
+    let mut s = format!(
+        "step {:>4}  reward {:.3}  mismatch {:.2e}  kl {:.2e}  grad {:.3}  {:.2}s",
+        r.step,
+        g("rollout/raw_reward"),
+        g("train/train_rollout_logprob_abs_diff"),
+        g("train/train_rollout_kl"),
+        g("train/grad_norm"),
+        g("perf/step_time")
+    );
+    if let Some(a) = r.get("eval/accuracy") {
+        s.push_str(&format!("  eval {a:.3}"));
+    }
+    let v = r.get("contract/violations").unwrap_or(0.0);
+    if v > 0.0 {
+        s.push_str(&format!("  CONTRACT VIOLATIONS {v}"));
+    }
+    if !r.events.is_empty() {
+        s.push_str(&format!("  events {}", r.events.len()));
+    }
+    s
+}
+
+/// The default warm-start cache: `$LOCKSTEP_CACHE`, else `runs/cache`.
+pub fn default_cache() -> PathBuf {
+    std::env::var_os("LOCKSTEP_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("runs/cache"))
+}

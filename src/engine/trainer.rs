@@ -1,0 +1,771 @@
+//! Synchronous GRPO: every step exports the policy to the rollout engine, samples `P x n`
+//! responses, scores them with the task's exact-match reward, normalises advantages within each
+//! prompt's group, and takes PPO-clipped policy-gradient updates on the trainer's own quantized
+//! forward. It emits a [`StepRecord`] per step and writes no files.
+//!
+//! Losses are token means over response tokens (DAPO style). Truncated importance sampling, when
+//! on, reweights each token by `min(exp(logp_old - logp_rollout), cap)`: the correction for the
+//! train/rollout mismatch low-precision rollouts introduce. The optional KL-to-reference term uses
+//! the k3 estimator against the BF16 warm start (coefficient 0 by default, as in the published runs:
+//! it is still measured, as `train/kl_loss`).
+
+use super::backend::Backend;
+use super::contract;
+use super::metrics::{Event, LayerRecord, StepRecord, site_of};
+use super::model::{self, ModelConfig, Params, PreparedModel};
+use super::optim::AdamW;
+use super::rollout::{self, Rollout};
+use super::task::{Split, Task};
+use crate::formats::{MxScaleRule, QuantStats, SecondScale};
+use crate::recipe::{ModelPlan, Precision, Recipe, RecipeError, SitePlan};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// GRPO and optimizer settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpoConfig {
+    pub prompts_per_step: usize,
+    pub samples_per_prompt: usize,
+    pub max_response_tokens: usize,
+    pub temperature: f32,
+    /// Optimizer steps per rollout (the batch is split into this many minibatches of whole groups).
+    pub minibatches: usize,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub adam_eps: f32,
+    pub grad_clip: f32,
+    pub clip_low: f32,
+    pub clip_high: f32,
+    /// Truncated importance sampling cap on exp(logp_train - logp_rollout); `None` is off.
+    pub tis_cap: Option<f32>,
+    pub kl_coef: f32,
+    /// The trainer reuses the experts the rollout chose for each token.
+    pub routing_replay: bool,
+    /// Evaluate held-out greedy accuracy every this many steps (and at the first and last step).
+    pub eval_every: usize,
+    pub eval_prompts: usize,
+    /// A site's grad norm above this multiple of its rolling median is a `grad_spike` event.
+    pub spike_ratio: f64,
+    pub spike_window: usize,
+}
+
+impl Default for GrpoConfig {
+    fn default() -> Self {
+        GrpoConfig {
+            prompts_per_step: 8,
+            samples_per_prompt: 8,
+            max_response_tokens: 8,
+            temperature: 1.0,
+            minibatches: 1,
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            adam_eps: 1e-8,
+            grad_clip: 1.0,
+            clip_low: 0.2,
+            clip_high: 0.28,
+            tis_cap: Some(2.0),
+            kl_coef: 0.0,
+            routing_replay: true,
+            eval_every: 10,
+            eval_prompts: 64,
+            spike_ratio: 10.0,
+            spike_window: 10,
+        }
+    }
+}
+
+/// Deliberate breaks of the trainer/rollout quantization contract (to see what they do to KL and
+/// reward). Each changes the rollout's plan only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContractBreak {
+    #[default]
+    None,
+    /// The rollout uses per-tensor NVFP4 activation scales instead of per-token.
+    PerTensorNvfp4,
+    /// The rollout computes NVFP4 per-token scales over this many shards of K.
+    Shards(usize),
+    /// The rollout uses the OCP floor rule for MXFP8 scales.
+    Mxfp8FloorScale,
+}
+
+/// The rollout's plan: the trainer's, with the contract break applied to quantized sites.
+pub fn rollout_plan(plan: &ModelPlan, brk: ContractBreak) -> ModelPlan {
+    let apply = |p: &SitePlan| -> SitePlan {
+        match (brk, p.precision) {
+            (ContractBreak::PerTensorNvfp4, Precision::Nvfp4) => SitePlan {
+                act_scale: SecondScale::PerTensor,
+                ..*p
+            },
+            (ContractBreak::Shards(s), Precision::Nvfp4) => SitePlan { shards: s, ..*p },
+            (ContractBreak::Mxfp8FloorScale, Precision::Mxfp8) => SitePlan {
+                mx_rule: MxScaleRule::OcpFloor,
+                ..*p
+            },
+            _ => *p,
+        }
+    };
+    let mut out = plan.clone();
+    for l in &mut out.layers {
+        for p in [
+            &mut l.linear_qkv,
+            &mut l.linear_proj,
+            &mut l.router,
+            &mut l.experts_fc1,
+            &mut l.experts_fc2,
+            &mut l.shared_fc1,
+            &mut l.shared_fc2,
+        ] {
+            *p = apply(p);
+        }
+    }
+    out.output_layer = apply(&out.output_layer);
+    out
+}
+
+/// Why a trainer could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error(transparent)]
+    Recipe(#[from] RecipeError),
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    #[error(
+        "site {site}: {err}; choose model dimensions the format's blocks divide (or another recipe)"
+    )]
+    Site {
+        site: String,
+        err: crate::formats::FormatError,
+    },
+    #[error(
+        "task {task}: prompt ({prompt}) + response ({resp}) tokens exceed the model's max_seq {max_seq}"
+    )]
+    TooLong {
+        task: String,
+        prompt: usize,
+        resp: usize,
+        max_seq: usize,
+    },
+}
+
+/// The GRPO trainer: master weights, optimizer state, the precision plans of both sides.
+pub struct Trainer {
+    pub config: GrpoConfig,
+    pub task: Task,
+    pub recipe: Recipe,
+    pub plan: ModelPlan,
+    pub rollout_plan: ModelPlan,
+    pub params: Params,
+    seed: u64,
+    adam: AdamW,
+    reference: PreparedModel,
+    kl_ref_step0: Option<f64>,
+    /// Weight decay per named tensor.
+    decay: BTreeMap<String, f32>,
+    /// Rolling grad norms per (site, layer) for spike detection.
+    history: BTreeMap<(String, i64), Vec<f64>>,
+    pub step: usize,
+}
+
+/// Deterministic per-step seeds derived from the run seed.
+fn mix(seed: u64, step: usize, stream: u64) -> u64 {
+    let mut z = seed
+        ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Trainer {
+    /// Start from `init` (the warm start) under `recipe`.
+    pub fn new(
+        init: Params,
+        task: Task,
+        recipe: Recipe,
+        config: GrpoConfig,
+        seed: u64,
+        brk: ContractBreak,
+    ) -> Result<Trainer, TrainerError> {
+        let cfg = init.config.clone();
+        cfg.validate()?;
+        if task.prompt_len() + config.max_response_tokens > cfg.max_seq {
+            return Err(TrainerError::TooLong {
+                task: task.to_string(),
+                prompt: task.prompt_len(),
+                resp: config.max_response_tokens,
+                max_seq: cfg.max_seq,
+            });
+        }
+        let plan = recipe.resolve(cfg.n_layers)?;
+        let rollout_plan = rollout_plan(&plan, brk);
+        check_sites(&cfg, &plan)?;
+        check_sites(&cfg, &rollout_plan)?;
+        let reference =
+            PreparedModel::new(&init, &ModelPlan::uniform(cfg.n_layers, SitePlan::BF16))?;
+        let decay = weight_decay_table(&init, &plan, &recipe);
+        let adam = AdamW::new(
+            &init,
+            config.lr,
+            config.beta1,
+            config.beta2,
+            config.adam_eps,
+        );
+        Ok(Trainer {
+            config,
+            task,
+            recipe,
+            plan,
+            rollout_plan,
+            params: init,
+            seed,
+            adam,
+            reference,
+            kl_ref_step0: None,
+            decay,
+            history: BTreeMap::new(),
+            step: 0,
+        })
+    }
+
+    /// One GRPO step: export, rollout, score, update. Returns everything it measured.
+    pub fn step(&mut self, be: &dyn Backend) -> StepRecord {
+        let c = self.config.clone();
+        let mut rec = StepRecord {
+            step: self.step,
+            ..Default::default()
+        };
+        let t_step = Instant::now();
+
+        // 1. Live weight export: the rollout builds its own quantized view of the shipped weights.
+        let t0 = Instant::now();
+        let train_prep =
+            PreparedModel::new(&self.params, &self.plan).expect("plan checked at construction");
+        let shipped = self.params.clone();
+        let roll_prep =
+            PreparedModel::new(&shipped, &self.rollout_plan).expect("plan checked at construction");
+        let bad = contract::mismatches(
+            &contract::fingerprints(&train_prep),
+            &contract::fingerprints(&roll_prep),
+        );
+        rec.set("perf/export_time", t0.elapsed().as_secs_f64());
+        rec.set("contract/violations", bad.len() as f64);
+        for site in &bad {
+            rec.events.push(Event {
+                step: self.step,
+                kind: "contract_violation".into(),
+                site: site.clone(),
+                layer: site_of(
+                    site.split(".weight")
+                        .next()
+                        .unwrap_or(site)
+                        .trim_end_matches(".activation"),
+                )
+                .1,
+                value: 1.0,
+                detail: "trainer and rollout quantized this site to different bytes".into(),
+            });
+        }
+
+        // 2. Rollout.
+        let t0 = Instant::now();
+        let problems = self.task.sample(
+            Split::Train,
+            c.prompts_per_step,
+            mix(self.seed, self.step, 1),
+        );
+        let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
+        let ro = rollout::generate(
+            be,
+            &roll_prep,
+            &prompts,
+            c.samples_per_prompt,
+            c.max_response_tokens,
+            c.temperature,
+            mix(self.seed, self.step, 2),
+        );
+        let rollout_time = t0.elapsed().as_secs_f64();
+        let gen_tokens: usize = ro.response_len.iter().sum();
+        rec.set("perf/rollout_time", rollout_time);
+        rec.set(
+            "perf/rollout_tokens_per_s",
+            gen_tokens as f64 / rollout_time.max(1e-9),
+        );
+
+        // 3. Rewards and group-normalised advantages.
+        let rewards: Vec<f32> = (0..ro.b)
+            .map(|s| {
+                self.task
+                    .reward(&problems[s / c.samples_per_prompt], ro.response(s))
+            })
+            .collect();
+        let adv = group_advantages(&rewards, c.samples_per_prompt);
+        rec.set(
+            "rollout/raw_reward",
+            mean(rewards.iter().map(|r| *r as f64)),
+        );
+        rec.set("rollout/rewards", mean(adv.iter().map(|a| *a as f64)));
+        rec.set(
+            "rollout/response_len/mean",
+            mean(ro.response_len.iter().map(|l| *l as f64)),
+        );
+        rec.set(
+            "rollout/truncated_ratio",
+            mean(ro.truncated.iter().map(|t| f64::from(u8::from(*t)))),
+        );
+
+        // 4. Train: old logprobs, mismatch metrics, minibatch updates.
+        let t0 = Instant::now();
+        let diverged = self.train_on(be, &train_prep, &ro, &adv, &mut rec);
+        let train_time = t0.elapsed().as_secs_f64();
+        rec.set("perf/train_time", train_time);
+        rec.set(
+            "perf/train_tokens_per_s",
+            (ro.b * (ro.t - 1)) as f64 / train_time.max(1e-9),
+        );
+
+        // 5. Held-out accuracy.
+        if !diverged && c.eval_every > 0 && self.step.is_multiple_of(c.eval_every) {
+            rec.set("eval/accuracy", self.evaluate(be, &roll_prep));
+        }
+        rec.set("perf/step_time", t_step.elapsed().as_secs_f64());
+        self.step += 1;
+        rec
+    }
+
+    /// Greedy exact-match accuracy on the held-out split, through the given (rollout) model.
+    pub fn evaluate(&self, be: &dyn Backend, prep: &PreparedModel) -> f64 {
+        evaluate(
+            be,
+            prep,
+            self.task,
+            self.config.eval_prompts,
+            self.config.max_response_tokens,
+            self.seed,
+        )
+    }
+
+    /// Forward/backward/update over the rollout; returns true if the loss went non-finite.
+    fn train_on(
+        &mut self,
+        be: &dyn Backend,
+        prep0: &PreparedModel,
+        ro: &Rollout,
+        adv: &[f32],
+        rec: &mut StepRecord,
+    ) -> bool {
+        let c = self.config.clone();
+        let cfg = self.params.config.clone();
+        let (b, t_in, v) = (ro.b, ro.t - 1, cfg.vocab);
+        let inputs = ro.tokens_inputs();
+        let replay = if c.routing_replay && ro.routing.n_tokens == b * t_in {
+            Some(&ro.routing)
+        } else {
+            None
+        };
+
+        // Old policy logprobs (and the first minibatch's forward, reused below).
+        let (logits0, cache0, _) = model::forward(be, prep0, &inputs, b, t_in, replay);
+        let lp0 = token_logprobs(&logits0, ro, v);
+        let mask: Vec<bool> = (0..b * t_in)
+            .map(|r| ro.is_response(r / t_in, r % t_in + 1))
+            .collect();
+        let n_tok = mask.iter().filter(|m| **m).count().max(1) as f64;
+
+        // Train/rollout mismatch on the rollout's own samples: r = logp_train - logp_rollout.
+        let (mut abs_diff, mut k1, mut k2, mut k3) = (0.0, 0.0, 0.0, 0.0);
+        for r in (0..b * t_in).filter(|r| mask[*r]) {
+            let d = (lp0[r] - ro.logprobs[(r / t_in) * ro.t + r % t_in + 1]) as f64;
+            abs_diff += d.abs();
+            k1 += -d;
+            k2 += d * d / 2.0;
+            k3 += d.exp() - 1.0 - d;
+        }
+        rec.set("train/train_rollout_logprob_abs_diff", abs_diff / n_tok);
+        rec.set("train/train_rollout_kl_k1", k1 / n_tok);
+        rec.set("train/train_rollout_kl_k2", k2 / n_tok);
+        rec.set("train/train_rollout_kl", k3 / n_tok);
+        rec.set("train/entropy", entropy(&logits0, &mask, v) / n_tok);
+
+        // KL to the BF16 reference (k3 with r = logp_ref - logp_train, samples ~ policy).
+        let (ref_logits, _, _) = model::forward(be, &self.reference, &inputs, b, t_in, replay);
+        let lp_ref = token_logprobs(&ref_logits, ro, v);
+        let kl_ref = (0..b * t_in)
+            .filter(|r| mask[*r])
+            .map(|r| {
+                let d = (lp_ref[r] - lp0[r]) as f64;
+                d.exp() - 1.0 - d
+            })
+            .sum::<f64>()
+            / n_tok;
+        rec.set("train/kl_loss", kl_ref);
+        let base = *self.kl_ref_step0.get_or_insert(kl_ref);
+        rec.set("train/kl_loss_minus_step0", kl_ref - base);
+
+        // Quantization counts of this forward, per site and layer.
+        let mut quant: BTreeMap<(String, i64), QuantStats> = BTreeMap::new();
+        for (name, st) in cache0.quant_stats() {
+            let (site, layer) = site_of(&name);
+            let e = quant.entry((site, layer)).or_default();
+            *e = e.merge(st);
+        }
+
+        // Minibatches of whole groups; the first reuses the forward above.
+        let mut first = Some((logits0, cache0));
+        let groups = b / c.samples_per_prompt;
+        let mb = c.minibatches.clamp(1, groups.max(1));
+        let (mut clip_n, mut ppo_kl, mut tis_sum, mut tis_clip, mut loss_sum) =
+            (0.0, 0.0, 0.0, 0.0, 0.0);
+        let mut grad_norms: BTreeMap<(String, i64), f64> = BTreeMap::new();
+        let mut global_norm = 0.0;
+        let (mut upd_sq, mut w_sq) = (0.0f64, 0.0f64);
+        let mut diverged = false;
+        for k in 0..mb {
+            let seqs: Vec<usize> = (0..b)
+                .filter(|s| (s / c.samples_per_prompt) * mb / groups.max(1) == k)
+                .collect();
+            let fresh;
+            let (prep, logits, cache) = match first.take() {
+                Some((l, ca)) => (prep0, l, ca),
+                None => {
+                    fresh = PreparedModel::new(&self.params, &self.plan)
+                        .expect("plan checked at construction");
+                    let (l, ca, _) = model::forward(be, &fresh, &inputs, b, t_in, replay);
+                    (&fresh, l, ca)
+                }
+            };
+            let lp = token_logprobs(&logits, ro, v);
+            // dL/dlogp per token, then through log-softmax.
+            let mut dlogp = vec![0.0f32; b * t_in * v];
+            let mut loss = 0.0f64;
+            for &s in &seqs {
+                for p in 0..t_in {
+                    let r = s * t_in + p;
+                    if !mask[r] {
+                        continue;
+                    }
+                    let a = adv[s] as f64;
+                    let ratio = ((lp[r] - lp0[r]) as f64).exp();
+                    let w = match c.tis_cap {
+                        Some(cap) => {
+                            let iw = ((lp0[r] - ro.logprobs[s * ro.t + p + 1]) as f64).exp();
+                            tis_sum += iw.min(cap as f64);
+                            tis_clip += f64::from(u8::from(iw > cap as f64));
+                            iw.min(cap as f64)
+                        }
+                        None => 1.0,
+                    };
+                    let clipped = ratio.clamp(1.0 - c.clip_low as f64, 1.0 + c.clip_high as f64);
+                    let unclipped_active = ratio * a <= clipped * a;
+                    clip_n += f64::from(u8::from(!unclipped_active));
+                    ppo_kl += ((lp0[r] - lp[r]) as f64).max(f64::MIN);
+                    loss += -w * (ratio * a).min(clipped * a);
+                    let mut g = if unclipped_active {
+                        -w * a * ratio
+                    } else {
+                        0.0
+                    };
+                    if c.kl_coef > 0.0 {
+                        let d = (lp_ref[r] - lp[r]) as f64;
+                        loss += c.kl_coef as f64 * (d.exp() - 1.0 - d);
+                        g += c.kl_coef as f64 * (1.0 - d.exp());
+                    }
+                    let target = ro.tokens[s * ro.t + p + 1] as usize;
+                    dlogp[r * v + target] = (g / n_tok) as f32;
+                }
+            }
+            loss_sum += loss / n_tok;
+            if !loss.is_finite() {
+                rec.events.push(Event {
+                    step: self.step,
+                    kind: "non_finite".into(),
+                    site: "train/loss".into(),
+                    layer: -1,
+                    value: loss,
+                    detail: "policy loss is not finite; update skipped and run stopped".into(),
+                });
+                diverged = true;
+                break;
+            }
+            let logp_full = log_softmax(&logits, b * t_in, v);
+            let mut dlogits = vec![0.0f32; b * t_in * v];
+            super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp_full, b * t_in, v);
+            let grads = model::backward(be, prep, &cache, &dlogits);
+            // Norms per site and layer, global norm (before clipping).
+            let mut sq_total = 0.0f64;
+            let mut finite = true;
+            for (name, g) in grads.named_tensors() {
+                let sq: f64 = g.iter().map(|x| (*x as f64) * (*x as f64)).sum();
+                finite &= sq.is_finite();
+                sq_total += sq;
+                *grad_norms.entry(site_of(&name)).or_default() += sq;
+            }
+            let norm = sq_total.sqrt();
+            global_norm += norm / mb as f64;
+            if !finite {
+                rec.events.push(Event {
+                    step: self.step,
+                    kind: "non_finite".into(),
+                    site: "train/grad_norm".into(),
+                    layer: -1,
+                    value: norm,
+                    detail: "gradient has non-finite values; update skipped".into(),
+                });
+                continue;
+            }
+            let scale = if norm > c.grad_clip as f64 {
+                c.grad_clip as f64 / (norm + 1e-6)
+            } else {
+                1.0
+            };
+            let (u, w) = self.adam_update(&grads, scale as f32);
+            upd_sq += u;
+            w_sq = w;
+        }
+        rec.set("train/loss", loss_sum);
+        rec.set("train/pg_clipfrac", clip_n / n_tok);
+        rec.set("train/ppo_kl", ppo_kl / n_tok);
+        if c.tis_cap.is_some() {
+            rec.set("train/tis", tis_sum / n_tok);
+            rec.set("train/tis_clipfrac", tis_clip / n_tok);
+        }
+        rec.set("train/grad_norm", global_norm);
+        rec.set(
+            "train/update_weight_ratio",
+            (upd_sq / w_sq.max(1e-30)).sqrt(),
+        );
+        let (sat, under) = quant.values().fold((0u64, 0u64), |(a, b), s| {
+            (a + s.saturated, b + s.underflowed)
+        });
+        rec.set("quant/saturated", sat as f64);
+        rec.set("quant/underflowed", under as f64);
+        self.record_layers(rec, &grad_norms, &quant);
+        diverged
+    }
+
+    /// Per-site rows and spike events.
+    fn record_layers(
+        &mut self,
+        rec: &mut StepRecord,
+        sq: &BTreeMap<(String, i64), f64>,
+        quant: &BTreeMap<(String, i64), QuantStats>,
+    ) {
+        for ((site, layer), s) in sq {
+            let norm = s.sqrt();
+            let precision = self.site_precision(site, *layer);
+            let q = quant
+                .get(&(site.clone(), *layer))
+                .copied()
+                .unwrap_or_default();
+            rec.layers.push(LayerRecord {
+                step: self.step,
+                site: site.clone(),
+                layer: *layer,
+                precision,
+                grad_norm: norm,
+                saturated: q.saturated,
+                underflowed: q.underflowed,
+            });
+            let h = self.history.entry((site.clone(), *layer)).or_default();
+            if h.len() >= 3 {
+                let mut sorted = h.clone();
+                sorted.sort_by(|a, b| a.total_cmp(b));
+                let median = sorted[sorted.len() / 2];
+                if median > 0.0 && norm > self.config.spike_ratio * median {
+                    rec.events.push(Event {
+                        step: self.step,
+                        kind: "grad_spike".into(),
+                        site: site.clone(),
+                        layer: *layer,
+                        value: norm,
+                        detail: format!("{:.1}x the rolling median {median:.3e}", norm / median),
+                    });
+                }
+            }
+            h.push(norm);
+            if h.len() > self.config.spike_window.max(1) {
+                h.remove(0);
+            }
+        }
+    }
+
+    fn site_precision(&self, site: &str, layer: i64) -> String {
+        if layer >= 0 {
+            if let Some(l) = self.plan.layers.get(layer as usize) {
+                for s in crate::recipe::Site::ALL {
+                    if s.suffix() == site {
+                        return l.get(s).precision.label().to_string();
+                    }
+                }
+            }
+        } else if site == crate::recipe::OUTPUT_LAYER {
+            return self.plan.output_layer.precision.label().to_string();
+        }
+        "fp32".into()
+    }
+
+    /// AdamW on every tensor; returns (Σ update², Σ weight²).
+    fn adam_update(&mut self, grads: &Params, scale: f32) -> (f64, f64) {
+        let decay = &self.decay;
+        self.adam.update(&mut self.params, grads, scale, |name| {
+            decay.get(name).copied().unwrap_or(0.0)
+        })
+    }
+}
+
+/// Held-out greedy accuracy of `prep` on `count` evaluation prompts.
+pub fn evaluate(
+    be: &dyn Backend,
+    prep: &PreparedModel,
+    task: Task,
+    count: usize,
+    max_new: usize,
+    seed: u64,
+) -> f64 {
+    let problems = task.sample(Split::Eval, count, seed);
+    let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
+    let ro = rollout::generate(be, prep, &prompts, 1, max_new, 0.0, 0);
+    mean((0..ro.b).map(|s| task.reward(&problems[s], ro.response(s)) as f64))
+}
+
+/// Validate a run configuration without running it (model, lengths, recipe, every site's blocks).
+pub fn check_run(run: &super::run::RunConfig) -> Result<(), TrainerError> {
+    run.model.validate()?;
+    if run.task.prompt_len() + run.grpo.max_response_tokens > run.model.max_seq {
+        return Err(TrainerError::TooLong {
+            task: run.task.to_string(),
+            prompt: run.task.prompt_len(),
+            resp: run.grpo.max_response_tokens,
+            max_seq: run.model.max_seq,
+        });
+    }
+    let plan = run.recipe.resolve(run.model.n_layers)?;
+    check_sites(&run.model, &plan)?;
+    check_sites(&run.model, &rollout_plan(&plan, run.contract_break))
+}
+
+/// Every site's weights must block under the plan.
+fn check_sites(cfg: &ModelConfig, plan: &ModelPlan) -> Result<(), TrainerError> {
+    let (d, e, f, fs, v) = (
+        cfg.d_model,
+        cfg.n_experts,
+        cfg.d_ff,
+        cfg.d_ff_shared,
+        cfg.vocab,
+    );
+    let mut checks: Vec<(String, SitePlan, usize, usize)> = Vec::new();
+    for (i, l) in plan.layers.iter().enumerate() {
+        use crate::recipe::Site::*;
+        for (s, out, inp) in [
+            (LinearQkv, 3 * d, d),
+            (LinearProj, d, d),
+            (Router, e, d),
+            (ExpertsFc1, 2 * f, d),
+            (ExpertsFc2, d, f),
+            (SharedFc1, 2 * fs, d),
+            (SharedFc2, d, fs),
+        ] {
+            checks.push((s.name(i), *l.get(s), out, inp));
+        }
+    }
+    checks.push((crate::recipe::OUTPUT_LAYER.into(), plan.output_layer, v, d));
+    for (site, p, out, inp) in checks {
+        super::linear::check_site(&p, out, inp).map_err(|err| TrainerError::Site { site, err })?;
+    }
+    Ok(())
+}
+
+fn weight_decay_table(params: &Params, plan: &ModelPlan, recipe: &Recipe) -> BTreeMap<String, f32> {
+    let mut out = BTreeMap::new();
+    for (name, _) in params.named_tensors() {
+        let (site, layer) = site_of(&name);
+        let p = if layer >= 0 {
+            crate::recipe::Site::ALL
+                .iter()
+                .find(|s| s.suffix() == site)
+                .map(|s| *plan.layers[layer as usize].get(*s))
+        } else if site == crate::recipe::OUTPUT_LAYER {
+            Some(plan.output_layer)
+        } else {
+            None // embeddings and norm gains: no decay
+        };
+        out.insert(name, p.map_or(0.0, |p| recipe.weight_decay_for(&p)));
+    }
+    out
+}
+
+/// `(r - mean) / (std + 1e-6)` within each group of `n` (all-equal groups get 0).
+pub fn group_advantages(rewards: &[f32], n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; rewards.len()];
+    for (g, chunk) in rewards.chunks(n).enumerate() {
+        let m = chunk.iter().sum::<f32>() / chunk.len() as f32;
+        let var = chunk.iter().map(|r| (r - m) * (r - m)).sum::<f32>() / chunk.len() as f32;
+        let sd = var.sqrt();
+        for (i, r) in chunk.iter().enumerate() {
+            out[g * n + i] = if sd > 0.0 { (r - m) / (sd + 1e-6) } else { 0.0 };
+        }
+    }
+    out
+}
+
+fn mean(it: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = it.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { 0.0 } else { s / n as f64 }
+}
+
+fn log_softmax(logits: &[f32], n: usize, v: usize) -> Vec<f32> {
+    let mut lp = vec![0.0f32; n * v];
+    super::ops::log_softmax_forward(&mut lp, logits, n, v);
+    lp
+}
+
+/// logp of each next token, `[B·(T-1)]` (row r predicts token r%(T-1)+1 of sequence r/(T-1)).
+fn token_logprobs(logits: &[f32], ro: &Rollout, v: usize) -> Vec<f32> {
+    let t_in = ro.t - 1;
+    let lp = log_softmax(logits, ro.b * t_in, v);
+    (0..ro.b * t_in)
+        .map(|r| lp[r * v + ro.tokens[(r / t_in) * ro.t + r % t_in + 1] as usize])
+        .collect()
+}
+
+/// Σ over masked rows of the softmax entropy.
+fn entropy(logits: &[f32], mask: &[bool], v: usize) -> f64 {
+    let n = mask.len();
+    let lp = log_softmax(logits, n, v);
+    (0..n)
+        .filter(|r| mask[*r])
+        .map(|r| {
+            -lp[r * v..(r + 1) * v]
+                .iter()
+                .map(|l| (l.exp() * l) as f64)
+                .sum::<f64>()
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advantages_are_normalised_per_group() {
+        let a = group_advantages(&[1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], 4);
+        assert!((a[0] - 3f32.sqrt()).abs() < 1e-4, "{a:?}");
+        assert!((a[1] + 1.0 / 3f32.sqrt()).abs() < 1e-4);
+        assert_eq!(&a[4..], &[0.0; 4]); // a group where everyone is right carries no signal
+    }
+
+    #[test]
+    fn contract_breaks_change_only_the_rollout_plan_of_quantized_sites() {
+        let r = crate::recipe::presets::preset("nvfp4-dq").unwrap();
+        let plan = r.resolve(6).unwrap();
+        let rp = rollout_plan(&plan, ContractBreak::PerTensorNvfp4);
+        assert_eq!(rp.layers[0].experts_fc1.act_scale, SecondScale::PerTensor);
+        assert_eq!(rp.layers[0].linear_qkv, plan.layers[0].linear_qkv);
+        assert_eq!(rollout_plan(&plan, ContractBreak::None), plan);
+    }
+}

@@ -1,0 +1,11 @@
+//! Suites: a TOML file naming an engine, a workload, seeds, configurations, optional sweep axes and
+//! checks, expanded into the list of runs to execute ([`plan`]), run by a resumable parallel runner
+//! ([`runner`]). No statistics here.
+
+pub mod command;
+pub mod plan;
+pub mod runner;
+pub mod spec;
+
+pub use plan::{RunSpec, expand};
+pub use spec::{SuiteError, SuiteSpec, load, parse};

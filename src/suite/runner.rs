@@ -1,0 +1,259 @@
+//! The resumable parallel runner. Runs land in `<store>/<suite>/<run-id>/`; a run whose manifest
+//! says `ok` or `diverged` is finished and skipped on a rerun (`force` redoes it). A run folder is
+//! only ever trusted through its manifest status, which is written last and atomically, so a
+//! killed process leaves a `running` folder that the next invocation redoes from scratch.
+//! Two processes on one store coordinate through per-run lock files (`<run-id>.lock`, created
+//! exclusively, holding the owner's pid; a lock whose process is gone is taken over).
+
+use super::plan::RunSpec;
+use super::spec::SuiteSpec;
+use crate::engine::backend::Backend;
+use crate::engine::metrics::StepRecord;
+use crate::io::IoError;
+use crate::store::{RunDir, RunStatus};
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// How to run a suite.
+#[derive(Debug, Clone)]
+pub struct RunnerOptions {
+    pub store: PathBuf,
+    pub jobs: usize,
+    pub force: bool,
+    /// Warm-start cache.
+    pub cache: PathBuf,
+}
+
+/// What the runner tells its progress display.
+#[derive(Debug, Clone)]
+pub enum Progress<'a> {
+    Skipped {
+        run: &'a RunSpec,
+    },
+    Busy {
+        run: &'a RunSpec,
+    },
+    Started {
+        run: &'a RunSpec,
+    },
+    Step {
+        run: &'a RunSpec,
+        record: &'a StepRecord,
+    },
+    Finished {
+        run: &'a RunSpec,
+        status: RunStatus,
+        error: Option<String>,
+    },
+}
+
+/// Counts at the end.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    pub ok: usize,
+    pub skipped: usize,
+    pub failed: usize,
+    pub diverged: usize,
+    /// Held by another process.
+    pub busy: usize,
+}
+
+/// The suite's folder in the store. The suite name must be a plain name (letters, digits, `-`,
+/// `_`, `.` not leading), so it can never point outside the store.
+pub fn suite_dir(store: &Path, suite: &str) -> Result<PathBuf, IoError> {
+    safe_component(suite)
+        .map_err(|why| IoError::invalid(store, format!("suite name `{suite}`: {why}")))?;
+    Ok(store.join(suite))
+}
+
+/// A path component that cannot escape its parent.
+pub fn safe_component(s: &str) -> Result<(), String> {
+    if s.is_empty() || s.starts_with('.') || s.len() > 200 {
+        return Err("must be 1-200 characters and not start with `.`".into());
+    }
+    if let Some(c) = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Err(format!(
+            "character {c:?} is not allowed (letters, digits, -, _, .)"
+        ));
+    }
+    Ok(())
+}
+
+/// A relative path that stays inside its root (no `..`, not absolute).
+pub fn safe_relative(p: &str) -> Result<(), String> {
+    let path = Path::new(p);
+    if path.is_absolute()
+        || path
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err("must be a relative path inside the run folder (no `..`, not absolute)".into());
+    }
+    Ok(())
+}
+
+/// Finished runs are those whose manifest records an end.
+pub fn is_finished(dir: &Path) -> bool {
+    RunDir::open(dir)
+        .read_manifest()
+        .map(|m| matches!(m.status, RunStatus::Ok | RunStatus::Diverged))
+        .unwrap_or(false)
+}
+
+/// An exclusive per-run lock; released on drop.
+struct RunLock(PathBuf);
+
+impl RunLock {
+    fn acquire(path: &Path) -> Option<RunLock> {
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+            {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    let _ = write!(f, "{}", std::process::id());
+                    return Some(RunLock(path.to_path_buf()));
+                }
+                Err(_) => {
+                    let pid: Option<u32> = std::fs::read_to_string(path)
+                        .ok()
+                        .and_then(|s| s.trim().parse().ok());
+                    let alive = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
+                    if alive {
+                        return None;
+                    }
+                    let _ = std::fs::remove_file(path); // stale: its owner is gone
+                }
+            }
+        }
+        None
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Run every unfinished run of `runs` with `opts.jobs` workers.
+pub fn run_suite(
+    be: &dyn Backend,
+    suite: &SuiteSpec,
+    runs: &[RunSpec],
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Result<Summary, IoError> {
+    let root = suite_dir(&opts.store, &suite.name)?;
+    std::fs::create_dir_all(&root).map_err(|e| IoError::io(&root, e))?;
+    let queue: Mutex<VecDeque<&RunSpec>> = Mutex::new(runs.iter().collect());
+    let summary = Mutex::new(Summary::default());
+    let bump = |f: &dyn Fn(&mut Summary)| {
+        if let Ok(mut s) = summary.lock() {
+            f(&mut s);
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..opts.jobs.max(1) {
+            scope.spawn(|| {
+                loop {
+                    let next = queue.lock().ok().and_then(|mut q| q.pop_front());
+                    let Some(run) = next else { break };
+                    let dir = root.join(&run.run_id);
+                    if !opts.force && is_finished(&dir) {
+                        progress(Progress::Skipped { run });
+                        bump(&|s| s.skipped += 1);
+                        continue;
+                    }
+                    let Some(_lock) = RunLock::acquire(&root.join(format!("{}.lock", run.run_id)))
+                    else {
+                        progress(Progress::Busy { run });
+                        bump(&|s| s.busy += 1);
+                        continue;
+                    };
+                    if !opts.force && is_finished(&dir) {
+                        progress(Progress::Skipped { run }); // finished by another process meanwhile
+                        bump(&|s| s.skipped += 1);
+                        continue;
+                    }
+                    let _ = std::fs::remove_dir_all(&dir); // a half-written run is redone from scratch
+                    progress(Progress::Started { run });
+                    let res = execute(be, suite, run, &dir, opts, progress);
+                    let (status, error) = match res {
+                        Ok(m) => (m.status, m.error),
+                        Err(e) => (RunStatus::Failed, Some(e.to_string())),
+                    };
+                    bump(&|s| match status {
+                        RunStatus::Ok => s.ok += 1,
+                        RunStatus::Diverged => s.diverged += 1,
+                        _ => s.failed += 1,
+                    });
+                    progress(Progress::Finished { run, status, error });
+                }
+            });
+        }
+    });
+    Ok(summary.into_inner().unwrap_or_default())
+}
+
+fn execute(
+    be: &dyn Backend,
+    suite: &SuiteSpec,
+    run: &RunSpec,
+    dir: &Path,
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Result<crate::store::Manifest, IoError> {
+    if suite.engine != "builtin" {
+        return crate::suite::command::run_command(suite, run, dir);
+    }
+    let mut m =
+        crate::engine::run::run_one(be, &run.run, &run.run_id, dir, Some(&opts.cache), |r| {
+            progress(Progress::Step { run, record: r })
+        })?;
+    m.suite = Some(suite.name.clone());
+    m.extra
+        .insert("config_name".into(), run.config.clone().into());
+    m.extra
+        .insert("base_config".into(), run.base.clone().into());
+    m.extra.insert(
+        "axes".into(),
+        serde_json::to_value(&run.axes).unwrap_or_default(),
+    );
+    RunDir::open(dir).write_manifest(&m)?;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_could_escape_the_store_are_rejected() {
+        for bad in ["..", "../x", "a/b", ".hidden", "", "a\\b", "x y"] {
+            assert!(safe_component(bad).is_err(), "{bad:?}");
+        }
+        assert!(safe_component("smoke-2.v1_x").is_ok());
+        assert!(suite_dir(Path::new("runs"), "../etc").is_err());
+    }
+
+    #[test]
+    fn stale_locks_are_taken_over_and_live_ones_respected() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.lock");
+        std::fs::write(&p, "999999999").unwrap(); // no such process
+        let l = RunLock::acquire(&p).expect("stale lock taken over");
+        assert!(
+            RunLock::acquire(&p).is_none(),
+            "our own live lock must block a second taker"
+        );
+        drop(l);
+        assert!(!p.exists());
+    }
+}
