@@ -5,7 +5,7 @@
 use super::model::{ModelConfig, Params};
 use crate::formats::{Axis, QuantFormat, Scales, quantize};
 use crate::io::{IoError, atomic};
-use crate::recipe::{ModelPlan, Site};
+use crate::recipe::ModelPlan;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -89,16 +89,7 @@ pub fn convert(params: &Params, plan: &ModelPlan) -> Result<Vec<u8>, safetensors
     let mut meta: BTreeMap<String, String> = BTreeMap::new();
     for (name, t) in params.named_tensors() {
         let (site, layer) = super::metrics::site_of(&name);
-        let plan_of = if layer >= 0 {
-            Site::ALL
-                .iter()
-                .find(|s| s.suffix() == site)
-                .map(|s| *plan.layers[layer as usize].get(*s))
-        } else if site == crate::recipe::OUTPUT_LAYER {
-            Some(plan.output_layer)
-        } else {
-            None
-        };
+        let plan_of = plan.site_plan(&site, layer);
         let fmt = plan_of.and_then(|p| p.weight_format());
         let (Some(fmt), Some(p)) = (fmt, plan_of) else {
             out.push((name, Dtype::F32, vec![t.len()], f32_bytes(t)));

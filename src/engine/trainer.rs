@@ -594,18 +594,10 @@ impl Trainer {
     }
 
     fn site_precision(&self, site: &str, layer: i64) -> String {
-        if layer >= 0 {
-            if let Some(l) = self.plan.layers.get(layer as usize) {
-                for s in crate::recipe::Site::ALL {
-                    if s.suffix() == site {
-                        return l.get(s).precision.label().to_string();
-                    }
-                }
-            }
-        } else if site == crate::recipe::OUTPUT_LAYER {
-            return self.plan.output_layer.precision.label().to_string();
-        }
-        "fp32".into()
+        self.plan
+            .site_plan(site, layer)
+            .map_or("fp32", |p| p.precision.label())
+            .to_string()
     }
 
     /// AdamW on every tensor; returns (Σ update², Σ weight²).
@@ -683,16 +675,8 @@ fn weight_decay_table(params: &Params, plan: &ModelPlan, recipe: &Recipe) -> BTr
     let mut out = BTreeMap::new();
     for (name, _) in params.named_tensors() {
         let (site, layer) = site_of(&name);
-        let p = if layer >= 0 {
-            crate::recipe::Site::ALL
-                .iter()
-                .find(|s| s.suffix() == site)
-                .map(|s| *plan.layers[layer as usize].get(*s))
-        } else if site == crate::recipe::OUTPUT_LAYER {
-            Some(plan.output_layer)
-        } else {
-            None // embeddings and norm gains: no decay
-        };
+        // Embeddings and norm gains are not sites: no decay.
+        let p = plan.site_plan(&site, layer);
         out.insert(name, p.map_or(0.0, |p| recipe.weight_decay_for(&p)));
     }
     out

@@ -11,7 +11,7 @@
 //! element multiplier `1 / (e4m3(scale) · S_dec)`. Changing either order changes codes.
 
 use super::QuantStats;
-use super::e2m1::E2M1_VALUES;
+use super::e2m1::{E2M1_VALUES, E2m1Convention, e2m1_from_f32};
 use super::fp8::{E4M3_TABLE, e4m3_from_f32_sat};
 
 /// Elements per NVFP4 block.
@@ -86,7 +86,7 @@ pub fn quantize_block(x: &[f32], g: &GlobalScale, packed: &mut [u8], stats: &mut
         let v = x[i];
         let s = v * enc;
         // e2m1 saturates itself, so this equals TE's clamp to [-6, 6] followed by the table.
-        c[i] = e2m1_te_branchless(s);
+        c[i] = e2m1_from_f32(s, E2m1Convention::TeRef);
         sat += u32::from((s.abs() > 6.0) & (v.abs() < f32::INFINITY));
         under += u32::from((c[i] & 7 == 0) & (v != 0.0) & (v.abs() < f32::INFINITY));
     }
@@ -99,24 +99,6 @@ pub fn quantize_block(x: &[f32], g: &GlobalScale, packed: &mut [u8], stats: &mut
     scale
 }
 
-/// `e2m1::e2m1_from_f32` with the TE-reference convention, written without early returns so the
-/// 16-element loop vectorises (−0.0 and NaN select code 0). Tested against the general encoder.
-#[inline(always)]
-fn e2m1_te_branchless(x: f32) -> u8 {
-    let u = x.to_bits();
-    let a = f32::from_bits(u & 0x7FFF_FFFF).min(6.0);
-    let ab = a.to_bits();
-    let normal = ab
-        .wrapping_sub(126 << 23)
-        .wrapping_add(0x1F_FFFF + ((ab >> 22) & 1))
-        >> 22;
-    let sub = (a * 2.0 + 8_388_608.0).to_bits().wrapping_sub(0x4B00_0000);
-    let mag = if ab < (127 << 23) { sub } else { normal };
-    let code = ((u >> 28) & 8) as u8 | mag as u8;
-    let zero = (u == 0x8000_0000) | x.is_nan();
-    if zero { 0 } else { code }
-}
-
 /// Dequantize one block the way TE's kernel does:
 /// `final = fp32(fp32(e4m3(scale) · amax) · fp32(1/2688))`, `x' = e2m1(code) · final`.
 #[inline]
@@ -124,44 +106,5 @@ pub fn dequantize_block(codes: &[u8], scale: u8, amax: f32, out: &mut [f32]) {
     let fin = (E4M3_TABLE[scale as usize] * amax) * RCP_2688;
     for (o, &c) in out.iter_mut().zip(codes) {
         *o = E2M1_VALUES[(c & 0xF) as usize] * fin;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::formats::e2m1::{E2m1Convention, e2m1_from_f32};
-
-    #[test]
-    fn branchless_te_encode_matches_the_general_encoder() {
-        let mut u: u32 = 0;
-        while u < 0x7FFF_FFFF {
-            for x in [f32::from_bits(u), -f32::from_bits(u)] {
-                assert_eq!(
-                    e2m1_te_branchless(x),
-                    e2m1_from_f32(x, E2m1Convention::TeRef),
-                    "x = {x:e}"
-                );
-            }
-            u = u.saturating_add(0x0000_3FFF);
-        }
-        for x in [
-            f32::NAN,
-            -f32::NAN,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            0.0,
-            -0.0,
-            0.25,
-            -0.25,
-            5.0,
-            -5.0,
-        ] {
-            assert_eq!(
-                e2m1_te_branchless(x),
-                e2m1_from_f32(x, E2m1Convention::TeRef),
-                "x = {x:e}"
-            );
-        }
     }
 }

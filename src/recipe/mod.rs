@@ -246,6 +246,22 @@ impl ModelPlan {
         }
     }
 
+    /// The plan of a site given by its layer-relative name (`mlp.router`) and layer, or
+    /// `output_layer` with layer -1; `None` for anything that is not a matmul site.
+    pub fn site_plan(&self, site: &str, layer: i64) -> Option<SitePlan> {
+        if layer >= 0 {
+            let l = self.layers.get(layer as usize)?;
+            Site::ALL
+                .iter()
+                .find(|s| s.suffix() == site)
+                .map(|s| *l.get(*s))
+        } else if site == OUTPUT_LAYER {
+            Some(self.output_layer)
+        } else {
+            None
+        }
+    }
+
     /// Every (name, plan) pair, layers in order then the output layer.
     pub fn sites(&self) -> Vec<(String, SitePlan)> {
         let mut v: Vec<(String, SitePlan)> = Vec::new();
