@@ -5,6 +5,7 @@
 //! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer; [`io`] reads
 //! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks).
 
+pub mod compare;
 pub mod engine;
 pub mod formats;
 pub mod io;

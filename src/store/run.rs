@@ -1,6 +1,6 @@
 //! One run folder: writing it as a run goes, reading it back.
 
-use crate::engine::metrics::{Event, StepRecord};
+use crate::engine::metrics::{Event, LayerRecord, StepRecord};
 use crate::io::{IoError, atomic};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -226,6 +226,18 @@ impl RunDir {
         Ok(out)
     }
 
+    /// Read the per-site-and-layer rows back (one per step, site and layer).
+    pub fn read_layers(&self) -> Result<Vec<LayerRecord>, IoError> {
+        let p = self.path.join("layers.csv");
+        let text = std::fs::read_to_string(&p).map_err(|e| IoError::io(&p, e))?;
+        let mut r = csv::Reader::from_reader(text.as_bytes());
+        let mut out = Vec::new();
+        for (i, rec) in r.deserialize::<LayerRecord>().enumerate() {
+            out.push(rec.map_err(|e| IoError::invalid(&p, format!("row {}: {e}", i + 2)))?);
+        }
+        Ok(out)
+    }
+
     pub fn read_events(&self) -> Result<Vec<Event>, IoError> {
         let p = self.path.join("events.jsonl");
         let text = match std::fs::read_to_string(&p) {
@@ -292,7 +304,6 @@ pub fn layers_csv(records: &[StepRecord]) -> Result<String, csv::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::metrics::LayerRecord;
 
     #[test]
     fn metrics_round_trip_through_csv() {
@@ -336,8 +347,9 @@ mod tests {
         );
         assert_eq!(back[1].get("eval/accuracy"), Some(0.4));
         assert_eq!(back[1].get("rollout/raw_reward"), Some(0.5));
-        let layers = std::fs::read_to_string(run.path.join("layers.csv")).unwrap();
-        assert_eq!(layers.lines().count(), 2);
+        let layers = run.read_layers().unwrap();
+        assert_eq!(layers.len(), 1);
+        assert_eq!(layers[0].underflowed, 2);
         assert_eq!(run.read_events().unwrap().len(), 1);
         let m = Manifest::start("abc", "builtin", serde_json::json!({"x": 1}), 3, 10, "cpu");
         run.write_manifest(&m).unwrap();
