@@ -31,6 +31,11 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Suite(cmd) => cli::suite::suite_cmd(cmd),
         Command::Run(args) => cli::suite::run_cmd(args),
         Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
+        Command::Bench(BenchCommand::Engine {
+            steps,
+            recipes,
+            gemm_size,
+        }) => cli::engine::bench_engine_cmd(*steps, recipes, *gemm_size),
         Command::Bench(BenchCommand::Quantize { size, min_time }) => {
             let all = std::thread::available_parallelism()
                 .map(|n| n.get())

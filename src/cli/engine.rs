@@ -33,7 +33,7 @@ pub struct RunOneArgs {
     pub seed: u64,
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
-    /// Run folder to write (manifest.json, scalars.csv, layers.csv, events.jsonl, log.txt).
+    /// Run folder to write (manifest.json, scalars.parquet, layers.parquet, events.jsonl, log.txt).
     #[arg(long)]
     pub out: PathBuf,
     /// Prompts per step.
@@ -209,4 +209,55 @@ fn weight_bytes(p: Precision, n: usize, tensors: usize) -> f64 {
         Precision::Nvfp4 => n / 2.0 + n / 16.0 + 4.0 * tensors as f64,
         Precision::Fp8Block => n + 4.0 * (n / (128.0 * 128.0)).ceil().max(tensors as f64),
     }
+}
+
+/// `lockstep bench engine`: print the step table and how it stands against the issue's targets.
+pub fn bench_engine_cmd(steps: usize, recipes: &[String], gemm_size: usize) -> Result<bool> {
+    use lockstep::tools::bench_engine::engine_bench;
+    let names: Vec<&str> = recipes.iter().map(String::as_str).collect();
+    let b = engine_bench(&names, steps, gemm_size, std::time::Duration::from_secs(1))?;
+    println!(
+        "engine step at the benchmark shape (small model, 32 prompts x 8 samples, <= 8 response tokens, add:3), \
+         CPU, {} threads, median of {steps} steps; formats are emulated",
+        b.threads
+    );
+    println!(
+        "{:<10} {:>7} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9} {:>7} {:>8}",
+        "recipe",
+        "step_s",
+        "export_s",
+        "rollout",
+        "train_s",
+        "roll_tok/s",
+        "train_tok/s",
+        "train_GF/s",
+        "vs_gemm",
+        "vs_bf16"
+    );
+    let bf16 = b.rows.iter().find(|r| r.recipe == "bf16").map(|r| r.step_s);
+    for r in &b.rows {
+        println!(
+            "{:<10} {:>7.3} {:>8.3} {:>8.3} {:>8.3} {:>10.0} {:>10.0} {:>9.1} {:>7.2} {:>8}",
+            r.recipe,
+            r.step_s,
+            r.export_s,
+            r.rollout_s,
+            r.train_s,
+            r.rollout_tokens_per_s,
+            r.train_tokens_per_s,
+            r.train_gflops,
+            r.train_gflops / b.gemm_gflops,
+            bf16.map(|s| format!("{:.2}x", r.step_s / s))
+                .unwrap_or_else(|| "-".into()),
+        );
+    }
+    println!(
+        "GEMM library (matrixmultiply) on {n}x{n}x{n}: {:.1} GFLOP/s",
+        b.gemm_gflops,
+        n = b.gemm_n
+    );
+    println!(
+        "targets (issue 3): bf16 step <= 0.55 s, nvfp4-dq <= 0.90 s, every recipe <= 1.6x bf16, train >= 0.40 of the GEMM rate"
+    );
+    Ok(true)
 }

@@ -48,4 +48,21 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1.0)]
         min_time: f64,
     },
+    /// The built-in engine's RL step at the benchmark shape for every recipe, with rollout and train
+    /// tokens/s and the train phase's GFLOP/s next to the GEMM library's rate on a large matmul.
+    Engine {
+        /// Timed steps per recipe (after one warm-up step); medians are printed.
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+        /// Recipes to time (comma-separated presets).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "bf16,mxfp8,mxfp8-hp,mxfp8-dq,nvfp4-hp,nvfp4-dq,fp8-block"
+        )]
+        recipes: Vec<String>,
+        /// Side of the square matmul that measures the GEMM library's own rate.
+        #[arg(long, default_value_t = 1024)]
+        gemm_size: usize,
+    },
 }

@@ -1,9 +1,9 @@
 //! One run folder: writing it as a run goes, reading it back.
 
+use super::table;
 use crate::engine::metrics::{Event, LayerRecord, StepRecord};
 use crate::io::{IoError, atomic};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -161,22 +161,16 @@ impl RunDir {
         }
     }
 
-    /// Write `scalars.csv`, `layers.csv` and `events.jsonl` for all steps so far.
+    /// Write `scalars.parquet`, `layers.parquet` and `events.jsonl` for all steps so far.
     pub fn write_metrics(&self, records: &[StepRecord]) -> Result<(), IoError> {
-        let p = self.path.join("scalars.csv");
-        atomic::write_file(
-            &p,
-            scalars_csv(records)
-                .map_err(|e| IoError::invalid(&p, e.to_string()))?
-                .as_bytes(),
-        )?;
-        let p = self.path.join("layers.csv");
-        atomic::write_file(
-            &p,
-            layers_csv(records)
-                .map_err(|e| IoError::invalid(&p, e.to_string()))?
-                .as_bytes(),
-        )?;
+        let p = self.path.join("scalars.parquet");
+        let bytes =
+            table::scalars_parquet(records).map_err(|e| IoError::invalid(&p, e.to_string()))?;
+        atomic::write_file(&p, &bytes)?;
+        let p = self.path.join("layers.parquet");
+        let bytes =
+            table::layers_parquet(records).map_err(|e| IoError::invalid(&p, e.to_string()))?;
+        atomic::write_file(&p, &bytes)?;
         let events: Vec<&Event> = records.iter().flat_map(|r| &r.events).collect();
         self.write_events(&events)
     }
@@ -193,49 +187,26 @@ impl RunDir {
         atomic::write_file(&p, text.as_bytes())
     }
 
-    /// Read `scalars.csv` back into step records (scalars only; empty cells are absent keys).
+    /// Read `scalars.parquet` back into step records (scalars only; null cells are absent keys).
     pub fn read_scalars(&self) -> Result<Vec<StepRecord>, IoError> {
-        let p = self.path.join("scalars.csv");
-        let text = std::fs::read_to_string(&p).map_err(|e| IoError::io(&p, e))?;
-        let mut r = csv::Reader::from_reader(text.as_bytes());
-        let headers = r
-            .headers()
-            .map_err(|e| IoError::invalid(&p, e.to_string()))?
-            .clone();
-        let mut out = Vec::new();
-        for (i, rec) in r.records().enumerate() {
-            let rec = rec.map_err(|e| IoError::invalid(&p, format!("row {}: {e}", i + 2)))?;
-            let mut sr = StepRecord::default();
-            for (h, v) in headers.iter().zip(rec.iter()) {
-                if h == "step" {
-                    sr.step = v.parse().map_err(|_| {
-                        IoError::invalid(&p, format!("row {}: step `{v}` is not an integer", i + 2))
-                    })?;
-                } else if !v.is_empty() {
-                    let x: f64 = v.parse().map_err(|_| {
-                        IoError::invalid(
-                            &p,
-                            format!("row {}: `{h}` = `{v}` is not a number", i + 2),
-                        )
-                    })?;
-                    sr.scalars.insert(h.to_string(), x);
-                }
-            }
-            out.push(sr);
-        }
-        Ok(out)
+        let p = self.path.join("scalars.parquet");
+        let df = self.read_table(&p)?;
+        table::scalars_from_frame(&df)
+            .map_err(|e| IoError::invalid(&p, format!("not a lockstep scalars table: {e}")))
     }
 
     /// Read the per-site-and-layer rows back (one per step, site and layer).
     pub fn read_layers(&self) -> Result<Vec<LayerRecord>, IoError> {
-        let p = self.path.join("layers.csv");
-        let text = std::fs::read_to_string(&p).map_err(|e| IoError::io(&p, e))?;
-        let mut r = csv::Reader::from_reader(text.as_bytes());
-        let mut out = Vec::new();
-        for (i, rec) in r.deserialize::<LayerRecord>().enumerate() {
-            out.push(rec.map_err(|e| IoError::invalid(&p, format!("row {}: {e}", i + 2)))?);
-        }
-        Ok(out)
+        let p = self.path.join("layers.parquet");
+        let df = self.read_table(&p)?;
+        table::layers_from_frame(&df)
+            .map_err(|e| IoError::invalid(&p, format!("not a lockstep layers table: {e}")))
+    }
+
+    fn read_table(&self, p: &Path) -> Result<polars::prelude::DataFrame, IoError> {
+        let bytes = std::fs::read(p).map_err(|e| IoError::io(p, e))?;
+        table::read_frame(&bytes)
+            .map_err(|e| IoError::invalid(p, format!("not a Parquet file: {e}")))
     }
 
     pub fn read_events(&self) -> Result<Vec<Event>, IoError> {
@@ -256,57 +227,12 @@ impl RunDir {
     }
 }
 
-/// One row per step: `step` then one column per metric key (empty where a step has none).
-/// Values are written with Rust's shortest round-trip formatting, so reading them back is exact.
-pub fn scalars_csv(records: &[StepRecord]) -> Result<String, csv::Error> {
-    let keys: BTreeSet<&String> = records.iter().flat_map(|r| r.scalars.keys()).collect();
-    let mut w = csv::Writer::from_writer(Vec::new());
-    w.write_record(std::iter::once("step").chain(keys.iter().map(|k| k.as_str())))?;
-    for r in records {
-        let mut row = vec![r.step.to_string()];
-        row.extend(keys.iter().map(|k| {
-            r.scalars
-                .get(*k)
-                .map(|v| format!("{v:?}"))
-                .unwrap_or_default()
-        }));
-        w.write_record(&row)?;
-    }
-    Ok(String::from_utf8_lossy(&w.into_inner().map_err(|e| e.into_error())?).into_owned())
-}
-
-/// One row per (step, site, layer).
-pub fn layers_csv(records: &[StepRecord]) -> Result<String, csv::Error> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    w.write_record([
-        "step",
-        "site",
-        "layer",
-        "precision",
-        "grad_norm",
-        "saturated",
-        "underflowed",
-    ])?;
-    for l in records.iter().flat_map(|r| &r.layers) {
-        w.write_record([
-            l.step.to_string(),
-            l.site.clone(),
-            l.layer.to_string(),
-            l.precision.clone(),
-            format!("{:?}", l.grad_norm),
-            l.saturated.to_string(),
-            l.underflowed.to_string(),
-        ])?;
-    }
-    Ok(String::from_utf8_lossy(&w.into_inner().map_err(|e| e.into_error())?).into_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn metrics_round_trip_through_csv() {
+    fn metrics_round_trip_exactly_through_parquet() {
         let dir = tempfile::tempdir().unwrap();
         let run = RunDir::create(&dir.path().join("r")).unwrap();
         let mut a = StepRecord {
@@ -314,6 +240,7 @@ mod tests {
             ..Default::default()
         };
         a.set("rollout/raw_reward", 0.25);
+        a.set("train/grad_norm", 0.1 + 0.2); // not a short decimal: must come back bit for bit
         a.layers.push(LayerRecord {
             step: 0,
             site: "mlp.router".into(),
@@ -347,6 +274,8 @@ mod tests {
         );
         assert_eq!(back[1].get("eval/accuracy"), Some(0.4));
         assert_eq!(back[1].get("rollout/raw_reward"), Some(0.5));
+        assert_eq!(back[0].get("train/grad_norm"), Some(0.1 + 0.2));
+        assert_eq!(back[1].step, 1);
         let layers = run.read_layers().unwrap();
         assert_eq!(layers.len(), 1);
         assert_eq!(layers[0].underflowed, 2);

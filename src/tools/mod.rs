@@ -2,4 +2,5 @@
 //! only parses flags and prints what these return.
 
 pub mod bench;
+pub mod bench_engine;
 pub mod quantize;
