@@ -94,8 +94,14 @@ fn placeholders(suite: &SuiteSpec, run: &RunSpec, out_dir: &Path) -> BTreeMap<St
     v
 }
 
-/// Launch the run's command and ingest its metrics into `dir`.
-pub fn run_command(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Manifest, IoError> {
+/// Launch the run's command and ingest its metrics into `dir`. While it runs, the metrics files
+/// are re-read about once a second and each new step is passed to `on_step` (live progress).
+pub fn run_command(
+    suite: &SuiteSpec,
+    run: &RunSpec,
+    dir: &Path,
+    on_step: &dyn Fn(&StepRecord),
+) -> Result<Manifest, IoError> {
     let cmd = suite.command.clone().unwrap_or_default();
     let rd = RunDir::create(dir)?;
     let out_dir = dir.join("out");
@@ -152,13 +158,17 @@ pub fn run_command(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Manif
     env.extend(run.env.clone());
     let stdout = std::fs::File::create(dir.join("stdout.log")).map_err(|e| IoError::io(dir, e))?;
     let stderr = std::fs::File::create(dir.join("stderr.log")).map_err(|e| IoError::io(dir, e))?;
-    let child = std::process::Command::new(&argv[0])
+    let mut command = std::process::Command::new(&argv[0]);
+    command
         .args(&argv[1..])
         .envs(&env)
         .stdin(std::process::Stdio::null())
         .stdout(stdout)
-        .stderr(stderr)
-        .spawn();
+        .stderr(stderr);
+    // Own process group, so a timeout kills the launcher and everything it started.
+    #[cfg(unix)]
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    let child = command.spawn();
     let mut child = match child {
         Ok(c) => c,
         Err(e) => {
@@ -172,7 +182,14 @@ pub fn run_command(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Manif
             );
         }
     };
+    let metrics = cmd
+        .get("metrics")
+        .and_then(|x| x.as_table())
+        .cloned()
+        .unwrap_or_default();
     let start = Instant::now();
+    let mut seen_steps = 0usize;
+    let mut last_poll = Instant::now();
     let (status, exit) = loop {
         match child.try_wait() {
             Ok(Some(s)) => {
@@ -186,11 +203,21 @@ pub fn run_command(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Manif
                 );
             }
             Ok(None) if start.elapsed().as_secs_f64() > timeout => {
-                let _ = child.kill();
-                let _ = child.wait();
+                kill_group(&mut child);
                 break (RunStatus::Timeout, None);
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) => {
+                if last_poll.elapsed() >= Duration::from_secs(1) {
+                    last_poll = Instant::now();
+                    if let Ok((records, _)) = ingest_dir(&out_dir, &metrics) {
+                        for r in records.iter().skip(seen_steps) {
+                            on_step(r);
+                        }
+                        seen_steps = seen_steps.max(records.len());
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50))
+            }
             Err(e) => return finish(rd, m, RunStatus::Failed, Some(e.to_string()), vec![], 0),
         }
     };
@@ -210,11 +237,6 @@ pub fn run_command(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Manif
         .collect::<Vec<_>>()
         .join("\n");
     m.extra.insert("stderr_tail".into(), tail.into());
-    let metrics = cmd
-        .get("metrics")
-        .and_then(|x| x.as_table())
-        .cloned()
-        .unwrap_or_default();
     let (records, skipped) = match ingest_dir(&out_dir, &metrics) {
         Ok(x) => x,
         Err(e) => return finish(rd, m, RunStatus::Failed, Some(e), vec![], 0),
@@ -228,6 +250,21 @@ pub fn run_command(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Manif
         _ => None,
     };
     finish(rd, m, status, error, records, skipped)
+}
+
+/// Kill the child's whole process group (it was started as its own group leader), then reap it.
+fn kill_group(child: &mut std::process::Child) {
+    #[cfg(unix)]
+    {
+        // argv, not a shell: `kill -KILL -- -PGID`.
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", child.id())])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 fn finish(

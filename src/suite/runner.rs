@@ -210,13 +210,12 @@ fn execute(
     opts: &RunnerOptions,
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Result<crate::store::Manifest, IoError> {
-    if suite.engine != "builtin" {
-        return crate::suite::command::run_command(suite, run, dir);
-    }
-    let mut m =
-        crate::engine::run::run_one(be, &run.run, &run.run_id, dir, Some(&opts.cache), |r| {
-            progress(Progress::Step { run, record: r })
-        })?;
+    let on_step = |r: &StepRecord| progress(Progress::Step { run, record: r });
+    let mut m = if suite.engine == "builtin" {
+        crate::engine::run::run_one(be, &run.run, &run.run_id, dir, Some(&opts.cache), on_step)?
+    } else {
+        crate::suite::command::run_command(suite, run, dir, &on_step)?
+    };
     m.suite = Some(suite.name.clone());
     m.extra
         .insert("config_name".into(), run.config.clone().into());
