@@ -31,6 +31,7 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Suite(cmd) => cli::suite::suite_cmd(cmd),
         Command::Run(args) => cli::suite::run_cmd(args),
         Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
+        Command::Ingest(args) => cli::suite::ingest_cmd(args),
         Command::Bench(BenchCommand::Engine {
             steps,
             recipes,

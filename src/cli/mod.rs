@@ -26,6 +26,8 @@ pub enum Command {
     Suite(suite::SuiteCommand),
     /// Run every unfinished run of a suite into the run store (resumable).
     Run(suite::RunArgs),
+    /// Import runs made elsewhere (a tree of metrics files) into the run store.
+    Ingest(suite::IngestArgs),
     /// Inspect the run store.
     #[command(subcommand)]
     Runs(suite::RunsCommand),

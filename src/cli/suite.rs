@@ -250,3 +250,59 @@ fn run_path(store: &std::path::Path, suite: &str, run_id: &str) -> Result<PathBu
     }
     Ok(suite_dir(store, suite)?.join(run_id))
 }
+
+#[derive(Debug, Args)]
+pub struct IngestArgs {
+    /// Folder tree holding runs made elsewhere (e.g. a cluster's output).
+    pub dir: PathBuf,
+    /// Mapping file (TOML): meta_file, path_pattern, [metrics] files/step/map. See `lockstep::suite::ingest`.
+    #[arg(long)]
+    pub mapping: PathBuf,
+    /// Suite name to file the runs under (default: the folder's name).
+    #[arg(long)]
+    pub suite: Option<String>,
+    /// Run store root.
+    #[arg(long, default_value = "runs")]
+    pub store: PathBuf,
+    /// Re-import runs already in the store.
+    #[arg(long)]
+    pub force: bool,
+}
+
+pub fn ingest_cmd(args: &IngestArgs) -> Result<bool> {
+    use lockstep::suite::ingest::{ingest_tree, load_mapping};
+    let mapping = load_mapping(&args.mapping)?;
+    let suite = match &args.suite {
+        Some(s) => s.clone(),
+        None => args
+            .dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .context("cannot name the suite after the folder; pass --suite NAME")?,
+    };
+    let s = ingest_tree(
+        &args.dir,
+        &mapping,
+        &args.store,
+        &suite,
+        args.force,
+        |run, id, new| {
+            println!(
+                "{} {} seed {} ({}) -> {id}",
+                if new { "import" } else { "skip  " },
+                run.config,
+                run.seed,
+                run.rel
+            );
+        },
+    )?;
+    println!(
+        "{} imported, {} already in the store, {} unreadable metric lines or values skipped (counted per run in manifest extra.skipped_lines); store: {}",
+        s.imported,
+        s.skipped,
+        s.skipped_lines,
+        args.store.join(&suite).display()
+    );
+    Ok(true)
+}

@@ -3,6 +3,7 @@
 //! ([`runner`]). No statistics here.
 
 pub mod command;
+pub mod ingest;
 pub mod plan;
 pub mod runner;
 pub mod spec;

@@ -277,7 +277,13 @@ fn run_id(
         &s.command.as_ref().map(|c| c.to_string()),
     ))
     .unwrap_or_default();
-    let h: [u8; 32] = Sha256::digest(text.as_bytes()).into();
+    format_run_id(config, run.seed, &text)
+}
+
+/// `<config slug>-s<seed>-<12 hex of sha256(identity)>`: readable, and safe as a path component
+/// whatever the configuration is called (anything but ASCII letters, digits and `-` becomes `_`).
+pub fn format_run_id(config: &str, seed: u64, identity: &str) -> String {
+    let h: [u8; 32] = Sha256::digest(identity.as_bytes()).into();
     let hex: String = h[..6].iter().map(|b| format!("{b:02x}")).collect();
     let slug: String = config
         .chars()
@@ -289,7 +295,7 @@ fn run_id(
             }
         })
         .collect();
-    format!("{}-s{}-{hex}", slug.trim_matches('_'), run.seed)
+    format!("{}-s{seed}-{hex}", slug.trim_matches('_'))
 }
 
 #[cfg(test)]

@@ -1,0 +1,432 @@
+//! `lockstep ingest DIR --mapping FILE`: import runs made elsewhere (a cluster's output tree) into
+//! the run store, the same way the command engine stores a run it launched.
+//!
+//! A mapping file (TOML) says how to recognise a run folder and how to read it:
+//!
+//! ```toml
+//! meta_file = "lockstep-run.json"       # per-run metadata: {"config": "nvfp4-dq", "seed": 1, ...}
+//! path_pattern = "{config}/seed{seed}"  # used for folders without a metadata file
+//! [metrics]                             # exactly as [command.metrics] in a suite
+//! files = ["metrics.jsonl"]
+//! step = "step"
+//! [metrics.map]
+//! "grad/global_norm" = "train/grad_norm"
+//! ```
+//!
+//! Pattern segments are literal, `*` (any one folder), or text with one `{config}` or `{seed}`
+//! placeholder. Every run found is checked before anything is written, so a bad tree imports
+//! nothing. Re-ingesting skips runs already in the store (`--force` re-imports them).
+
+use super::command::ingest_dir;
+use super::plan::format_run_id;
+use super::runner::suite_dir;
+use crate::io::{IoError, atomic};
+use crate::store::{Manifest, RunDir, RunStatus};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The mapping file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IngestMapping {
+    #[serde(default = "default_meta_file")]
+    pub meta_file: String,
+    #[serde(default)]
+    pub path_pattern: Option<String>,
+    #[serde(default)]
+    pub metrics: toml::Table,
+}
+
+fn default_meta_file() -> String {
+    "lockstep-run.json".to_string()
+}
+
+/// Read a mapping file; errors carry the file, line and column.
+pub fn load_mapping(path: &Path) -> Result<IngestMapping, IoError> {
+    let text = std::fs::read_to_string(path).map_err(|e| IoError::io(path, e))?;
+    toml::from_str(&text).map_err(|e| {
+        IoError::invalid(
+            path,
+            format!("{e}known keys: meta_file, path_pattern, [metrics] (files, step, map)"),
+        )
+    })
+}
+
+/// A run folder found in the tree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FoundRun {
+    pub path: PathBuf,
+    /// Path relative to the tree's root (part of the run's identity).
+    pub rel: String,
+    pub config: String,
+    pub seed: u64,
+    /// The metadata file's content, when there was one.
+    pub meta: Option<serde_json::Value>,
+}
+
+/// Walk `root` and return every run folder, sorted by relative path.
+pub fn find_runs(root: &Path, mapping: &IngestMapping) -> Result<Vec<FoundRun>, IoError> {
+    if !root.is_dir() {
+        return Err(IoError::invalid(root, "not a folder to ingest runs from"));
+    }
+    let mut out = Vec::new();
+    for entry in walkdir::WalkDir::new(root).sort_by_file_name() {
+        let entry = entry.map_err(|e| IoError::invalid(root, e.to_string()))?;
+        if !entry.file_type().is_dir() {
+            continue;
+        }
+        let dir = entry.path();
+        let rel = dir
+            .strip_prefix(root)
+            .unwrap_or(dir)
+            .to_string_lossy()
+            .replace('\\', "/");
+        let meta_path = dir.join(&mapping.meta_file);
+        if meta_path.is_file() {
+            out.push(from_meta(dir, &rel, &meta_path)?);
+        } else if let Some(pat) = &mapping.path_pattern
+            && let Some((config, seed)) = match_pattern(pat, &rel)
+        {
+            let seed = seed.parse().map_err(|_| {
+                IoError::invalid(
+                    dir,
+                    format!("seed `{seed}` from path_pattern `{pat}` is not an integer"),
+                )
+            })?;
+            out.push(FoundRun {
+                path: dir.to_path_buf(),
+                rel,
+                config,
+                seed,
+                meta: None,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn from_meta(dir: &Path, rel: &str, meta_path: &Path) -> Result<FoundRun, IoError> {
+    let text = std::fs::read_to_string(meta_path).map_err(|e| IoError::io(meta_path, e))?;
+    let meta: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| IoError::invalid(meta_path, format!("not JSON: {e}")))?;
+    let config = meta.get("config").and_then(|c| c.as_str()).ok_or_else(|| {
+        IoError::invalid(meta_path, "needs a string `config` (and an integer `seed`)")
+    })?;
+    let seed = meta.get("seed").and_then(|s| s.as_u64()).ok_or_else(|| {
+        IoError::invalid(meta_path, "needs an integer `seed` (and a string `config`)")
+    })?;
+    Ok(FoundRun {
+        path: dir.to_path_buf(),
+        rel: rel.to_string(),
+        config: config.to_string(),
+        seed,
+        meta: Some(meta),
+    })
+}
+
+/// Match a relative path against a pattern; returns (config, seed text) when it matches and
+/// names both.
+pub fn match_pattern(pattern: &str, rel: &str) -> Option<(String, String)> {
+    let pats: Vec<&str> = pattern.split('/').filter(|s| !s.is_empty()).collect();
+    let segs: Vec<&str> = rel.split('/').filter(|s| !s.is_empty()).collect();
+    if pats.len() != segs.len() {
+        return None;
+    }
+    let mut vals = Vec::new();
+    for (p, s) in pats.iter().zip(&segs) {
+        if *p != "*" && !match_segment(p, s, &mut vals) {
+            return None;
+        }
+    }
+    let get = |name: &str| vals.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    Some((get("config")?, get("seed")?))
+}
+
+/// Match one folder name against `lit{name}lit{name}...`, backtracking over where each value
+/// ends (values are non-empty; a `{seed}` value is digits only, which settles `{config}-s{seed}`).
+fn match_segment(pat: &str, seg: &str, vals: &mut Vec<(String, String)>) -> bool {
+    let Some(i) = pat.find('{') else {
+        return pat == seg;
+    };
+    let Some(rest) = seg.strip_prefix(&pat[..i]) else {
+        return false;
+    };
+    let Some(j) = pat[i..].find('}').map(|j| j + i) else {
+        return false;
+    };
+    let (name, tail) = (&pat[i + 1..j], &pat[j + 1..]);
+    for end in (1..=rest.len()).rev().filter(|e| rest.is_char_boundary(*e)) {
+        let v = &rest[..end];
+        if name == "seed" && !v.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let n = vals.len();
+        vals.push((name.to_string(), v.to_string()));
+        if match_segment(tail, &rest[end..], vals) {
+            return true;
+        }
+        vals.truncate(n);
+    }
+    false
+}
+
+/// What an ingest did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IngestSummary {
+    pub imported: usize,
+    pub skipped: usize,
+    /// Metric lines or values that could not be read, over all runs.
+    pub skipped_lines: usize,
+}
+
+/// A run folder whose manifest is complete (whatever status the run ended with).
+fn already_imported(dest: &Path) -> bool {
+    RunDir::open(dest)
+        .read_manifest()
+        .is_ok_and(|m| m.status != RunStatus::Running)
+}
+
+/// Import every run under `root` into `<store>/<suite>/`.
+pub fn ingest_tree(
+    root: &Path,
+    mapping: &IngestMapping,
+    store: &Path,
+    suite: &str,
+    force: bool,
+    mut on_run: impl FnMut(&FoundRun, &str, bool),
+) -> Result<IngestSummary, IoError> {
+    let suite_root = suite_dir(store, suite)?;
+    let runs = find_runs(root, mapping)?;
+    if runs.is_empty() {
+        return Err(IoError::invalid(
+            root,
+            format!(
+                "no run folders found: none holds `{}`{}",
+                mapping.meta_file,
+                mapping
+                    .path_pattern
+                    .as_ref()
+                    .map(|p| format!(" or matches path_pattern `{p}`"))
+                    .unwrap_or_else(|| {
+                        "; set path_pattern (e.g. \"{config}/seed{seed}\") in the mapping".into()
+                    })
+            ),
+        ));
+    }
+    // Read every run's metrics first: a tree with an unreadable run imports nothing.
+    let mut loaded = Vec::new();
+    for run in &runs {
+        let (records, skipped) =
+            ingest_dir(&run.path, &mapping.metrics).map_err(|e| IoError::invalid(&run.path, e))?;
+        if records.is_empty() {
+            return Err(IoError::invalid(
+                &run.path,
+                "no metric rows found; check [metrics] files and step in the mapping",
+            ));
+        }
+        loaded.push((run, records, skipped));
+    }
+    let mut summary = IngestSummary::default();
+    for (run, records, skipped) in loaded {
+        let identity =
+            serde_json::to_string(&("ingest", &run.config, run.seed, &run.rel)).unwrap_or_default();
+        let run_id = format_run_id(&run.config, run.seed, &identity);
+        let dest = suite_root.join(&run_id);
+        if !force && already_imported(&dest) {
+            summary.skipped += 1;
+            on_run(run, &run_id, false);
+            continue;
+        }
+        let status = match run
+            .meta
+            .as_ref()
+            .and_then(|m| m.get("status"))
+            .and_then(|s| s.as_str())
+        {
+            Some("failed") => RunStatus::Failed,
+            Some("diverged") => RunStatus::Diverged,
+            Some("timeout") => RunStatus::Timeout,
+            _ => RunStatus::Ok,
+        };
+        let config = serde_json::json!({
+            "config": run.config,
+            "source": run.path.display().to_string(),
+            "meta": run.meta,
+        });
+        let mut m = Manifest::start(
+            &run_id,
+            "command",
+            config,
+            run.seed,
+            records.len(),
+            "external",
+        );
+        m.suite = Some(suite.to_string());
+        m.status = status;
+        m.steps_done = records.len();
+        m.finished = Some(crate::store::run::now_utc());
+        m.extra
+            .insert("config_name".into(), run.config.clone().into());
+        m.extra
+            .insert("base_config".into(), run.config.clone().into());
+        m.extra.insert(
+            "ingested_from".into(),
+            run.path.display().to_string().into(),
+        );
+        m.extra.insert("skipped_lines".into(), skipped.into());
+        atomic::write_dir(&dest, |tmp| {
+            let rd = RunDir::open(tmp);
+            rd.write_metrics(&records)?;
+            rd.write_manifest(&m)
+        })?;
+        summary.imported += 1;
+        summary.skipped_lines += skipped;
+        on_run(run, &run_id, true);
+    }
+    Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(p: &Path, text: &str) {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+
+    fn mapping() -> IngestMapping {
+        toml::from_str(
+            r#"
+path_pattern = "{config}/seed{seed}"
+[metrics]
+files = ["metrics.jsonl"]
+[metrics.map]
+"grad/global_norm" = "train/grad_norm"
+"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn patterns_name_config_and_seed() {
+        assert_eq!(
+            match_pattern("{config}/seed{seed}", "nvfp4-dq/seed3"),
+            Some(("nvfp4-dq".into(), "3".into()))
+        );
+        assert_eq!(
+            match_pattern("*/{config}-s{seed}", "night1/bf16-s0"),
+            Some(("bf16".into(), "0".into()))
+        );
+        assert_eq!(match_pattern("{config}/seed{seed}", "bf16"), None);
+        assert_eq!(match_pattern("{config}/seed{seed}", "bf16/run0"), None);
+        assert_eq!(match_pattern("{config}", "bf16"), None, "no seed");
+        assert_eq!(
+            match_pattern("{config}-s{seed}", "mxfp8-sweep-s12"),
+            Some(("mxfp8-sweep".into(), "12".into()))
+        );
+        assert_eq!(match_pattern("{config}-s{seed}", "bf16-sx"), None);
+    }
+
+    #[test]
+    fn a_tree_is_imported_once_with_names_mapped_and_junk_counted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = tmp.path().join("cluster");
+        for (cfg, seed) in [("bf16", 0), ("bf16", 1), ("nvfp4-dq", 0)] {
+            write(
+                &tree.join(format!("{cfg}/seed{seed}/metrics.jsonl")),
+                "{\"step\": 0, \"rollout/raw_reward\": 0.5, \"grad/global_norm\": 2}\n\
+                 junk\n\
+                 {\"step\": 1, \"rollout/raw_reward\": 0.625}\n",
+            );
+        }
+        // A folder with a metadata file instead of a matching path.
+        write(
+            &tree.join("odd/place/lockstep-run.json"),
+            r#"{"config": "mxfp8", "seed": 7, "status": "failed"}"#,
+        );
+        write(
+            &tree.join("odd/place/metrics.jsonl"),
+            "{\"step\": 0, \"rollout/raw_reward\": 0.25}\n",
+        );
+        let store = tmp.path().join("runs");
+        let s = ingest_tree(&tree, &mapping(), &store, "imported", false, |_, _, _| {}).unwrap();
+        assert_eq!(
+            s,
+            IngestSummary {
+                imported: 4,
+                skipped: 0,
+                skipped_lines: 3
+            }
+        );
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(store.join("imported"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        dirs.sort();
+        assert_eq!(dirs.len(), 4);
+        let rd = RunDir::open(&dirs[0]);
+        let m = rd.read_manifest().unwrap();
+        assert_eq!(m.extra["config_name"], "bf16");
+        let recs = rd.read_scalars().unwrap();
+        assert_eq!(recs[0].get("train/grad_norm"), Some(2.0));
+        assert_eq!(recs[1].get("rollout/raw_reward"), Some(0.625));
+        let failed = dirs
+            .iter()
+            .map(|d| RunDir::open(d).read_manifest().unwrap())
+            .find(|m| m.seed == 7)
+            .unwrap();
+        assert_eq!(failed.status, RunStatus::Failed);
+        // Again: nothing re-imported.
+        let s = ingest_tree(&tree, &mapping(), &store, "imported", false, |_, _, _| {}).unwrap();
+        assert_eq!((s.imported, s.skipped), (0, 4));
+    }
+
+    #[test]
+    fn a_hostile_config_name_stays_inside_the_store() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = tmp.path().join("t");
+        write(
+            &tree.join("r/lockstep-run.json"),
+            r#"{"config": "../../etc/x", "seed": 0}"#,
+        );
+        write(&tree.join("r/metrics.jsonl"), "{\"step\": 0, \"a\": 1}\n");
+        let store = tmp.path().join("runs");
+        ingest_tree(&tree, &mapping(), &store, "s", false, |_, _, _| {}).unwrap();
+        let entries: Vec<String> = std::fs::read_dir(store.join("s"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(entries.len(), 1);
+        assert!(entries[0].starts_with("etc_x-s0-"), "{entries:?}");
+        assert!(!tmp.path().join("etc").exists());
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_the_file_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = tmp.path().join("t");
+        write(&tree.join("r/lockstep-run.json"), r#"{"seed": 0}"#);
+        let err = ingest_tree(&tree, &mapping(), tmp.path(), "s", false, |_, _, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("lockstep-run.json") && err.contains("config"),
+            "{err}"
+        );
+        let p = tmp.path().join("m.toml");
+        std::fs::write(&p, "path_patern = \"x\"\n").unwrap();
+        let err = load_mapping(&p).unwrap_err().to_string();
+        assert!(
+            err.contains("m.toml") && err.contains("path_patern"),
+            "{err}"
+        );
+        // Nothing matched at all.
+        let empty = tmp.path().join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let err = ingest_tree(&empty, &mapping(), tmp.path(), "s", false, |_, _, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no run folders"), "{err}");
+    }
+}
