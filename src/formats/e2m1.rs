@@ -31,7 +31,7 @@ pub enum E2m1Convention {
 ///
 /// Same branch-free shape as the fast E4M3 encode: clamp |x| to 6, bit-trick RNE for normals
 /// (|x| >= 1), FP32-addition RNE in steps of 0.5 below; specials per convention.
-#[inline]
+#[inline(always)]
 pub fn e2m1_from_f32(x: f32, conv: E2m1Convention) -> u8 {
     let u = x.to_bits();
     let a = f32::from_bits(u & 0x7FFF_FFFF).min(6.0);

@@ -36,7 +36,7 @@ fn sign_bit(x: f32) -> u8 {
 /// BF16-style bit trick (normal targets: add `half - 1 + lsb` and shift) or, below 2^-6, with the
 /// float trick `|x|·2^9 + 2^23` whose FP32 rounding *is* RNE to a multiple of the subnormal step.
 /// The generic `minifloat` rounding is the independent reference it is tested against.
-#[inline]
+#[inline(always)]
 pub fn e4m3_from_f32_sat(x: f32) -> u8 {
     let u = x.to_bits();
     let a = f32::from_bits(u & 0x7FFF_FFFF).min(E4M3_MAX); // min() ignores NaN: handled below

@@ -49,7 +49,7 @@ impl GlobalScale {
 }
 
 /// max |x| with NaN propagating (torch.amax semantics, which the TE reference uses).
-#[inline]
+#[inline(always)]
 pub fn amax_nan_propagating(x: &[f32]) -> f32 {
     let mut m = 0.0f32;
     let mut nan = false;
@@ -61,10 +61,10 @@ pub fn amax_nan_propagating(x: &[f32]) -> f32 {
     if nan { f32::NAN } else { m }
 }
 
-/// Quantize one 16-element block under `g`; writes the codes packed two a byte (element 2i in the
-/// low nibble) into `packed` (8 bytes) and returns the E4M3 scale byte.
-#[inline]
-pub fn quantize_block(x: &[f32], g: &GlobalScale, packed: &mut [u8], stats: &mut QuantStats) -> u8 {
+/// The E4M3 scale byte of one 16-element block under `g`, and the FP32 multiplier its elements
+/// are encoded with (`1 / (e4m3(scale) · S_dec)`, TE's association order).
+#[inline(always)]
+pub fn block_scale(x: &[f32], g: &GlobalScale) -> (u8, f32) {
     let vec_max = amax_nan_propagating(x);
     let mult = g.s_enc * RCP_6;
     let mut ds = vec_max * mult;
@@ -76,27 +76,68 @@ pub fn quantize_block(x: &[f32], g: &GlobalScale, packed: &mut [u8], stats: &mut
     if !enc.is_nan() {
         enc = enc.min(f32::MAX);
     }
-    // Fixed-length loops over the 16 elements so the compiler can vectorise them.
-    let x: &[f32; NV_BLOCK] = x
-        .try_into()
-        .expect("NVFP4 blocks are 16 elements (checked by the caller)");
+    (scale, enc)
+}
+
+/// Encode one element `v` with its block's multiplier: (code, saturated, underflowed).
+/// Saturated: `|v·enc| > 6` for finite `v`; underflowed: a finite non-zero `v` whose code is ±0.
+#[inline(always)]
+pub fn encode(v: f32, enc: f32) -> (u8, bool, bool) {
+    let s = v * enc;
+    // e2m1 saturates itself, so this equals TE's clamp to [-6, 6] followed by the table.
+    let c = e2m1_from_f32(s, E2m1Convention::TeRef);
+    let finite = v.abs() < f32::INFINITY;
+    (
+        c,
+        (s.abs() > 6.0) & finite,
+        (c & 7 == 0) & (v != 0.0) & finite,
+    )
+}
+
+/// Quantize one row of blocks: `globals[b / per_shard]` is block `b`'s second-level scale.
+/// Writes one scale byte per block into `scales` and the codes, packed two a byte (element 2i in
+/// the low nibble), into `packed`.
+///
+/// Written as whole-row loops rather than a loop per 16-element block: LLVM fully unrolls a
+/// 16-trip loop before its loop vectoriser runs and the unrolled code stayed scalar (~60
+/// instructions an element, measured with callgrind); over a row the encode loop vectorises.
+#[inline(always)]
+pub fn quantize_row(
+    x: &[f32],
+    globals: &[GlobalScale],
+    per_shard: usize,
+    scales: &mut [u8],
+    packed: &mut [u8],
+) -> QuantStats {
+    let mut mult = vec![0.0f32; x.len()];
+    for (b, ((s, x16), m16)) in scales
+        .iter_mut()
+        .zip(x.chunks_exact(NV_BLOCK))
+        .zip(mult.chunks_exact_mut(NV_BLOCK))
+        .enumerate()
+    {
+        let (scale, enc) = block_scale(x16, &globals[b / per_shard]);
+        *s = scale;
+        m16.fill(enc);
+    }
+    let mut codes = vec![0u8; x.len()];
     let (mut sat, mut under) = (0u32, 0u32);
-    let mut c = [0u8; NV_BLOCK];
-    for i in 0..NV_BLOCK {
-        let v = x[i];
-        let s = v * enc;
-        // e2m1 saturates itself, so this equals TE's clamp to [-6, 6] followed by the table.
-        c[i] = e2m1_from_f32(s, E2m1Convention::TeRef);
-        sat += u32::from((s.abs() > 6.0) & (v.abs() < f32::INFINITY));
-        under += u32::from((c[i] & 7 == 0) & (v != 0.0) & (v.abs() < f32::INFINITY));
+    for ((c, &v), &enc) in codes.iter_mut().zip(x).zip(&mult) {
+        let (code, s, u) = encode(v, enc);
+        *c = code;
+        // wrapping: a row has far fewer than 2^32 elements, and an overflow-checked add is a
+        // branch that keeps the loop scalar in builds with overflow checks (the dev profile).
+        sat = sat.wrapping_add(u32::from(s));
+        under = under.wrapping_add(u32::from(u));
     }
-    for (j, p) in packed.iter_mut().enumerate() {
-        *p = c[2 * j] | c[2 * j + 1] << 4;
+    for (p, c2) in packed.iter_mut().zip(codes.chunks_exact(2)) {
+        *p = c2[0] | c2[1] << 4;
     }
-    stats.elements += x.len() as u64;
-    stats.saturated += u64::from(sat);
-    stats.underflowed += u64::from(under);
-    scale
+    QuantStats {
+        elements: x.len() as u64,
+        saturated: u64::from(sat),
+        underflowed: u64::from(under),
+    }
 }
 
 /// Dequantize one block the way TE's kernel does:
