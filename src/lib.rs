@@ -10,6 +10,7 @@ pub mod engine;
 pub mod formats;
 pub mod io;
 pub mod recipe;
+pub mod report;
 pub mod store;
 pub mod suite;
 pub mod tools;

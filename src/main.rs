@@ -31,6 +31,8 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Suite(cmd) => cli::suite::suite_cmd(cmd),
         Command::Run(args) => cli::suite::run_cmd(args),
         Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
+        Command::Report(args) => cli::report::run(args),
+        Command::Bench(BenchCommand::Report(args)) => cli::report::bench(args),
         Command::Bench(BenchCommand::Quantize { size, min_time }) => {
             let all = std::thread::available_parallelism()
                 .map(|n| n.get())

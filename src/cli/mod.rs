@@ -3,6 +3,7 @@
 
 pub mod engine;
 pub mod quantize;
+pub mod report;
 pub mod suite;
 
 use clap::{Parser, Subcommand};
@@ -32,6 +33,8 @@ pub enum Command {
     /// Precision recipes.
     #[command(subcommand)]
     Recipe(engine::RecipeCommand),
+    /// Write the suite's HTML report with a PNG of every figure (reports/<suite>/<timestamp>/).
+    Report(report::ReportArgs),
     /// Benchmarks: ratios measured side by side in one run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -48,4 +51,6 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1.0)]
         min_time: f64,
     },
+    /// Time building a report for a synthetic nightly-sized suite (target: under 10 s).
+    Report(report::BenchReportArgs),
 }
