@@ -62,6 +62,15 @@ impl Html {
         self.raw("<td>").text(s).raw("</td>")
     }
 
+    /// A numeric cell with an estimate over its interval (two short lines keep tables narrow).
+    pub fn ci(&mut self, iv: &crate::compare::Interval) -> &mut Self {
+        self.raw("<td class=\"n\">")
+            .text(&fmt_g(iv.estimate))
+            .raw("<br><span class=\"ci\">[")
+            .text(&format!("{}, {}", fmt_g(iv.lo), fmt_g(iv.hi)))
+            .raw("]</span></td>")
+    }
+
     /// A right-aligned numeric cell.
     pub fn num(&mut self, s: &str) -> &mut Self {
         self.raw("<td class=\"n\">").text(s).raw("</td>")
@@ -105,7 +114,7 @@ td .badge{font-size:13px;padding:1px 8px}
 .summary{font-size:17px;background:#f6f8fa;border:1px solid #e1e4e8;border-radius:6px;padding:10px 18px}
 .summary li{margin:4px 0}
 table{border-collapse:collapse;margin:8px 0;font-size:14px}th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}th{background:#f3f3f3}
-td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}.ci{color:#555;font-size:12px}td.why{min-width:240px;font-size:13px}
 .sw{display:inline-block;width:14px;height:14px;border-radius:3px;vertical-align:-2px;margin-right:6px;border:1px solid #0003}
 .keys span{margin-right:18px;white-space:nowrap}
 figure{margin:14px 0 26px}figure img{max-width:100%;height:auto;border:1px solid #eee}figcaption{font-size:14px;color:#333;max-width:1200px}
@@ -200,7 +209,7 @@ fn verdict_section(h: &mut Html, ctx: &Ctx<'_>) {
         .raw("</h2>\n<p>Every configuration and tracked metric against the baseline over seeds. \
               Differences are configuration minus baseline; brackets are confidence intervals \
               from the comparison.</p>\n")
-        .raw("<table><tr><th>configuration</th><th>metric</th><th>verdict</th><th>Δ final-window mean</th><th>margin</th><th>Δ area under curve (per step)</th><th>IQM (final window)</th><th>P(config beats baseline)</th><th>KL offset / drift per step</th><th>why</th></tr>\n");
+        .raw("<table><tr><th>configuration</th><th>metric</th><th>verdict</th><th>Δ final-window mean</th><th>margin</th><th>Δ area under curve (per step)</th><th>IQM (final window)</th><th>P(config beats baseline)</th><th>KL step-0 offset / drift per step</th><th>why</th></tr>\n");
     for c in cmp.configs.iter().filter(|c| c.config != ctx.baseline()) {
         for m in &c.metrics {
             verdict_row(h, ctx, &c.config, m);
@@ -221,20 +230,23 @@ fn verdict_row(h: &mut Html, ctx: &Ctx<'_>, config: &str, m: &MetricComparison) 
     h.raw("</td><td>");
     verdict_badge(h, m.verdict);
     h.raw("</td>")
-        .num(&interval(&m.final_diff))
+        .ci(&m.final_diff)
         .num(&m.margin.map_or("none".into(), |x| format!("±{}", fmt_g(x))))
-        .num(&interval(&m.auc_diff))
+        .ci(&m.auc_diff)
         .num(&fmt_g(m.iqm))
         .num(&format!("{:.2}", m.prob_improvement));
     match &m.kl {
-        Some(k) => h.num(&format!(
-            "{} / {}",
-            fmt_g(k.step0_offset),
-            interval(&k.drift)
-        )),
+        Some(k) => h
+            .raw("<td class=\"n\">")
+            .text(&fmt_g(k.step0_offset))
+            .raw("<br><span class=\"ci\">drift ")
+            .text(&interval(&k.drift))
+            .raw("</span></td>"),
         None => h.td(""),
     };
-    h.td(&m.reason).raw("</tr>\n");
+    h.raw("<td class=\"why\">")
+        .text(&m.reason)
+        .raw("</td></tr>\n");
 }
 
 fn checks_section(h: &mut Html, ctx: &Ctx<'_>) {

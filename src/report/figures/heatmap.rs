@@ -175,7 +175,6 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path, i: usize, config: &str) -> Result<Vec<Fig
     let row_px = (600 / nrows.max(1)).clamp(3, 14) as u32;
     let (w, h) = (WIDTH, 120 + row_px * nrows as u32 + 60);
     let file = format!("grad-heatmap-{}.png", slug(i, config));
-    let path = dir.join(&file);
     let spikes: Vec<&crate::compare::Spike> = ctx
         .cmp()
         .spikes
@@ -195,8 +194,7 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path, i: usize, config: &str) -> Result<Vec<Fig
             .map(|((l, _, _), _)| layer_label(*l))
             .unwrap_or_default()
     };
-    (|| -> DrawResult {
-        let root = BitMapBackend::new(&path, (w, h)).into_drawing_area();
+    render(dir, &file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (main, bar) = root.split_horizontally(w - 130);
         let x0 = grid.first_step as f64;
@@ -273,10 +271,8 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path, i: usize, config: &str) -> Result<Vec<Fig
             )))?;
         }
         colour_bar(&bar, lmin, lmax)?;
-        root.present()?;
         Ok(())
-    })()
-    .map_err(fail(&file))?;
+    })?;
     let site_order: Vec<&str> = grid
         .rows
         .iter()

@@ -41,15 +41,13 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
     let file = "kl-reference.png";
     let legend_h = legend_height(&names);
     let (w, h) = (WIDTH, legend_h + 460);
-    let path = dir.join(file);
     let raw_panel = LogPanel {
         metric: RAW,
         title: "KL to BF16 reference, raw",
         y_desc: "KL (nats, log scale)",
     };
     let mut floor = None;
-    (|| -> DrawResult {
-        let root = BitMapBackend::new(&path, (w, h)).into_drawing_area();
+    render(dir, &file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, body) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names
@@ -70,10 +68,8 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
                 "KL growth since step 0 (nats)",
             )?;
         }
-        root.present()?;
         Ok(())
-    })()
-    .map_err(fail(file))?;
+    })?;
     let how = if derived {
         "each seed's curve minus its own step-0 value (mean and band shifted by the comparison's \
          step-0 offset)"

@@ -79,10 +79,8 @@ pub fn log_panels(
         .collect();
     let legend_h = legend_height(&names);
     let (w, h) = (WIDTH, legend_h + 460);
-    let path = dir.join(file);
     let mut floor_used = None;
-    (|| -> DrawResult {
-        let root = BitMapBackend::new(&path, (w, h)).into_drawing_area();
+    render(dir, &file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, body) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names
@@ -100,10 +98,8 @@ pub fn log_panels(
                 floor_used = Some(f);
             }
         }
-        root.present()?;
         Ok(())
-    })()
-    .map_err(fail(file))?;
+    })?;
     Ok((w, h, floor_used))
 }
 

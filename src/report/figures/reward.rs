@@ -55,9 +55,7 @@ pub fn vs_baseline(
         .collect();
     let legend_h = legend_height(&names);
     let (w, h) = (WIDTH, legend_h + rows as u32 * PANEL_H);
-    let path = dir.join(file);
-    (|| -> DrawResult {
-        let root = BitMapBackend::new(&path, (w, h)).into_drawing_area();
+    render(dir, &file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, grid) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names
@@ -87,10 +85,8 @@ pub fn vs_baseline(
                 }
             }
         }
-        root.present()?;
         Ok(())
-    })()
-    .map_err(fail(file))?;
+    })?;
     Ok(Figure {
         file: file.to_string(),
         section: Section::Reward,

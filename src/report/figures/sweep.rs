@@ -142,9 +142,7 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
         let legend_h = legend_height(&labels);
         let (w, h) = (WIDTH, legend_h + 460);
         let file = format!("sweep-{}.png", slug(k, &axis));
-        let path = dir.join(&file);
-        (|| -> DrawResult {
-            let root = BitMapBackend::new(&path, (w, h)).into_drawing_area();
+        render(dir, &file, (w, h), |root| {
             root.fill(&WHITE)?;
             let (top, body) = root.split_vertically(legend_h);
             let entries: Vec<(String, RGBColor)> = lines
@@ -156,10 +154,8 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
             for (cell, (metric, name)) in cells.iter().zip(&metrics) {
                 panel(ctx, cell, &axis, &xs, &lines, metric, name)?;
             }
-            root.present()?;
             Ok(())
-        })()
-        .map_err(fail(&file))?;
+        })?;
         figs.push(Figure {
             file,
             section: Section::Sweeps,

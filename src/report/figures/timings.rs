@@ -56,10 +56,8 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
     let legend_h = legend_height(&names);
     let (w, h) = (WIDTH, legend_h + 470);
     let file = "timings.png";
-    let path = dir.join(file);
     let n = by_config.len();
-    (|| -> DrawResult {
-        let root = BitMapBackend::new(&path, (w, h)).into_drawing_area();
+    render(dir, &file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, body) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names
@@ -117,10 +115,8 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
                 }))?;
             }
         }
-        root.present()?;
         Ok(())
-    })()
-    .map_err(fail(file))?;
+    })?;
     let title = if emulated {
         "Time per step (emulated: CPU emulation of the formats, not hardware timings)"
     } else {
