@@ -96,15 +96,6 @@ pub fn fmt_g(x: f64) -> String {
     }
 }
 
-fn interval(iv: &crate::compare::Interval) -> String {
-    format!(
-        "{} [{}, {}]",
-        fmt_g(iv.estimate),
-        fmt_g(iv.lo),
-        fmt_g(iv.hi)
-    )
-}
-
 const STYLE: &str = r#"<style>
 body{font-family:"DejaVu Sans",Verdana,system-ui,sans-serif;margin:0 auto;max-width:1260px;padding:16px 20px 40px;color:#1a1a1a;line-height:1.45;font-size:16px}
 h1{font-size:26px;margin:8px 0 4px}h2{font-size:21px;margin:34px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}h3{font-size:18px;margin:22px 0 6px}
@@ -113,8 +104,8 @@ h1{font-size:26px;margin:8px 0 4px}h2{font-size:21px;margin:34px 0 8px;border-bo
 td .badge{font-size:13px;padding:1px 8px}
 .summary{font-size:17px;background:#f6f8fa;border:1px solid #e1e4e8;border-radius:6px;padding:10px 18px}
 .summary li{margin:4px 0}
-table{border-collapse:collapse;margin:8px 0;font-size:14px}th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}th{background:#f3f3f3}
-td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}.ci{color:#555;font-size:12px}td.why{min-width:240px;font-size:13px}
+table{border-collapse:collapse;margin:8px 0;font-size:13px}.scroll{overflow-x:auto}th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}th{background:#f3f3f3}
+td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}.ci{color:#555;font-size:12px}td.why{min-width:200px}
 .sw{display:inline-block;width:14px;height:14px;border-radius:3px;vertical-align:-2px;margin-right:6px;border:1px solid #0003}
 .keys span{margin-right:18px;white-space:nowrap}
 figure{margin:14px 0 26px}figure img{max-width:100%;height:auto;border:1px solid #eee}figcaption{font-size:14px;color:#333;max-width:1200px}
@@ -209,39 +200,44 @@ fn verdict_section(h: &mut Html, ctx: &Ctx<'_>) {
         .raw("</h2>\n<p>Every configuration and tracked metric against the baseline over seeds. \
               Differences are configuration minus baseline; brackets are confidence intervals \
               from the comparison.</p>\n")
-        .raw("<table><tr><th>configuration</th><th>metric</th><th>verdict</th><th>Δ final-window mean</th><th>margin</th><th>Δ area under curve (per step)</th><th>IQM (final window)</th><th>P(config beats baseline)</th><th>KL step-0 offset / drift per step</th><th>why</th></tr>\n");
+        .raw("<div class=\"scroll\"><table><tr><th>configuration</th><th>metric</th><th>verdict</th><th>Δ final-window mean</th><th>Δ area under curve, per step</th><th>IQM, final window</th><th>P(config beats baseline)</th><th>KL: step-0 offset, drift</th><th>why</th></tr>\n");
     for c in cmp.configs.iter().filter(|c| c.config != ctx.baseline()) {
         for m in &c.metrics {
             verdict_row(h, ctx, &c.config, m);
         }
     }
-    h.raw("</table></section>\n");
+    h.raw("</table></div></section>\n");
 }
 
 fn verdict_row(h: &mut Html, ctx: &Ctx<'_>, config: &str, m: &MetricComparison) {
     h.raw("<tr><td>");
     swatch(h, ctx, config);
-    h.raw("</td><td><code>").text(&m.metric).raw("</code>");
+    h.raw("</td><td><code>")
+        .text(&m.metric)
+        .raw("</code><br><span class=\"ci\">");
     h.text(if m.higher_is_better {
-        " (higher is better)"
+        "higher is better"
     } else {
-        " (lower is better)"
+        "lower is better"
     });
-    h.raw("</td><td>");
+    h.raw("</span></td><td>");
     verdict_badge(h, m.verdict);
-    h.raw("</td>")
+    h.raw("<br><span class=\"ci\">margin ")
+        .text(&m.margin.map_or("none".into(), |x| format!("±{}", fmt_g(x))))
+        .raw("</span></td>")
         .ci(&m.final_diff)
-        .num(&m.margin.map_or("none".into(), |x| format!("±{}", fmt_g(x))))
         .ci(&m.auc_diff)
         .num(&fmt_g(m.iqm))
         .num(&format!("{:.2}", m.prob_improvement));
     match &m.kl {
         Some(k) => h
-            .raw("<td class=\"n\">")
+            .raw("<td class=\"n\">offset ")
             .text(&fmt_g(k.step0_offset))
             .raw("<br><span class=\"ci\">drift ")
-            .text(&interval(&k.drift))
-            .raw("</span></td>"),
+            .text(&fmt_g(k.drift.estimate))
+            .raw("/step<br>[")
+            .text(&format!("{}, {}", fmt_g(k.drift.lo), fmt_g(k.drift.hi)))
+            .raw("]</span></td>"),
         None => h.td(""),
     };
     h.raw("<td class=\"why\">")

@@ -47,7 +47,7 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
         y_desc: "KL (nats, log scale)",
     };
     let mut floor = None;
-    render(dir, &file, (w, h), |root| {
+    render(dir, file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, body) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names

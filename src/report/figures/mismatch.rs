@@ -80,7 +80,7 @@ pub fn log_panels(
     let legend_h = legend_height(&names);
     let (w, h) = (WIDTH, legend_h + 460);
     let mut floor_used = None;
-    render(dir, &file, (w, h), |root| {
+    render(dir, file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, body) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names

@@ -55,7 +55,7 @@ pub fn vs_baseline(
         .collect();
     let legend_h = legend_height(&names);
     let (w, h) = (WIDTH, legend_h + rows as u32 * PANEL_H);
-    render(dir, &file, (w, h), |root| {
+    render(dir, file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, grid) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names

@@ -57,7 +57,7 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path) -> Result<Vec<Figure>, ReportError> {
     let (w, h) = (WIDTH, legend_h + 470);
     let file = "timings.png";
     let n = by_config.len();
-    render(dir, &file, (w, h), |root| {
+    render(dir, file, (w, h), |root| {
         root.fill(&WHITE)?;
         let (top, body) = root.split_vertically(legend_h);
         let entries: Vec<(String, RGBColor)> = names
