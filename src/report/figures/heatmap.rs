@@ -315,16 +315,17 @@ pub fn draw(ctx: &Ctx<'_>, dir: &Path, i: usize, config: &str) -> Result<Vec<Fig
 /// Vertical colour bar for log10 norms.
 fn colour_bar(area: &DrawingArea<BitMapBackend<'_>, Shift>, lmin: f64, lmax: f64) -> DrawResult {
     let mut chart = ChartBuilder::on(area)
-        .margin_top(52)
+        .caption("log10 norm", (crate::report::font::FAMILY, LABEL_PX))
+        .margin_top(14)
         .margin_bottom(56)
         .margin_left(6)
-        .right_y_label_area_size(86)
+        .margin_right(10)
+        .right_y_label_area_size(56)
         .build_cartesian_2d(0f64..1f64, lmin..lmax)?;
     chart
         .configure_mesh()
         .disable_mesh()
         .disable_x_axis()
-        .y_desc("log10 norm")
         .label_style((crate::report::font::FAMILY, LABEL_PX))
         .axis_desc_style((crate::report::font::FAMILY, AXIS_PX))
         .y_label_formatter(&|v| format!("{v:.1}"))

@@ -128,9 +128,25 @@ pub fn log_panel(
         .x_label_area_size(44)
         .y_label_area_size(78)
         .build_cartesian_2d(xr, (floor..top_v).log_scale())?;
-    mesh(&mut chart, "step", y_desc, &|v| format!("{v:.0e}"))?;
+    mesh(&mut chart, "step", y_desc, &log_tick)?;
     draw_layers(&mut chart, ctx, bands, Some(floor))?;
     Ok(any_nonpos.then_some(floor))
+}
+
+/// Log-axis tick labels: only mantissas 1, 2 and 5 are labelled, so the minor ticks plotters puts
+/// just below each power of ten do not print on top of each other.
+pub fn log_tick(v: &f64) -> String {
+    if *v <= 0.0 || !v.is_finite() {
+        return String::new();
+    }
+    let e = v.log10().floor();
+    let m = v / 10f64.powf(e);
+    let m = if m > 9.5 { 1.0 } else { m };
+    if [1.0, 2.0, 5.0].iter().any(|x| (m - x).abs() < 0.05) {
+        format!("{v:.0e}")
+    } else {
+        String::new()
+    }
 }
 
 /// One linear-y panel of several configurations' curves.
@@ -185,4 +201,19 @@ fn draw_layers<Y: Ranged<ValueType = f64>>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_tick;
+
+    #[test]
+    fn log_ticks_label_one_two_five_only() {
+        assert_eq!(log_tick(&1e-3), "1e-3");
+        assert_eq!(log_tick(&2e-3), "2e-3");
+        assert_eq!(log_tick(&0.005), "5e-3");
+        assert_eq!(log_tick(&9e-3), "");
+        assert_eq!(log_tick(&7e-3), "");
+        assert_eq!(log_tick(&0.0), "");
+    }
 }
