@@ -12,8 +12,11 @@ use crate::suite::spec::{ConfigSpec, SuiteSpec, Sweep, Workload};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Sites per decoder layer, with Megatron names relative to the layer.
-pub const SITES: [&str; 7] = [
+/// Sites per decoder layer, with Megatron names relative to the layer (as the built-in engine
+/// logs them).
+pub const SITES: [&str; 9] = [
+    "input_layernorm",
+    "pre_mlp_layernorm",
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
     "mlp.router",
@@ -279,7 +282,12 @@ fn run_records(
         );
         for layer in -1..shape.layers {
             let sites: &[&str] = if layer < 0 {
-                &["embedding", "output_layer"]
+                &[
+                    "embedding.word_embeddings",
+                    "embedding.position_embeddings",
+                    "decoder.final_layernorm",
+                    "output_layer",
+                ]
             } else {
                 &SITES
             };

@@ -223,7 +223,7 @@ fn verdict_row(h: &mut Html, ctx: &Ctx<'_>, config: &str, m: &MetricComparison) 
     h.raw("</span></td><td>");
     verdict_badge(h, m.verdict);
     h.raw("<br><span class=\"ci\">margin ")
-        .text(&m.margin.map_or("none".into(), |x| format!("±{}", fmt_g(x))))
+        .text(&m.margin.map_or("none".into(), |x| format!("±{x}")))
         .raw("</span></td>")
         .ci(&m.final_diff)
         .ci(&m.auc_diff)
@@ -343,9 +343,7 @@ fn spike_table(h: &mut Html, ctx: &Ctx<'_>) {
             "A spike is a step where a site's gradient norm has a robust z-score above {} \
              (log norm against the rolling median/MAD of the previous {} steps) or exceeds {}x \
              the rolling maximum. Ratio: value over the rolling maximum.",
-            fmt_g(m.spike_z),
-            m.spike_window,
-            fmt_g(m.spike_ratio)
+            m.spike_z, m.spike_window, m.spike_ratio
         ))
         .raw("</p>\n");
     if cmp.spikes.is_empty() {
@@ -414,7 +412,7 @@ fn method_section(h: &mut Html, ctx: &Ctx<'_>) {
         .configs
         .iter()
         .flat_map(|c| &c.metrics)
-        .filter_map(|x| x.margin.map(|g| format!("{} ±{}", x.metric, fmt_g(g))))
+        .filter_map(|x| x.margin.map(|g| format!("{} ±{g}", x.metric)))
         .collect();
     h.raw("<section id=\"method\"><h2>Method</h2>\n<ul>\n");
     for d in &m.description {
@@ -452,7 +450,7 @@ fn method_section(h: &mut Html, ctx: &Ctx<'_>) {
         "equivalence test",
         format!(
             "two one-sided tests at alpha {} ({:.0} % interval against the margin)",
-            fmt_g(m.alpha),
+            m.alpha,
             100.0 * (1.0 - 2.0 * m.alpha)
         ),
     );
@@ -469,9 +467,7 @@ fn method_section(h: &mut Html, ctx: &Ctx<'_>) {
         "spike rule",
         format!(
             "robust z > {} over a {}-step window, or > {}x the rolling max",
-            fmt_g(m.spike_z),
-            m.spike_window,
-            fmt_g(m.spike_ratio)
+            m.spike_z, m.spike_window, m.spike_ratio
         ),
     );
     h.raw("</dl></section>\n");
