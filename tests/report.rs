@@ -187,6 +187,73 @@ fn ablation_suites_get_a_sweep_figure_per_axis() {
     assert!(html.contains("Sweep over bf16_last"));
 }
 
+/// RGB pixels of a PNG.
+fn pixels(path: &Path) -> Vec<[u8; 3]> {
+    let dec = png::Decoder::new(std::io::Cursor::new(std::fs::read(path).unwrap()));
+    let mut r = dec.read_info().unwrap();
+    let mut buf = vec![0; r.output_buffer_size()];
+    let info = r.next_frame(&mut buf).unwrap();
+    assert_eq!(info.color_type, png::ColorType::Rgb);
+    buf[..info.buffer_size()]
+        .chunks(3)
+        .map(|c| [c[0], c[1], c[2]])
+        .collect()
+}
+
+#[test]
+fn each_config_has_its_colour_in_every_figure_and_spikes_are_ringed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = fixture::synthetic(&Shape::small());
+    let index = report(&f, tmp.path());
+    let dir = index.parent().unwrap();
+    let input = ReportInput {
+        spec: &f.spec,
+        suite_dir: Path::new("runs/synthetic"),
+        comparison: &f.comparison,
+        runs: &f.runs,
+    };
+    let ctx = lockstep::report::figures::Ctx::new(&input);
+    let html = std::fs::read_to_string(&index).unwrap();
+    for file in [
+        "reward.png",
+        "mismatch.png",
+        "kl-reference.png",
+        "timings.png",
+    ] {
+        let px = pixels(&dir.join(file));
+        for c in &ctx.order {
+            let (r, g, b) = ctx.palette.rgb(c);
+            let n = px.iter().filter(|p| **p == [r, g, b]).count();
+            assert!(n > 100, "{c} drawn in {n} pixels of its colour in {file}");
+        }
+    }
+    for c in &ctx.order {
+        assert!(
+            html.contains(&format!("background:{}", ctx.palette.hex(c))),
+            "swatch of {c}"
+        );
+    }
+    // Spike rings (magenta) only on the heatmap of the config with spikes.
+    for (i, c) in ctx.order.iter().enumerate() {
+        let file = format!("grad-heatmap-{}.png", lockstep::report::figures::slug(i, c));
+        let rings = pixels(&dir.join(&file))
+            .iter()
+            .filter(|p| **p == [255, 0, 255])
+            .count();
+        let spikes = f
+            .comparison
+            .spikes
+            .iter()
+            .filter(|s| &s.config == c)
+            .count();
+        assert_eq!(
+            rings > 0,
+            spikes > 0,
+            "{file}: {rings} ring pixels, {spikes} spikes"
+        );
+    }
+}
+
 fn write_suite(dir: &Path) -> PathBuf {
     let p = dir.join("synthetic.toml");
     std::fs::write(

@@ -329,9 +329,11 @@ fn figure(h: &mut Html, f: &Figure, dir: &Path) -> Result<(), ReportError> {
         .text(&b64)
         .raw("\"><figcaption>")
         .rich(&f.caption)
-        .raw(" <span class=\"muted\">(PNG: ")
+        .raw(" <span class=\"muted\">(PNG: <a href=\"")
         .text(&f.file)
-        .raw(")</span></figcaption></figure>\n");
+        .raw("\">")
+        .text(&f.file)
+        .raw("</a>)</span></figcaption></figure>\n");
     Ok(())
 }
 
