@@ -20,3 +20,31 @@ pub fn ensure_registered() -> Result<(), String> {
     })
     .clone()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plotters::prelude::*;
+
+    /// Dark pixels after drawing `text` on white (0 when no font could draw it).
+    fn ink(text: &str) -> usize {
+        let (w, h) = (200u32, 40u32);
+        let mut buf = vec![255u8; (w * h * 3) as usize];
+        {
+            let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+            let style: TextStyle<'_> = (FAMILY, 20).into_font().into();
+            // An unregistered family is an error or no ink; either way nothing is drawn.
+            let _ = root.draw(&Text::new(text.to_string(), (5, 5), style));
+            let _ = root.present();
+        }
+        buf.chunks(3).filter(|p| p.iter().all(|c| *c < 128)).count()
+    }
+
+    #[test]
+    fn the_shipped_font_registers_and_draws_text() {
+        ensure_registered().expect("DejaVu Sans parses");
+        ensure_registered().expect("registering twice is fine");
+        assert!(ink("step 10, reward") > 50, "no text drawn");
+        assert_eq!(ink(""), 0);
+    }
+}

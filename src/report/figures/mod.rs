@@ -28,6 +28,8 @@ use std::path::Path;
 pub const WIDTH: u32 = 1200;
 /// Curves longer than this are thinned to min/max pairs per bucket.
 pub const MAX_POINTS: usize = 2000;
+/// Mean curves with at most this many points get a dot per point.
+pub const SPARSE_POINTS: usize = 12;
 
 pub const TITLE_PX: u32 = 20;
 pub const LABEL_PX: u32 = 15;
@@ -440,10 +442,13 @@ pub fn draw_band<Y: Ranged<ValueType = f64>>(
         }
     }
     if what.mean {
-        chart.draw_series(LineSeries::new(
-            series(&b.steps, &b.mean, floor),
-            color.stroke_width(3),
-        ))?;
+        let pts = series(&b.steps, &b.mean, floor);
+        // Sparse curves (evaluation every N steps) get a dot per measured step, so a reader sees
+        // where the data is and where the line only interpolates.
+        if pts.len() <= SPARSE_POINTS {
+            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+        }
+        chart.draw_series(LineSeries::new(pts, color.stroke_width(3)))?;
     }
     Ok(())
 }
