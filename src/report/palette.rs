@@ -46,14 +46,23 @@ impl Palette {
         }
         let mut p = Palette::default();
         p.configs.insert(baseline.to_string(), BASELINE);
-        for (i, fam) in order.iter().enumerate() {
-            let hue = HUES[i % HUES.len()];
+        let mut next_hue = 0;
+        for fam in &order {
+            // Swept variants of the baseline (e.g. `bf16 [bf16_last=4]`) stay black-grey.
+            let hue = if *fam == baseline {
+                BASELINE
+            } else {
+                next_hue += 1;
+                HUES[(next_hue - 1) % HUES.len()]
+            };
             p.families.insert(fam.to_string(), hue);
             let m = &members[fam];
             for (j, name) in m.iter().enumerate() {
                 // Shades from darker (-0.4) to lighter (+0.4) across the family.
                 let t = if m.len() == 1 {
                     0.0
+                } else if hue == BASELINE {
+                    0.2 + 0.4 * j as f64 / (m.len() - 1) as f64
                 } else {
                     -0.4 + 0.8 * j as f64 / (m.len() - 1) as f64
                 };
@@ -81,6 +90,7 @@ impl Palette {
         let (r, g, b) = self
             .families
             .get(family)
+            .or(self.configs.get(family))
             .copied()
             .unwrap_or((0x99, 0x99, 0x99));
         RGBColor(r, g, b)
@@ -152,5 +162,24 @@ mod tests {
                 .map(|x| x.0)
         };
         assert_eq!(dom(a), dom(b));
+    }
+
+    #[test]
+    fn swept_baseline_variants_stay_grey_and_do_not_take_a_hue() {
+        let c = cfgs(&[
+            ("bf16", "bf16"),
+            ("bf16 [bf16_last=2]", "bf16"),
+            ("bf16 [bf16_last=4]", "bf16"),
+            ("nvfp4-dq [bf16_last=2]", "nvfp4-dq"),
+        ]);
+        let p = Palette::new(&c, "bf16");
+        for n in ["bf16 [bf16_last=2]", "bf16 [bf16_last=4]"] {
+            let (r, g, b) = p.rgb(n);
+            assert!(r == g && g == b, "{n} is not grey: {:?}", (r, g, b));
+            assert_ne!(p.rgb(n), BASELINE);
+        }
+        assert_ne!(p.rgb("bf16 [bf16_last=2]"), p.rgb("bf16 [bf16_last=4]"));
+        // The first real family still gets the first hue.
+        assert_eq!(p.rgb("nvfp4-dq [bf16_last=2]"), HUES[0]);
     }
 }
