@@ -3,13 +3,15 @@
 //!
 //! Module map: [`formats`] holds the one quantizer every path calls; [`recipe`] maps site names to
 //! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer; [`io`] reads
-//! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks).
+//! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks);
+//! [`report`] draws a suite's comparison into one self-contained HTML page with PNG figures.
 
 pub mod compare;
 pub mod engine;
 pub mod formats;
 pub mod io;
 pub mod recipe;
+pub mod report;
 pub mod store;
 pub mod suite;
 pub mod tools;

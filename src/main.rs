@@ -37,6 +37,8 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
             recipes,
             gemm_size,
         }) => cli::engine::bench_engine_cmd(*steps, recipes, *gemm_size),
+        Command::Report(args) => cli::report::run(args),
+        Command::Bench(BenchCommand::Report(args)) => cli::report::bench(args),
         Command::Bench(BenchCommand::Quantize { size, min_time }) => {
             let all = std::thread::available_parallelism()
                 .map(|n| n.get())

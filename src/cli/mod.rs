@@ -3,6 +3,7 @@
 
 pub mod engine;
 pub mod quantize;
+pub mod report;
 pub mod suite;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +35,8 @@ pub enum Command {
     /// Precision recipes.
     #[command(subcommand)]
     Recipe(engine::RecipeCommand),
+    /// Write the suite's HTML report with a PNG of every figure (reports/<suite>/<timestamp>/).
+    Report(report::ReportArgs),
     /// Benchmarks: ratios measured side by side in one run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -67,4 +70,6 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1024)]
         gemm_size: usize,
     },
+    /// Time building a report for a synthetic nightly-sized suite (target: under 10 s).
+    Report(report::BenchReportArgs),
 }

@@ -1,0 +1,156 @@
+//! `lockstep report --suite S [--store DIR] [--out DIR]` and `lockstep bench report`.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use lockstep::compare::SuiteComparison;
+use lockstep::report::{ReportInput, fixture, load_runs, write_report};
+use lockstep::suite::runner::suite_dir;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Suite file, or the name of one under `suites/` (e.g. `nightly` for `suites/nightly.toml`).
+    #[arg(long)]
+    pub suite: String,
+    /// Run store root (the suite's runs are in `<store>/<suite>/`).
+    #[arg(long, default_value = "runs")]
+    pub store: PathBuf,
+    /// Reports root: the report is written to `<out>/<suite>/<UTC timestamp>/index.html`.
+    #[arg(long, default_value = "reports")]
+    pub out: PathBuf,
+}
+
+/// Find the suite file: the path as given, else `suites/<name>.toml`.
+pub fn suite_file(s: &str) -> Result<PathBuf> {
+    let p = PathBuf::from(s);
+    if p.is_file() {
+        return Ok(p);
+    }
+    let named = Path::new("suites").join(format!("{s}.toml"));
+    if named.is_file() {
+        return Ok(named);
+    }
+    bail!(
+        "suite `{s}`: no such file, and no `{}` either; pass a suite file path",
+        named.display()
+    )
+}
+
+/// Read `compare.json` from the suite folder (what `lockstep compare` writes).
+fn read_comparison(dir: &Path) -> Result<SuiteComparison> {
+    let p = dir.join("compare.json");
+    let text = std::fs::read_to_string(&p).with_context(|| {
+        format!(
+            "{}: no comparison to draw; run `lockstep compare --suite ...` first",
+            p.display()
+        )
+    })?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a lockstep comparison", p.display()))
+}
+
+pub fn run(args: &ReportArgs) -> Result<bool> {
+    let file = suite_file(&args.suite)?;
+    let spec = lockstep::suite::load(&file)?;
+    let dir = suite_dir(&args.store, &spec.name)?;
+    if !dir.is_dir() {
+        bail!(
+            "{}: no runs for suite `{}`; run `lockstep run {}` first",
+            dir.display(),
+            spec.name,
+            file.display()
+        );
+    }
+    let t0 = Instant::now();
+    // MERGE: replace this line with `lockstep::compare::compare_suite(&spec, &dir, &Default::default())?`
+    let comparison = read_comparison(&dir)?;
+    let runs = load_runs(&dir)?;
+    let input = ReportInput {
+        spec: &spec,
+        suite_dir: &dir,
+        comparison: &comparison,
+        runs: &runs,
+    };
+    let index = write_report(&input, &args.out)?;
+    println!(
+        "report: {} ({} runs, {:.1}s)",
+        index.display(),
+        runs.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(true)
+}
+
+#[derive(Debug, Args)]
+pub struct BenchReportArgs {
+    /// Suite shape: `nightly` (6 configs x 5 seeds x 40 steps, 6 layers), `ablation` or `small`.
+    #[arg(long, default_value = "nightly")]
+    pub shape: String,
+    /// Steps per run (overrides the shape's).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Keep the report in this folder instead of a temporary one.
+    #[arg(long)]
+    pub keep: Option<PathBuf>,
+}
+
+/// Time a report of a synthetic suite: reading its runs from a store and writing the report.
+pub fn bench(args: &BenchReportArgs) -> Result<bool> {
+    let mut shape = match args.shape.as_str() {
+        "nightly" => fixture::Shape::nightly(),
+        "ablation" => fixture::Shape::ablation(),
+        "small" => fixture::Shape::small(),
+        other => bail!("--shape {other}: use nightly, ablation or small"),
+    };
+    if let Some(s) = args.steps {
+        shape.steps = s.max(2);
+    }
+    let f = fixture::synthetic(&shape);
+    let tmp = std::env::temp_dir().join(format!("lockstep-bench-report-{}", std::process::id()));
+    let store = tmp.join("store").join(&shape.suite);
+    f.write_store(&store)?;
+    let out = args.keep.clone().unwrap_or_else(|| tmp.join("reports"));
+    let t0 = Instant::now();
+    let runs = load_runs(&store)?;
+    let t_load = t0.elapsed().as_secs_f64();
+    let input = ReportInput {
+        spec: &f.spec,
+        suite_dir: &store,
+        comparison: &f.comparison,
+        runs: &runs,
+    };
+    let t1 = Instant::now();
+    let index = write_report(&input, &out)?;
+    let t_write = t1.elapsed().as_secs_f64();
+    let n_png = std::fs::read_dir(index.parent().unwrap_or(Path::new(".")))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.path().extension().is_some_and(|x| x == "png"))
+                .count()
+        })
+        .unwrap_or(0);
+    let html_kb = std::fs::metadata(&index)
+        .map(|m| m.len() / 1024)
+        .unwrap_or(0);
+    println!(
+        "report bench, shape {} ({} configs incl. sweeps, {} runs x {} steps, {} layer rows per step)",
+        args.shape,
+        f.comparison.configs.len() + 1,
+        runs.len(),
+        shape.steps,
+        runs.first()
+            .map_or(0, |r| r.layers.len() / shape.steps.max(1))
+    );
+    println!("  read runs from store : {t_load:.2} s");
+    println!("  figures + page       : {t_write:.2} s ({n_png} PNGs, index.html {html_kb} KiB)");
+    println!(
+        "  total                : {:.2} s (target < 10 s for the nightly suite)",
+        t_load + t_write
+    );
+    if args.keep.is_some() {
+        println!("  kept: {}", index.display());
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(true)
+}
