@@ -31,7 +31,12 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Suite(cmd) => cli::suite::suite_cmd(cmd),
         Command::Run(args) => cli::suite::run_cmd(args),
         Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
-        Command::Bench(BenchCommand::Quantize { size, min_time }) => {
+        Command::Bench(BenchCommand::Quantize {
+            size, device, reps, ..
+        }) if device != "cpu" => cli::bench::quantize_gpu(device, *size, *reps),
+        Command::Bench(BenchCommand::Step(args)) => cli::bench::step(args),
+        Command::Bench(BenchCommand::Quantize { size, min_time, .. }) => {
+            let size = &size.unwrap_or(4096);
             let all = std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1);
