@@ -152,27 +152,55 @@ __device__ void flush_stats(u64 *stats, u32 el, u32 sat, u32 under) {
     }
 }
 
+// Grid-stride kernels keep the stats in registers and flush them once per thread block; each
+// thread keeps U independent 16-byte loads in flight (memory-level parallelism for HBM latency).
+#define U 4
+
 // ---- BF16 -----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u16 bf16_one(float v, u32 *sat, u32 *under) {
+    u16 c = bf16_rne(v);
+    *sat += (is_finite(v) && (c & 0x7FFFu) == 0x7F80u) ? 1u : 0u;
+    *under += (v != 0.0f && (c & 0x7FFFu) == 0u) ? 1u : 0u;
+    return c;
+}
 
 extern "C" __global__ void bf16_quantize(const float *__restrict__ x, u16 *__restrict__ codes,
                                          u64 n, u64 *stats) {
     u32 el = 0, sat = 0, under = 0;
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 n4 = n / 4;
+    const float4 *x4 = (const float4 *)x;
+    uint2 *c4 = (uint2 *)codes;
+    u64 step = (u64)gridDim.x * blockDim.x * U;
+    for (u64 b = (u64)blockIdx.x * blockDim.x * U + threadIdx.x; b < n4; b += step) {
+        float4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = b + (u64)k * blockDim.x;
+            v[k] = i < n4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = b + (u64)k * blockDim.x;
+            if (i < n4) {
+                u32 c0 = bf16_one(v[k].x, &sat, &under), c1 = bf16_one(v[k].y, &sat, &under);
+                u32 c2 = bf16_one(v[k].z, &sat, &under), c3 = bf16_one(v[k].w, &sat, &under);
+                c4[i] = make_uint2(c0 | (c1 << 16), c2 | (c3 << 16));
+                el += 4;
+            }
+        }
+    }
     u64 stride = (u64)gridDim.x * blockDim.x;
-    for (; i < n; i += stride) {
-        float v = x[i];
-        u16 c = bf16_rne(v);
-        codes[i] = c;
+    for (u64 i = n4 * 4 + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        codes[i] = bf16_one(x[i], &sat, &under);
         el += 1;
-        sat += (is_finite(v) && (c & 0x7FFFu) == 0x7F80u) ? 1u : 0u;
-        under += (v != 0.0f && (c & 0x7FFFu) == 0u) ? 1u : 0u;
     }
     flush_stats(stats, el, sat, under);
 }
 
 // ---- MXFP8 ----------------------------------------------------------------------------------------
-// Eight threads per 32-element block, four elements (one float4) each; `n` is a multiple of 32.
-// elem: 0 = E4M3, 1 = E5M2. rule: 0 = TE ceil, 1 = OCP floor.
+// elem: 0 = E4M3, 1 = E5M2. rule: 0 = TE ceil, 1 = OCP floor. Both rules see the same block amax
+// (max |x| over the non-NaN elements); OCP also needs to know whether a NaN was there.
 
 __device__ __forceinline__ u8 fp8_encode(float s, int elem) { return elem == 0 ? e4m3_sat(s) : e5m2_sat(s); }
 
@@ -183,95 +211,130 @@ __device__ __forceinline__ int floor_log2(float a) {
     return (31 - __clz((int)(u & 0x7FFFFFu))) - 149;
 }
 
+// The E8M0 byte of a block (mxfp8::quantize_block); `nanblock` when OCP makes it all NaN.
+struct MxScale {
+    u32 b;
+    bool nanblock;
+    float inv;  // TE: 2^(127-b)
+    double mul; // OCP: 2^-shared (exact; the product is rounded once to FP32)
+};
+
+__device__ __forceinline__ MxScale mx_scale(float m, bool nan, int rule, float rcp_max, int emax) {
+    MxScale r;
+    r.nanblock = false;
+    r.inv = 0.0f;
+    r.mul = 0.0;
+    if (rule == 0) {
+        r.b = e8m0_ceil(m * rcp_max);
+        r.inv = e8m0_rcp(r.b);
+        return r;
+    }
+    int e = m == 0.0f ? -126 : floor_log2(m);
+    int shared = e - emax;
+    if (nan || !is_finite(m) || shared > 127) {
+        r.b = 0xFF;
+        r.nanblock = true;
+        return r;
+    }
+    int sh = max(shared, -127);
+    r.b = (u32)(sh + 127);
+    r.mul = ldexp(1.0, -sh);
+    return r;
+}
+
+__device__ __forceinline__ u32 mx_encode1(float v, const MxScale &sc, int rule, int elem,
+                                          float max_elem, u32 *sat, u32 *under) {
+    float s = rule == 0 ? v * sc.inv : (float)((double)v * sc.mul);
+    u32 c = fp8_encode(s, elem);
+    *sat += (fabsf(s) > max_elem && is_finite(v)) ? 1u : 0u;
+    *under += ((c & 0x7Fu) == 0 && v != 0.0f) ? 1u : 0u;
+    return c;
+}
+
+// Row axis: eight lanes per 32-element block, one float4 each; `n4` (float4 count) is a multiple
+// of 8. Warps stride over chunks of 32·U float4s so shuffles always see whole blocks.
 extern "C" __global__ void mxfp8_quantize(const float4 *__restrict__ x, u32 *__restrict__ codes,
                                           u8 *__restrict__ scales, u64 n4, int elem, int rule,
                                           float max_elem, float rcp_max, int emax, u64 *stats) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    bool valid = i < n4;
-    float4 v = valid ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-    float vs[4] = {v.x, v.y, v.z, v.w};
+    u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
     u32 el = 0, sat = 0, under = 0;
-    u32 packed = 0;
-    u32 scale;
-    if (rule == 0) {
-        // amax_ignoring_nan: NaN compares false and is skipped.
-        float m = 0.0f;
-        for (int k = 0; k < 4; k++) { float a = fabsf(vs[k]); m = a > m ? a : m; }
-        for (int o = 4; o > 0; o >>= 1) { float p = __shfl_xor_sync(0xFFFFFFFFu, m, o); m = p > m ? p : m; }
-        scale = e8m0_ceil(m * rcp_max);
-        float inv = e8m0_rcp(scale);
-        for (int k = 0; k < 4; k++) {
-            float s = vs[k] * inv;
-            u32 c = fp8_encode(s, elem);
-            sat += (fabsf(s) > max_elem && is_finite(vs[k])) ? 1u : 0u;
-            under += ((c & 0x7Fu) == 0 && vs[k] != 0.0f) ? 1u : 0u;
-            packed |= c << (8 * k);
+    for (u64 base = warp * 32 * U; base < n4; base += nwarps * 32 * U) {
+        float4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = base + k * 32 + lane;
+            v[k] = i < n4 ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        el = 4;
-    } else {
-        float m = 0.0f;
-        u32 nan = 0;
-        for (int k = 0; k < 4; k++) { nan |= is_nan(vs[k]) ? 1u : 0u; m = fmaxf(m, fabsf(vs[k])); }
-        for (int o = 4; o > 0; o >>= 1) {
-            m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-            nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, o);
-        }
-        int e = m == 0.0f ? -126 : floor_log2(m);
-        int shared = e - emax;
-        if (nan || !is_finite(m) || shared > 127) {
-            // The whole block is NaN: scale 0xFF, codes 0x7F, no element counted (as on the CPU).
-            scale = 0xFF;
-            packed = 0x7F7F7F7Fu;
-        } else {
-            scale = (u32)(max(shared, -127) + 127);
-            int sh = max(shared, -127);
-            double mul = ldexp(1.0, -sh);
-            for (int k = 0; k < 4; k++) {
-                float s = (float)((double)vs[k] * mul);
-                u32 c = fp8_encode(s, elem);
-                sat += (fabsf(s) > max_elem && is_finite(vs[k])) ? 1u : 0u;
-                under += ((c & 0x7Fu) == 0 && vs[k] != 0.0f && is_finite(vs[k])) ? 1u : 0u;
-                packed |= c << (8 * k);
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = base + k * 32 + lane;
+            float vs[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+            float m = 0.0f;
+            u32 nan = 0;
+            for (int j = 0; j < 4; j++) { nan |= is_nan(vs[j]) ? 1u : 0u; m = fmaxf(m, fabsf(vs[j])); }
+            for (int o = 4; o > 0; o >>= 1) {
+                m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+                nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, o);
             }
-            el = 4;
+            MxScale sc = mx_scale(m, nan != 0, rule, rcp_max, emax);
+            u32 packed = 0x7F7F7F7Fu, s_ = 0, u_ = 0;
+            if (!sc.nanblock) {
+                packed = 0;
+                for (int j = 0; j < 4; j++) packed |= mx_encode1(vs[j], sc, rule, elem, max_elem, &s_, &u_) << (8 * j);
+            }
+            if (i < n4) {
+                codes[i] = packed;
+                if ((i & 7) == 0) scales[i >> 3] = (u8)sc.b;
+                if (!sc.nanblock) { el += 4; sat += s_; under += u_; }
+            }
         }
     }
-    if (valid) {
-        codes[i] = packed;
-        if ((i & 7) == 0) scales[i >> 3] = (u8)scale;
-    } else {
-        el = sat = under = 0;
+    flush_stats(stats, el, sat, under);
+}
+
+// Column axis without a transpose: a thread owns (column c, row block rb), reads x[rb*32 + i][c]
+// for i < 32 (coalesced across the warp's consecutive columns) and writes the block's 32 codes
+// contiguously at codes[c*rows + rb*32] (the transposed blocked view). `rows` is a multiple of 32.
+extern "C" __global__ void mxfp8_quantize_col(const float *__restrict__ x, uint4 *__restrict__ codes,
+                                              u8 *__restrict__ scales, u64 rows, u64 cols, int elem,
+                                              int rule, float max_elem, float rcp_max, int emax,
+                                              u64 *stats) {
+    u64 rbs = rows / 32;
+    u64 items = rbs * cols;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < items; t += stride) {
+        u64 rb = t / cols, c = t % cols;
+        float v[32];
+        float m = 0.0f;
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = x[(rb * 32 + i) * cols + c];
+#pragma unroll
+        for (int i = 0; i < 32; i++) { nan |= is_nan(v[i]); m = fmaxf(m, fabsf(v[i])); }
+        MxScale sc = mx_scale(m, nan, rule, rcp_max, emax);
+        u32 w[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            u32 p = 0x7F7F7F7Fu;
+            if (!sc.nanblock) {
+                p = 0;
+                for (int j = 0; j < 4; j++) p |= mx_encode1(v[4 * q + j], sc, rule, elem, max_elem, &sat, &under) << (8 * j);
+            }
+            w[q] = p;
+        }
+        if (!sc.nanblock) el += 32;
+        u64 o = (c * rows + rb * 32) / 16;
+        codes[o] = make_uint4(w[0], w[1], w[2], w[3]);
+        codes[o + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+        scales[c * rbs + rb] = (u8)sc.b;
     }
     flush_stats(stats, el, sat, under);
 }
 
 // ---- NVFP4 ----------------------------------------------------------------------------------------
-
-// Per (row, shard) amax keys of a `rows x cols` tensor cut into `shards` equal slices along cols:
-// one thread block per (row, shard). With `tensor_keys` set, also folds each into a per-shard
-// tensor amax (zero-initialised keys), which is what the per-tensor second-level scale needs.
-extern "C" __global__ void nvfp4_amax(const float *__restrict__ x, u32 *__restrict__ row_keys,
-                                      u32 *tensor_keys, u64 cols, u32 shards) {
-    u64 seg = blockIdx.x;
-    u64 row = seg / shards, sh = seg % shards;
-    u64 w = cols / shards;
-    const float4 *p = (const float4 *)(x + row * cols + sh * w);
-    u32 k = 0;
-    for (u64 j = threadIdx.x; j < w / 4; j += blockDim.x) {
-        float4 v = p[j];
-        k = max(k, max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w))));
-    }
-    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
-    __shared__ u32 s_k;
-    if (threadIdx.x == 0) s_k = 0;
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) atomicMax(&s_k, k);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        row_keys[seg] = s_k;
-        if (tensor_keys) atomicMax(&tensor_keys[sh], s_k);
-    }
-}
 
 // nvfp4::GlobalScale::from_amax: S_enc = min(2688 / amax, FLT_MAX), 1 when that is 0.
 __device__ __forceinline__ float nv_s_enc(float amax) {
@@ -281,49 +344,133 @@ __device__ __forceinline__ float nv_s_enc(float amax) {
     return s;
 }
 
-// Four threads per 16-element block, four elements each. `amax_keys` holds the global amax as keys:
-// `[shards]` (per tensor, per_token = 0) or `[rows, shards]` (per token).
-extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__restrict__ codes,
-                                          u8 *__restrict__ scales, const u32 *__restrict__ amax_keys,
-                                          u64 n4, u64 cols, u32 shards, int per_token, float rcp6,
-                                          u64 *stats) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    bool valid = i < n4;
-    float4 v = valid ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+// One 16-element block over four lanes (one float4 each; call from whole warps): returns the
+// packed codes of this lane's four elements and sets the block's E4M3 scale byte.
+__device__ __forceinline__ u32 nv_encode4(float4 v, float s_enc, float rcp6, u32 *scale, u32 *sat,
+                                          u32 *under) {
     float vs[4] = {v.x, v.y, v.z, v.w};
-    u64 e0 = i * 4;
-    u64 row = e0 / cols, col = e0 % cols;
-    u64 sh = col / (cols / shards);
-    u32 key = valid ? amax_keys[per_token ? row * shards + sh : sh] : 0u;
-    float amax = bitsf(key);
-    float s_enc = nv_s_enc(amax);
     float s_dec = 1.0f / s_enc;
-    // Block amax, NaN propagating.
     u32 k = 0;
     for (int j = 0; j < 4; j++) k = max(k, amax_key(vs[j]));
     for (int o = 2; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
     float vec_max = bitsf(k);
-    float mult = s_enc * rcp6;
-    float ds = vec_max * mult;
+    float ds = vec_max * (s_enc * rcp6);
     if (!is_nan(ds)) ds = fminf(fmaxf(fminf(ds, FLT_MAX_F), -448.0f), 448.0f);
-    u32 scale = e4m3_sat(ds);
-    float enc = 1.0f / (e4m3_decode(scale) * s_dec);
+    *scale = e4m3_sat(ds);
+    float enc = 1.0f / (e4m3_decode(*scale) * s_dec);
     if (!is_nan(enc)) enc = fminf(enc, FLT_MAX_F);
-    u32 packed = 0, sat = 0, under = 0;
+    u32 packed = 0;
     for (int j = 0; j < 4; j++) {
         float s = vs[j] * enc;
         u32 c = e2m1_te(s);
         bool fin = fabsf(vs[j]) < __int_as_float(0x7F800000);
-        sat += (fabsf(s) > 6.0f && fin) ? 1u : 0u;
-        under += ((c & 7u) == 0 && vs[j] != 0.0f && fin) ? 1u : 0u;
+        *sat += (fabsf(s) > 6.0f && fin) ? 1u : 0u;
+        *under += ((c & 7u) == 0 && vs[j] != 0.0f && fin) ? 1u : 0u;
         packed |= c << (4 * j);
     }
-    u32 el = 4;
-    if (valid) {
-        codes[i] = (u16)packed;
-        if ((i & 3) == 0) scales[i >> 2] = (u8)scale;
-    } else {
-        el = sat = under = 0;
+    return packed;
+}
+
+// Block-wide max of a key (every thread gets it). Uses `s_k` (32 entries) and two barriers.
+__device__ __forceinline__ u32 block_max(u32 k, u32 *s_k) {
+    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
+    if ((threadIdx.x & 31) == 0) s_k[threadIdx.x >> 5] = k;
+    __syncthreads();
+    u32 r = 0;
+    for (u32 w = 0; w < (blockDim.x + 31) / 32; w++) r = max(r, s_k[w]);
+    __syncthreads();
+    return r;
+}
+
+// Per (row, shard) amax keys: one thread block per segment. With `tensor_keys` set, also folds
+// each into a per-shard tensor amax (zero-initialised keys): the per-tensor second-level scale.
+extern "C" __global__ void nvfp4_amax(const float4 *__restrict__ x, u32 *__restrict__ row_keys,
+                                      u32 *tensor_keys, u64 rows, u64 cols, u32 shards) {
+    __shared__ u32 s_k[32];
+    u64 w4 = cols / shards / 4;
+    for (u64 seg = blockIdx.x; seg < rows * shards; seg += gridDim.x) {
+        u64 off = (seg / shards) * (cols / 4) + (seg % shards) * w4;
+        u32 k = 0;
+#pragma unroll 4
+        for (u64 j = threadIdx.x; j < w4; j += blockDim.x) {
+            float4 v = x[off + j];
+            k = max(k, max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w))));
+        }
+        k = block_max(k, s_k);
+        if (threadIdx.x == 0) {
+            row_keys[seg] = k;
+            if (tensor_keys) atomicMax(&tensor_keys[seg % shards], k);
+        }
+    }
+}
+
+// Per-tensor scales: every 16-element block under the precomputed `[shards]` amax keys. Four
+// lanes per block; `n4` is a multiple of 4 and of the shard width.
+extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__restrict__ codes,
+                                          u8 *__restrict__ scales, const u32 *__restrict__ amax_keys,
+                                          u64 n4, u64 cols, u32 shards, float rcp6, u64 *stats) {
+    u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u64 w4 = cols / shards / 4, c4 = cols / 4;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 base = warp * 32 * U; base < n4; base += nwarps * 32 * U) {
+        float4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = base + k * 32 + lane;
+            v[k] = i < n4 ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = base + k * 32 + lane;
+            bool valid = i < n4;
+            float amax = bitsf(valid ? amax_keys[(i % c4) / w4] : 0u);
+            u32 scale, s_ = 0, u_ = 0;
+            u32 packed = nv_encode4(v[k], nv_s_enc(amax), rcp6, &scale, &s_, &u_);
+            if (valid) {
+                codes[i] = (u16)packed;
+                if ((i & 3) == 0) scales[i >> 2] = (u8)scale;
+                el += 4; sat += s_; under += u_;
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// Per-token scales, fused: one thread block per (row, shard) segment finds the segment's amax,
+// then quantizes it, re-reading the segment from cache: one pass over memory.
+extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u16 *__restrict__ codes,
+                                                u8 *__restrict__ scales, u32 *__restrict__ row_keys,
+                                                u64 rows, u64 cols, u32 shards, float rcp6,
+                                                u64 *stats) {
+    __shared__ u32 s_k[32];
+    u32 lane = threadIdx.x & 31;
+    u64 w4 = cols / shards / 4;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 seg = blockIdx.x; seg < rows * shards; seg += gridDim.x) {
+        u64 off = (seg / shards) * (cols / 4) + (seg % shards) * w4;
+        u32 k = 0;
+#pragma unroll 4
+        for (u64 j = threadIdx.x; j < w4; j += blockDim.x) {
+            float4 v = x[off + j];
+            k = max(k, max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w))));
+        }
+        k = block_max(k, s_k);
+        if (threadIdx.x == 0) row_keys[seg] = k;
+        float s_enc = nv_s_enc(bitsf(k));
+        for (u64 j0 = threadIdx.x - lane; j0 < w4; j0 += blockDim.x) {
+            u64 j = j0 + lane;
+            bool valid = j < w4;
+            float4 v = valid ? x[off + j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            u32 scale, s_ = 0, u_ = 0;
+            u32 packed = nv_encode4(v, s_enc, rcp6, &scale, &s_, &u_);
+            if (valid) {
+                codes[off + j] = (u16)packed;
+                if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
+                el += 4; sat += s_; under += u_;
+            }
+        }
     }
     flush_stats(stats, el, sat, under);
 }
@@ -331,22 +478,6 @@ extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__r
 // ---- FP8 block scaling ------------------------------------------------------------------------------
 // variant: 0 te, 1 deepseek-v3, 2 deepseek-v3-ue8m0, 3 deepgemm, 4 deepgemm-ue8m0.
 // tile_rows: 1 (1x128) or 128 (128x128). Tiles along cols may be partial (last tile).
-
-// Tile amax keys: one warp per (row, 128-column tile), folded into the tile grid with atomicMax
-// (zero-initialised keys).
-extern "C" __global__ void fp8_block_amax(const float *__restrict__ x, u32 *tile_keys, u64 rows,
-                                          u64 cols, u32 tile_rows) {
-    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u32 lane = threadIdx.x & 31;
-    u64 tc = (cols + 127) / 128;
-    if (warp >= rows * tc) return; // whole warps exit together (blockDim is a multiple of 32)
-    u64 r = warp / tc, t = warp % tc;
-    u64 c0 = t * 128, c1 = min(c0 + 128, cols);
-    u32 k = 0;
-    for (u64 c = c0 + lane; c < c1; c += 32) k = max(k, amax_key(x[r * cols + c]));
-    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
-    if (lane == 0) atomicMax(&tile_keys[(r / tile_rows) * tc + t], k);
-}
 
 // 2^ceil(log2 s) for a positive normal s (fp8_block::pow2_ceil).
 __device__ __forceinline__ float pow2_ceil(float s) {
@@ -364,29 +495,145 @@ __device__ __forceinline__ float ceil_ue8m0(float s) {
     return bitsf(min(max(e, 1u), 254u) << 23);
 }
 
-// fp8_block::tile_scale: writes the stored decode multiplier and the encode operand (a multiplier
-// for te/deepgemm, a divisor for deepseek-v3).
-extern "C" __global__ void fp8_block_scales(const u32 *__restrict__ tile_keys, float *scale_inv,
-                                            float *apply, u64 tiles, int variant) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= tiles) return;
-    float amax = bitsf(tile_keys[i]);
+// fp8_block::tile_scale: the stored decode multiplier and the encode operand (a multiplier for
+// te/deepgemm, a divisor for deepseek-v3). NaN results are stored as the CPU's NaN (0x7FC00000):
+// NVIDIA arithmetic returns 0x7FFFFFFF where x86 propagates the operand's bits.
+__device__ __forceinline__ void tile_scale(float amax, int variant, float *scale_inv, float *apply) {
     if (variant == 0) {
         float scale = amax == 0.0f ? __int_as_float(0x7F800000) : 448.0f / amax;
         if ((fbits(scale) & 0x7FFFFFFFu) == 0x7F800000u) scale = FLT_MAX_F;
         if (amax == 0.0f) scale = 1.0f;
-        scale_inv[i] = 1.0f / scale;
-        apply[i] = scale;
+        float inv = 1.0f / scale;
+        *scale_inv = is_nan(inv) ? bitsf(F32_NAN_BITS) : inv;
+        *apply = scale;
     } else {
         float s = fmaxf(amax, 1e-4f) / 448.0f;
         if (is_nan(amax)) s = bitsf(F32_NAN_BITS);
         if (variant == 4) s = ceil_ue8m0(s);
         if (variant == 2) s = pow2_ceil(s);
-        scale_inv[i] = s;
-        apply[i] = (variant == 3 || variant == 4) ? 1.0f / s : s;
+        *scale_inv = s;
+        *apply = (variant == 3 || variant == 4) ? 1.0f / s : s;
     }
 }
 
+__device__ __forceinline__ u32 fp8_encode1(float v, float a, bool divide, u32 *sat, u32 *under) {
+    float s = divide ? v / a : v * a;
+    u32 code = e4m3_sat(s);
+    *sat += (fabsf(s) > 448.0f && is_finite(v)) ? 1u : 0u;
+    *under += ((code & 0x7Fu) == 0 && v != 0.0f && is_finite(v)) ? 1u : 0u;
+    return code;
+}
+
+__device__ __forceinline__ u32 fp8_encode4(float4 v, float a, bool divide, u32 *sat, u32 *under) {
+    return fp8_encode1(v.x, a, divide, sat, under) | (fp8_encode1(v.y, a, divide, sat, under) << 8) |
+           (fp8_encode1(v.z, a, divide, sat, under) << 16) | (fp8_encode1(v.w, a, divide, sat, under) << 24);
+}
+
+__device__ __forceinline__ u32 key4(float4 v) {
+    return max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w)));
+}
+
+// 1x128 tiles, fused, for `cols` a multiple of 4: a warp per tile (lane = one float4), U tiles in
+// flight per warp. The last tile of a row may be partial.
+extern "C" __global__ void fp8_block_1x128(const float *__restrict__ x, u32 *__restrict__ codes,
+                                           float *__restrict__ scale_inv, u64 rows, u64 cols,
+                                           int variant, u64 *stats) {
+    u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u64 tc = (cols + 127) / 128, tiles = rows * tc;
+    bool divide = variant == 1 || variant == 2;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 t0 = warp * U; t0 < tiles; t0 += nwarps * U) {
+        float4 v[U];
+        u64 at[U];
+        bool valid[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 t = t0 + k;
+            u64 c = (t % tc) * 128 + 4 * lane;
+            at[k] = (t / tc) * cols + c;
+            valid[k] = t < tiles && c < cols;
+            v[k] = valid[k] ? *(const float4 *)(x + at[k]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u32 key = key4(v[k]);
+            for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
+            float sinv, a;
+            tile_scale(bitsf(key), variant, &sinv, &a);
+            if (valid[k]) {
+                codes[at[k] / 4] = fp8_encode4(v[k], a, divide, &sat, &under);
+                el += 4;
+            }
+            if (lane == 0 && t0 + k < tiles) scale_inv[t0 + k] = sinv;
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// 128x128 tiles, fused, for `cols` a multiple of 4: a 256-thread block per tile holds the tile in
+// registers (16 float4 a thread), reduces its amax, then encodes: one pass over memory.
+extern "C" __global__ void fp8_block_128x128(const float *__restrict__ x, u32 *__restrict__ codes,
+                                             float *__restrict__ scale_inv, u64 rows, u64 cols,
+                                             int variant, u64 *stats) {
+    __shared__ u32 s_k[32];
+    u64 tr = (rows + 127) / 128, tc = (cols + 127) / 128;
+    u32 cl = threadIdx.x & 31, rl = threadIdx.x >> 5;
+    bool divide = variant == 1 || variant == 2;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 t = blockIdx.x; t < tr * tc; t += gridDim.x) {
+        u64 r0 = (t / tc) * 128, c = (t % tc) * 128 + 4 * cl;
+        float4 v[16];
+        u32 key = 0;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            u64 r = r0 + rl + 8 * j;
+            bool ok = r < rows && c < cols;
+            v[j] = ok ? *(const float4 *)(x + r * cols + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            key = max(key, key4(v[j]));
+        }
+        key = block_max(key, s_k);
+        float sinv, a;
+        tile_scale(bitsf(key), variant, &sinv, &a);
+        if (threadIdx.x == 0) scale_inv[t] = sinv;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            u64 r = r0 + rl + 8 * j;
+            if (r < rows && c < cols) {
+                codes[(r * cols + c) / 4] = fp8_encode4(v[j], a, divide, &sat, &under);
+                el += 4;
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// Any shape (cols not a multiple of 4): tile amax keys, one warp per (row, 128-column tile),
+// folded into the tile grid with atomicMax (zero-initialised keys) ...
+extern "C" __global__ void fp8_block_amax(const float *__restrict__ x, u32 *tile_keys, u64 rows,
+                                          u64 cols, u32 tile_rows) {
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31;
+    u64 tc = (cols + 127) / 128;
+    if (warp >= rows * tc) return; // whole warps exit together (blockDim is a multiple of 32)
+    u64 r = warp / tc, t = warp % tc;
+    u64 c0 = t * 128, c1 = min(c0 + 128, cols);
+    u32 k = 0;
+    for (u64 c = c0 + lane; c < c1; c += 32) k = max(k, amax_key(x[r * cols + c]));
+    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
+    if (lane == 0) atomicMax(&tile_keys[(r / tile_rows) * tc + t], k);
+}
+
+// ... then the tile scales ...
+extern "C" __global__ void fp8_block_scales(const u32 *__restrict__ tile_keys, float *scale_inv,
+                                            float *apply, u64 tiles, int variant) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= tiles) return;
+    tile_scale(bitsf(tile_keys[i]), variant, &scale_inv[i], &apply[i]);
+}
+
+// ... then every element.
 extern "C" __global__ void fp8_block_encode(const float *__restrict__ x, u8 *__restrict__ codes,
                                             const float *__restrict__ apply, u64 rows, u64 cols,
                                             u32 tile_rows, int divide, u64 *stats) {
@@ -396,14 +643,8 @@ extern "C" __global__ void fp8_block_encode(const float *__restrict__ x, u8 *__r
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         u64 r = i / cols, c = i % cols;
-        float a = apply[(r / tile_rows) * tc + c / 128];
-        float v = x[i];
-        float s = divide ? v / a : v * a;
-        u8 code = e4m3_sat(s);
-        codes[i] = code;
+        codes[i] = (u8)fp8_encode1(x[i], apply[(r / tile_rows) * tc + c / 128], divide != 0, &sat, &under);
         el += 1;
-        sat += (fabsf(s) > 448.0f && is_finite(v)) ? 1u : 0u;
-        under += ((code & 0x7Fu) == 0 && v != 0.0f && is_finite(v)) ? 1u : 0u;
     }
     flush_stats(stats, el, sat, under);
 }

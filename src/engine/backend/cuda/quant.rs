@@ -26,8 +26,12 @@ const THREADS: u32 = 256;
 struct Kernels {
     bf16: CudaFunction,
     mxfp8: CudaFunction,
+    mxfp8_col: CudaFunction,
     nvfp4_amax: CudaFunction,
     nvfp4: CudaFunction,
+    nvfp4_token: CudaFunction,
+    fp8_1x128: CudaFunction,
+    fp8_128: CudaFunction,
     fp8_amax: CudaFunction,
     fp8_scales: CudaFunction,
     fp8_encode: CudaFunction,
@@ -40,6 +44,8 @@ pub struct CudaQuantizer {
     dev: Arc<CudaDevice>,
     stream: Arc<CudaStream>,
     k: Kernels,
+    /// Grid of the grid-stride kernels: enough 256-thread blocks to fill every multiprocessor.
+    grid: u32,
 }
 
 /// A quantized tensor still on the device (outputs plus the scratch its kernels need), reusable
@@ -107,8 +113,12 @@ impl CudaQuantizer {
         let k = Kernels {
             bf16: f("bf16_quantize")?,
             mxfp8: f("mxfp8_quantize")?,
+            mxfp8_col: f("mxfp8_quantize_col")?,
             nvfp4_amax: f("nvfp4_amax")?,
             nvfp4: f("nvfp4_quantize")?,
+            nvfp4_token: f("nvfp4_quantize_token")?,
+            fp8_1x128: f("fp8_block_1x128")?,
+            fp8_128: f("fp8_block_128x128")?,
             fp8_amax: f("fp8_block_amax")?,
             fp8_scales: f("fp8_block_scales")?,
             fp8_encode: f("fp8_block_encode")?,
@@ -116,10 +126,14 @@ impl CudaQuantizer {
             elements: f("encode_elements")?,
         };
         let stream = dev.context().new_stream()?;
+        let sms = dev.context().attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
         Ok(CudaQuantizer {
             dev: dev.clone(),
             stream,
             k,
+            grid: (sms.max(1) as u32) * 8,
         })
     }
 
@@ -188,9 +202,9 @@ impl CudaQuantizer {
             keys: s.alloc_zeros::<u32>(keys.max(1))?,
             row_keys: s.alloc_zeros::<u32>(row_keys.max(1))?,
             stats: s.alloc_zeros::<u64>(3)?,
-            transposed: match axis {
-                Axis::Row => None,
-                Axis::Col => Some(s.alloc_zeros::<f32>(n)?),
+            transposed: match (axis, fmt) {
+                (Axis::Row, _) | (Axis::Col, QuantFormat::Mxfp8 { .. }) => None,
+                (Axis::Col, _) => Some(s.alloc_zeros::<f32>(n)?),
             },
             tiles,
         })
@@ -199,10 +213,11 @@ impl CudaQuantizer {
     /// Quantize the device tensor `x` (`q.rows x q.cols`, row-major) into `q`. Asynchronous: the
     /// work is queued on this quantizer's stream.
     pub fn quantize_into(&self, x: &CudaSlice<f32>, q: &mut DeviceQuantized) -> Result<(), CudaError> {
-        let (rows, cols) = (q.rows, q.cols);
-        validate_len(x.len(), rows, cols, &q.format, q.axis)?;
+        let (rows, cols, axis) = (q.rows, q.cols, q.axis);
+        validate_len(x.len(), rows, cols, &q.format, axis)?;
         let s = &self.stream;
         s.memset_zeros(&mut q.stats)?;
+        let grid = self.grid;
         let DeviceQuantized {
             format,
             codes,
@@ -215,6 +230,7 @@ impl CudaQuantizer {
             transposed,
             ..
         } = q;
+        // Column quantization: MXFP8 reads columns directly; the others transpose first.
         let (src, br, bc) = match transposed {
             None => (x, rows, cols),
             Some(t) => {
@@ -223,17 +239,16 @@ impl CudaQuantizer {
             }
         };
         let n = br * bc;
-        let (n64, bc64) = (n as u64, bc as u64);
+        let (n64, br64, bc64) = (n as u64, br as u64, bc as u64);
         match *format {
             QuantFormat::Bf16 => {
                 let mut b = s.launch_builder(&self.k.bf16);
                 b.arg(src).arg(codes).arg(&n64).arg(stats);
                 // SAFETY: `codes` holds 2n bytes (n u16), `src` n floats, `stats` 3 u64: the sizes
-                // `alloc` made for this shape; the kernel's grid-stride loop stays below n.
-                unsafe { b.launch(cfg(blocks(n, THREADS).min(65_535), THREADS)) }?;
+                // `alloc` made for this shape; the grid-stride loops stay below n.
+                unsafe { b.launch(cfg(grid, THREADS)) }?;
             }
             QuantFormat::Mxfp8 { elem, rule } => {
-                let n4 = n64 / 4;
                 let (elem_i, max, emax) = match elem {
                     Fp8Elem::E4M3 => (0i32, crate::formats::fp8::E4M3_MAX, 8i32),
                     Fp8Elem::E5M2 => (1i32, crate::formats::fp8::E5M2_MAX, 15i32),
@@ -243,67 +258,57 @@ impl CudaQuantizer {
                     MxScaleRule::TeCeil => 0,
                     MxScaleRule::OcpFloor => 1,
                 };
-                let mut b = s.launch_builder(&self.k.mxfp8);
-                b.arg(src)
-                    .arg(codes)
-                    .arg(scales_u8)
-                    .arg(&n4)
-                    .arg(&elem_i)
-                    .arg(&rule_i)
-                    .arg(&max)
-                    .arg(&rcp_max)
-                    .arg(&emax)
-                    .arg(stats);
-                // SAFETY: n is a multiple of 32 (validated), so n/4 float4 loads, n/4 u32 code stores
-                // and n/32 scale stores stay inside `src`, `codes` and `scales_u8`.
-                unsafe { b.launch(cfg(blocks(n / 4, THREADS), THREADS)) }?;
+                if axis == Axis::Col {
+                    let (r64, c64) = (rows as u64, cols as u64);
+                    let mut b = s.launch_builder(&self.k.mxfp8_col);
+                    b.arg(x).arg(codes).arg(scales_u8).arg(&r64).arg(&c64);
+                    b.arg(&elem_i).arg(&rule_i).arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
+                    // SAFETY: rows is a multiple of 32 (validated); a thread per (column, 32-row
+                    // block) reads inside x (rows*cols floats) and writes 32 code bytes at
+                    // c*rows + 32*rb (< rows*cols) and one scale byte below rows*cols/32.
+                    unsafe { b.launch(cfg(grid, THREADS)) }?;
+                } else {
+                    let n4 = n64 / 4;
+                    let mut b = s.launch_builder(&self.k.mxfp8);
+                    b.arg(src).arg(codes).arg(scales_u8).arg(&n4);
+                    b.arg(&elem_i).arg(&rule_i).arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
+                    // SAFETY: n is a multiple of 32 (validated): n/4 float4 loads, n/4 u32 code
+                    // stores and n/32 scale stores stay inside `src`, `codes` and `scales_u8`.
+                    unsafe { b.launch(cfg(grid, THREADS)) }?;
+                }
             }
             QuantFormat::Nvfp4 { second, shards } => {
-                let per_token = i32::from(second == SecondScale::PerToken);
-                s.memset_zeros(keys)?;
                 let shards32 = shards as u32;
-                {
-                    let mut b = s.launch_builder(&self.k.nvfp4_amax);
-                    b.arg(src).arg(&mut *row_keys).arg(&mut *keys).arg(&bc64).arg(&shards32);
-                    // SAFETY: one block per (row, shard): br*shards blocks each read cols/shards
-                    // floats (a multiple of 16) of its row; row_keys has br*shards entries and keys
-                    // `shards`.
-                    unsafe { b.launch(cfg((br * shards) as u32, 128)) }?;
-                }
-                let n4 = n64 / 4;
                 let rcp6: f32 = 1.0 / 6.0;
-                let amax = if per_token == 1 { &*row_keys } else { &*keys };
-                let mut b = s.launch_builder(&self.k.nvfp4);
-                b.arg(src)
-                    .arg(codes)
-                    .arg(scales_u8)
-                    .arg(amax)
-                    .arg(&n4)
-                    .arg(&bc64)
-                    .arg(&shards32)
-                    .arg(&per_token)
-                    .arg(&rcp6)
-                    .arg(stats);
-                // SAFETY: n is a multiple of 16·shards; n/4 float4 loads, n/4 u16 stores (n/2
-                // bytes), n/16 scale bytes; amax indices are below br*shards (per token) or shards.
-                unsafe { b.launch(cfg(blocks(n / 4, THREADS), THREADS)) }?;
+                let segs = (br * shards).min(u32::MAX as usize) as u32;
+                if second == SecondScale::PerToken {
+                    let mut b = s.launch_builder(&self.k.nvfp4_token);
+                    b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
+                    b.arg(&br64).arg(&bc64).arg(&shards32).arg(&rcp6).arg(stats);
+                    // SAFETY: a block per (row, shard) segment of cols/shards floats (a multiple
+                    // of 16) inside its row; codes/scales indices follow the segment's float4s
+                    // (n/4 u16 codes, n/16 scales); row_keys has br*shards entries.
+                    unsafe { b.launch(cfg(segs.min(grid), THREADS)) }?;
+                } else {
+                    s.memset_zeros(keys)?;
+                    {
+                        let mut b = s.launch_builder(&self.k.nvfp4_amax);
+                        b.arg(src).arg(&mut *row_keys).arg(&mut *keys);
+                        b.arg(&br64).arg(&bc64).arg(&shards32);
+                        // SAFETY: a block per segment as above; row_keys has br*shards entries,
+                        // keys `shards`.
+                        unsafe { b.launch(cfg(segs.min(grid), THREADS)) }?;
+                    }
+                    let n4 = n64 / 4;
+                    let mut b = s.launch_builder(&self.k.nvfp4);
+                    b.arg(src).arg(codes).arg(scales_u8).arg(&*keys);
+                    b.arg(&n4).arg(&bc64).arg(&shards32).arg(&rcp6).arg(stats);
+                    // SAFETY: n is a multiple of 16·shards: n/4 float4 loads, n/4 u16 stores (n/2
+                    // bytes), n/16 scale bytes; key indices are shards below `shards`.
+                    unsafe { b.launch(cfg(grid, THREADS)) }?;
+                }
             }
             QuantFormat::Fp8Block { tile, variant } => {
-                let tile_rows: u32 = match tile {
-                    Fp8Tile::Act1x128 => 1,
-                    Fp8Tile::Weight128x128 => TILE as u32,
-                };
-                let tiles = keys.len();
-                s.memset_zeros(keys)?;
-                let br64 = br as u64;
-                {
-                    let warps = br * bc.div_ceil(TILE);
-                    let mut b = s.launch_builder(&self.k.fp8_amax);
-                    b.arg(src).arg(&mut *keys).arg(&br64).arg(&bc64).arg(&tile_rows);
-                    // SAFETY: one warp per (row, tile); reads stay inside the row, atomics index the
-                    // tile grid of `tiles` keys.
-                    unsafe { b.launch(cfg(blocks(warps * 32, THREADS), THREADS)) }?;
-                }
                 let variant_i: i32 = match variant {
                     Fp8BlockVariant::Te => 0,
                     Fp8BlockVariant::DeepseekV3 => 1,
@@ -311,14 +316,39 @@ impl CudaQuantizer {
                     Fp8BlockVariant::Deepgemm => 3,
                     Fp8BlockVariant::DeepgemmUe8m0 => 4,
                 };
+                if bc % 4 == 0 {
+                    let f = match tile {
+                        Fp8Tile::Act1x128 => &self.k.fp8_1x128,
+                        Fp8Tile::Weight128x128 => &self.k.fp8_128,
+                    };
+                    let mut b = s.launch_builder(f);
+                    b.arg(src).arg(codes).arg(&mut *scales_f32);
+                    b.arg(&br64).arg(&bc64).arg(&variant_i).arg(stats);
+                    // SAFETY: cols is a multiple of 4, so every float4 load and u32 code store of
+                    // an in-range (row, column) is inside the n-element buffers; scale indices
+                    // are tile indices below the tile count `alloc` sized.
+                    unsafe { b.launch(cfg(grid, THREADS)) }?;
+                    return Ok(());
+                }
+                let tile_rows: u32 = match tile {
+                    Fp8Tile::Act1x128 => 1,
+                    Fp8Tile::Weight128x128 => TILE as u32,
+                };
+                let tiles = keys.len();
+                s.memset_zeros(keys)?;
+                {
+                    let warps = br * bc.div_ceil(TILE);
+                    let mut b = s.launch_builder(&self.k.fp8_amax);
+                    b.arg(src).arg(&mut *keys).arg(&br64).arg(&bc64).arg(&tile_rows);
+                    // SAFETY: one warp per (row, tile); reads stay inside the row, atomics index
+                    // the tile grid of `tiles` keys.
+                    unsafe { b.launch(cfg(blocks(warps * 32, THREADS), THREADS)) }?;
+                }
                 let tiles64 = tiles as u64;
                 {
                     let mut b = s.launch_builder(&self.k.fp8_scales);
-                    b.arg(&*keys)
-                        .arg(&mut *scales_f32)
-                        .arg(&mut *apply)
-                        .arg(&tiles64)
-                        .arg(&variant_i);
+                    b.arg(&*keys).arg(&mut *scales_f32).arg(&mut *apply);
+                    b.arg(&tiles64).arg(&variant_i);
                     // SAFETY: one thread per tile, bounded by `tiles`, the length of all three.
                     unsafe { b.launch(cfg(blocks(tiles, THREADS), THREADS)) }?;
                 }
@@ -327,17 +357,11 @@ impl CudaQuantizer {
                     Fp8BlockVariant::DeepseekV3 | Fp8BlockVariant::DeepseekV3Ue8m0
                 ));
                 let mut b = s.launch_builder(&self.k.fp8_encode);
-                b.arg(src)
-                    .arg(codes)
-                    .arg(&*apply)
-                    .arg(&br64)
-                    .arg(&bc64)
-                    .arg(&tile_rows)
-                    .arg(&divide)
-                    .arg(stats);
+                b.arg(src).arg(codes).arg(&*apply).arg(&br64).arg(&bc64);
+                b.arg(&tile_rows).arg(&divide).arg(stats);
                 // SAFETY: grid-stride loop below n over `src` and `codes` (n each); tile indices
                 // are below `tiles`.
-                unsafe { b.launch(cfg(blocks(n, THREADS).min(1 << 20), THREADS)) }?;
+                unsafe { b.launch(cfg(grid, THREADS)) }?;
             }
         }
         Ok(())
