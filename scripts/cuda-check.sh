@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 echo "== tests"
 "$DIR/cq" --test-threads 1 --nocapture 2>&1 | tee "$OUT/tests.log"
 echo "== bench quantize"
-"$DIR/lockstep" bench quantize --device cuda --size "${SIZE:-16384}" 2>&1 | tee "$OUT/bench_quantize.log"
+for i in 1 2; do "$DIR/lockstep" bench quantize --device cuda --size "${SIZE:-16384}" 2>&1 | tee -a "$OUT/bench_quantize.log"; done
 echo "== bench step"
 for d in cuda cpu; do
   "$DIR/lockstep" bench step --device "$d" --model small --steps "${STEPS:-3}" 2>&1 | tee -a "$OUT/bench_step.log"

@@ -121,10 +121,51 @@ __device__ __forceinline__ float e8m0_rcp(u32 b) {
     return bitsf((254u - b) << 23);
 }
 
-// Ordering key of |x| with NaN propagating: max over keys is `amax_nan_propagating`
-// (canonical NaN 0x7FC00000 wins over every number, as f32::NAN does on the CPU).
-__device__ __forceinline__ u32 amax_key(float x) {
-    return is_nan(x) ? F32_NAN_BITS : (fbits(x) & 0x7FFFFFFFu);
+// Ordering key of |x|: the magnitude bits. As integers every NaN orders above Inf, so a max over
+// keys propagates NaN; `key_f` turns the result back into the amax, with the CPU's NaN (f32::NAN,
+// 0x7FC00000) for any NaN: `amax_nan_propagating` bit for bit.
+__device__ __forceinline__ u32 amax_key(float x) { return fbits(x) & 0x7FFFFFFFu; }
+__device__ __forceinline__ u32 canon_key(u32 k) { return k > 0x7F800000u ? F32_NAN_BITS : k; }
+__device__ __forceinline__ float key_f(u32 k) { return bitsf(canon_key(k)); }
+
+// ---- hardware FP8 conversion (sm_89+): cvt.rn.satfinite, two elements an instruction ----------------
+// Same rounding (RNE) and saturation as the CPU codecs; only NaN differs (the hardware keeps the
+// sign, and its E5M2 NaN pattern is its own), so NaN bytes are rewritten to the CPU's code:
+// E4M3 0x7F, E5M2 0x7E. Bytes whose magnitude is NaN: E4M3 0x7F, E5M2 above 0x7C (satfinite never
+// makes Inf).
+
+__device__ __forceinline__ u32 fix_nan_bytes(u32 p, u32 add, u32 nan_code) {
+    u32 nanmask = ((p & 0x7F7F7F7Fu) + add) & 0x80808080u;
+    u32 bytes = (nanmask >> 7) * 0xFFu;
+    return (p & ~bytes) | (nan_code & bytes);
+}
+
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return fix_nan_bytes((u32)lo | ((u32)hi << 16), 0x01010101u, 0x7F7F7F7Fu);
+#else
+    return (u32)e4m3_sat(a) | ((u32)e4m3_sat(b) << 8) | ((u32)e4m3_sat(c) << 16) | ((u32)e4m3_sat(d) << 24);
+#endif
+}
+
+__device__ __forceinline__ u32 e5m2x4(float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return fix_nan_bytes((u32)lo | ((u32)hi << 16), 0x03030303u, 0x7E7E7E7Eu);
+#else
+    return (u32)e5m2_sat(a) | ((u32)e5m2_sat(b) << 8) | ((u32)e5m2_sat(c) << 16) | ((u32)e5m2_sat(d) << 24);
+#endif
+}
+
+// Number of bytes of `p` whose FP8 magnitude is zero.
+__device__ __forceinline__ u32 zero_bytes(u32 p) {
+    u32 z = p & 0x7F7F7F7Fu;
+    return 4u - __popc((z + 0x7F7F7F7Fu) & 0x80808080u);
 }
 
 // ---- stats ----------------------------------------------------------------------------------------
@@ -199,10 +240,9 @@ extern "C" __global__ void bf16_quantize(const float *__restrict__ x, u16 *__res
 }
 
 // ---- MXFP8 ----------------------------------------------------------------------------------------
-// elem: 0 = E4M3, 1 = E5M2. rule: 0 = TE ceil, 1 = OCP floor. Both rules see the same block amax
-// (max |x| over the non-NaN elements); OCP also needs to know whether a NaN was there.
-
-__device__ __forceinline__ u8 fp8_encode(float s, int elem) { return elem == 0 ? e4m3_sat(s) : e5m2_sat(s); }
+// Templated on the element (0 = E4M3, 1 = E5M2) and the scale rule (0 = TE ceil, 1 = OCP floor).
+// Both rules see the same block amax (max |x| over the non-NaN elements); OCP also needs to know
+// whether a NaN was there.
 
 __device__ __forceinline__ int floor_log2(float a) {
     u32 u = fbits(a);
@@ -211,51 +251,52 @@ __device__ __forceinline__ int floor_log2(float a) {
     return (31 - __clz((int)(u & 0x7FFFFFu))) - 149;
 }
 
-// The E8M0 byte of a block (mxfp8::quantize_block); `nanblock` when OCP makes it all NaN.
-struct MxScale {
-    u32 b;
-    bool nanblock;
-    float inv;  // TE: 2^(127-b)
-    double mul; // OCP: 2^-shared (exact; the product is rounded once to FP32)
-};
-
-__device__ __forceinline__ MxScale mx_scale(float m, bool nan, int rule, float rcp_max, int emax) {
-    MxScale r;
-    r.nanblock = false;
-    r.inv = 0.0f;
-    r.mul = 0.0;
-    if (rule == 0) {
-        r.b = e8m0_ceil(m * rcp_max);
-        r.inv = e8m0_rcp(r.b);
-        return r;
-    }
+// The E8M0 byte of a block (mxfp8::quantize_block) from its amax `m`; 0xFF with `nanblock` when
+// the OCP rule makes the whole block NaN. Both rules then multiply by 2^(127-b) (exact, so the
+// CPU's f64 product for OCP rounds to the same FP32).
+template <int RULE>
+__device__ __forceinline__ u32 mx_scale(float m, bool nan, float rcp_max, int emax, bool *nanblock) {
+    *nanblock = false;
+    if (RULE == 0) return e8m0_ceil(m * rcp_max);
     int e = m == 0.0f ? -126 : floor_log2(m);
     int shared = e - emax;
     if (nan || !is_finite(m) || shared > 127) {
-        r.b = 0xFF;
-        r.nanblock = true;
-        return r;
+        *nanblock = true;
+        return 0xFF;
     }
-    int sh = max(shared, -127);
-    r.b = (u32)(sh + 127);
-    r.mul = ldexp(1.0, -sh);
-    return r;
+    return (u32)(max(shared, -127) + 127);
 }
 
-__device__ __forceinline__ u32 mx_encode1(float v, const MxScale &sc, int rule, int elem,
+template <int ELEM>
+__device__ __forceinline__ u32 fp8x4(float a, float b, float c, float d) {
+    return ELEM == 0 ? e4m3x4(a, b, c, d) : e5m2x4(a, b, c, d);
+}
+
+// Four elements of a (non-NaN) block under the multiplier `inv`; `m` is the block amax. The
+// saturation count only needs a per-element look when the block's largest value clips (or holds
+// an Inf); underflow is zero-magnitude codes from non-zero inputs.
+template <int ELEM>
+__device__ __forceinline__ u32 mx_encode4(float v0, float v1, float v2, float v3, float m, float inv,
                                           float max_elem, u32 *sat, u32 *under) {
-    float s = rule == 0 ? v * sc.inv : (float)((double)v * sc.mul);
-    u32 c = fp8_encode(s, elem);
-    *sat += (fabsf(s) > max_elem && is_finite(v)) ? 1u : 0u;
-    *under += ((c & 0x7Fu) == 0 && v != 0.0f) ? 1u : 0u;
-    return c;
+    float s0 = v0 * inv, s1 = v1 * inv, s2 = v2 * inv, s3 = v3 * inv;
+    u32 p = fp8x4<ELEM>(s0, s1, s2, s3);
+    if (m * inv > max_elem) {
+        *sat += (fabsf(s0) > max_elem && is_finite(v0)) + (fabsf(s1) > max_elem && is_finite(v1)) +
+                (fabsf(s2) > max_elem && is_finite(v2)) + (fabsf(s3) > max_elem && is_finite(v3));
+    }
+    if (zero_bytes(p)) {
+        *under += ((p & 0x7Fu) == 0 && v0 != 0.0f) + (((p >> 8) & 0x7Fu) == 0 && v1 != 0.0f) +
+                  (((p >> 16) & 0x7Fu) == 0 && v2 != 0.0f) + (((p >> 24) & 0x7Fu) == 0 && v3 != 0.0f);
+    }
+    return p;
 }
 
 // Row axis: eight lanes per 32-element block, one float4 each; `n4` (float4 count) is a multiple
 // of 8. Warps stride over chunks of 32·U float4s so shuffles always see whole blocks.
-extern "C" __global__ void mxfp8_quantize(const float4 *__restrict__ x, u32 *__restrict__ codes,
-                                          u8 *__restrict__ scales, u64 n4, int elem, int rule,
-                                          float max_elem, float rcp_max, int emax, u64 *stats) {
+template <int ELEM, int RULE>
+__device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__restrict__ codes,
+                                          u8 *__restrict__ scales, u64 n4, float max_elem,
+                                          float rcp_max, int emax, u64 *stats) {
     u32 lane = threadIdx.x & 31;
     u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -270,24 +311,23 @@ extern "C" __global__ void mxfp8_quantize(const float4 *__restrict__ x, u32 *__r
 #pragma unroll
         for (int k = 0; k < U; k++) {
             u64 i = base + k * 32 + lane;
-            float vs[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-            float m = 0.0f;
+            float m = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
             u32 nan = 0;
-            for (int j = 0; j < 4; j++) { nan |= is_nan(vs[j]) ? 1u : 0u; m = fmaxf(m, fabsf(vs[j])); }
+            if (RULE == 1)
+                nan = (is_nan(v[k].x) | is_nan(v[k].y) | is_nan(v[k].z) | is_nan(v[k].w)) ? 1u : 0u;
             for (int o = 4; o > 0; o >>= 1) {
                 m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-                nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, o);
+                if (RULE == 1) nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, o);
             }
-            MxScale sc = mx_scale(m, nan != 0, rule, rcp_max, emax);
+            bool nanblock;
+            u32 b = mx_scale<RULE>(m, nan != 0, rcp_max, emax, &nanblock);
             u32 packed = 0x7F7F7F7Fu, s_ = 0, u_ = 0;
-            if (!sc.nanblock) {
-                packed = 0;
-                for (int j = 0; j < 4; j++) packed |= mx_encode1(vs[j], sc, rule, elem, max_elem, &s_, &u_) << (8 * j);
-            }
+            if (!nanblock)
+                packed = mx_encode4<ELEM>(v[k].x, v[k].y, v[k].z, v[k].w, m, e8m0_rcp(b), max_elem, &s_, &u_);
             if (i < n4) {
                 codes[i] = packed;
-                if ((i & 7) == 0) scales[i >> 3] = (u8)sc.b;
-                if (!sc.nanblock) { el += 4; sat += s_; under += u_; }
+                if ((i & 7) == 0) scales[i >> 3] = (u8)b;
+                if (!nanblock) { el += 4; sat += s_; under += u_; }
             }
         }
     }
@@ -297,10 +337,10 @@ extern "C" __global__ void mxfp8_quantize(const float4 *__restrict__ x, u32 *__r
 // Column axis without a transpose: a thread owns (column c, row block rb), reads x[rb*32 + i][c]
 // for i < 32 (coalesced across the warp's consecutive columns) and writes the block's 32 codes
 // contiguously at codes[c*rows + rb*32] (the transposed blocked view). `rows` is a multiple of 32.
-extern "C" __global__ void mxfp8_quantize_col(const float *__restrict__ x, uint4 *__restrict__ codes,
-                                              u8 *__restrict__ scales, u64 rows, u64 cols, int elem,
-                                              int rule, float max_elem, float rcp_max, int emax,
-                                              u64 *stats) {
+template <int ELEM, int RULE>
+__device__ __forceinline__ void mxfp8_col(const float *__restrict__ x, uint4 *__restrict__ codes,
+                                          u8 *__restrict__ scales, u64 rows, u64 cols, float max_elem,
+                                          float rcp_max, int emax, u64 *stats) {
     u64 rbs = rows / 32;
     u64 items = rbs * cols;
     u64 stride = (u64)gridDim.x * blockDim.x;
@@ -313,26 +353,43 @@ extern "C" __global__ void mxfp8_quantize_col(const float *__restrict__ x, uint4
 #pragma unroll
         for (int i = 0; i < 32; i++) v[i] = x[(rb * 32 + i) * cols + c];
 #pragma unroll
-        for (int i = 0; i < 32; i++) { nan |= is_nan(v[i]); m = fmaxf(m, fabsf(v[i])); }
-        MxScale sc = mx_scale(m, nan, rule, rcp_max, emax);
+        for (int i = 0; i < 32; i++) {
+            if (RULE == 1) nan |= is_nan(v[i]);
+            m = fmaxf(m, fabsf(v[i]));
+        }
+        bool nanblock;
+        u32 b = mx_scale<RULE>(m, nan, rcp_max, emax, &nanblock);
+        float inv = e8m0_rcp(b);
         u32 w[8];
 #pragma unroll
-        for (int q = 0; q < 8; q++) {
-            u32 p = 0x7F7F7F7Fu;
-            if (!sc.nanblock) {
-                p = 0;
-                for (int j = 0; j < 4; j++) p |= mx_encode1(v[4 * q + j], sc, rule, elem, max_elem, &sat, &under) << (8 * j);
-            }
-            w[q] = p;
-        }
-        if (!sc.nanblock) el += 32;
+        for (int q = 0; q < 8; q++)
+            w[q] = nanblock ? 0x7F7F7F7Fu
+                            : mx_encode4<ELEM>(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3], m, inv,
+                                               max_elem, &sat, &under);
+        if (!nanblock) el += 32;
         u64 o = (c * rows + rb * 32) / 16;
         codes[o] = make_uint4(w[0], w[1], w[2], w[3]);
         codes[o + 1] = make_uint4(w[4], w[5], w[6], w[7]);
-        scales[c * rbs + rb] = (u8)sc.b;
+        scales[c * rbs + rb] = (u8)b;
     }
     flush_stats(stats, el, sat, under);
 }
+
+#define MX_KERNELS(SUFFIX, E, R)                                                                       \
+    extern "C" __global__ void mxfp8_row_##SUFFIX(const float4 *__restrict__ x, u32 *__restrict__ codes, \
+                                                  u8 *__restrict__ scales, u64 n4, float max_elem,     \
+                                                  float rcp_max, int emax, u64 *stats) {                \
+        mxfp8_row<E, R>(x, codes, scales, n4, max_elem, rcp_max, emax, stats);                         \
+    }                                                                                                  \
+    extern "C" __global__ void mxfp8_col_##SUFFIX(const float *__restrict__ x, uint4 *__restrict__ codes, \
+                                                  u8 *__restrict__ scales, u64 rows, u64 cols,         \
+                                                  float max_elem, float rcp_max, int emax, u64 *stats) { \
+        mxfp8_col<E, R>(x, codes, scales, rows, cols, max_elem, rcp_max, emax, stats);                 \
+    }
+MX_KERNELS(e4m3_te, 0, 0)
+MX_KERNELS(e4m3_ocp, 0, 1)
+MX_KERNELS(e5m2_te, 1, 0)
+MX_KERNELS(e5m2_ocp, 1, 1)
 
 // ---- NVFP4 ----------------------------------------------------------------------------------------
 
@@ -353,20 +410,27 @@ __device__ __forceinline__ u32 nv_encode4(float4 v, float s_enc, float rcp6, u32
     u32 k = 0;
     for (int j = 0; j < 4; j++) k = max(k, amax_key(vs[j]));
     for (int o = 2; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
-    float vec_max = bitsf(k);
+    float vec_max = key_f(k);
     float ds = vec_max * (s_enc * rcp6);
     if (!is_nan(ds)) ds = fminf(fmaxf(fminf(ds, FLT_MAX_F), -448.0f), 448.0f);
     *scale = e4m3_sat(ds);
     float enc = 1.0f / (e4m3_decode(*scale) * s_dec);
     if (!is_nan(enc)) enc = fminf(enc, FLT_MAX_F);
+    float sc[4];
     u32 packed = 0;
     for (int j = 0; j < 4; j++) {
-        float s = vs[j] * enc;
-        u32 c = e2m1_te(s);
-        bool fin = fabsf(vs[j]) < __int_as_float(0x7F800000);
-        *sat += (fabsf(s) > 6.0f && fin) ? 1u : 0u;
-        *under += ((c & 7u) == 0 && vs[j] != 0.0f && fin) ? 1u : 0u;
-        packed |= c << (4 * j);
+        sc[j] = vs[j] * enc;
+        packed |= e2m1_te(sc[j]) << (4 * j);
+    }
+    // Saturation needs a per-element look only when the block's largest value clips (or holds an
+    // Inf); underflow is zero-magnitude codes from finite non-zero inputs (NaN also encodes as 0).
+    if (vec_max * enc > 6.0f) {
+        for (int j = 0; j < 4; j++)
+            *sat += (fabsf(sc[j]) > 6.0f && fabsf(vs[j]) < __int_as_float(0x7F800000)) ? 1u : 0u;
+    }
+    if (__popc(((packed & 0x7777u) + 0x7777u) & 0x8888u) < 4) {
+        for (int j = 0; j < 4; j++)
+            *under += (((packed >> (4 * j)) & 7u) == 0 && vs[j] != 0.0f && is_finite(vs[j])) ? 1u : 0u;
     }
     return packed;
 }
@@ -398,7 +462,7 @@ extern "C" __global__ void nvfp4_amax(const float4 *__restrict__ x, u32 *__restr
         }
         k = block_max(k, s_k);
         if (threadIdx.x == 0) {
-            row_keys[seg] = k;
+            row_keys[seg] = canon_key(k);
             if (tensor_keys) atomicMax(&tensor_keys[seg % shards], k);
         }
     }
@@ -425,7 +489,7 @@ extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__r
         for (int k = 0; k < U; k++) {
             u64 i = base + k * 32 + lane;
             bool valid = i < n4;
-            float amax = bitsf(valid ? amax_keys[(i % c4) / w4] : 0u);
+            float amax = key_f(valid ? amax_keys[(i % c4) / w4] : 0u);
             u32 scale, s_ = 0, u_ = 0;
             u32 packed = nv_encode4(v[k], nv_s_enc(amax), rcp6, &scale, &s_, &u_);
             if (valid) {
@@ -457,8 +521,8 @@ extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u1
             k = max(k, max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w))));
         }
         k = block_max(k, s_k);
-        if (threadIdx.x == 0) row_keys[seg] = k;
-        float s_enc = nv_s_enc(bitsf(k));
+        if (threadIdx.x == 0) row_keys[seg] = canon_key(k);
+        float s_enc = nv_s_enc(key_f(k));
         for (u64 j0 = threadIdx.x - lane; j0 < w4; j0 += blockDim.x) {
             u64 j = j0 + lane;
             bool valid = j < w4;
@@ -525,8 +589,20 @@ __device__ __forceinline__ u32 fp8_encode1(float v, float a, bool divide, u32 *s
 }
 
 __device__ __forceinline__ u32 fp8_encode4(float4 v, float a, bool divide, u32 *sat, u32 *under) {
-    return fp8_encode1(v.x, a, divide, sat, under) | (fp8_encode1(v.y, a, divide, sat, under) << 8) |
-           (fp8_encode1(v.z, a, divide, sat, under) << 16) | (fp8_encode1(v.w, a, divide, sat, under) << 24);
+    float s0 = divide ? v.x / a : v.x * a, s1 = divide ? v.y / a : v.y * a;
+    float s2 = divide ? v.z / a : v.z * a, s3 = divide ? v.w / a : v.w * a;
+    u32 p = e4m3x4(s0, s1, s2, s3);
+    float m = fmaxf(fmaxf(fabsf(s0), fabsf(s1)), fmaxf(fabsf(s2), fabsf(s3)));
+    if (m > 448.0f) {
+        *sat += (fabsf(s0) > 448.0f && is_finite(v.x)) + (fabsf(s1) > 448.0f && is_finite(v.y)) +
+                (fabsf(s2) > 448.0f && is_finite(v.z)) + (fabsf(s3) > 448.0f && is_finite(v.w));
+    }
+    if (zero_bytes(p)) {
+        float vs[4] = {v.x, v.y, v.z, v.w};
+        for (int j = 0; j < 4; j++)
+            *under += (((p >> (8 * j)) & 0x7Fu) == 0 && vs[j] != 0.0f && is_finite(vs[j])) ? 1u : 0u;
+    }
+    return p;
 }
 
 __device__ __forceinline__ u32 key4(float4 v) {
@@ -561,7 +637,7 @@ extern "C" __global__ void fp8_block_1x128(const float *__restrict__ x, u32 *__r
             u32 key = key4(v[k]);
             for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
             float sinv, a;
-            tile_scale(bitsf(key), variant, &sinv, &a);
+            tile_scale(key_f(key), variant, &sinv, &a);
             if (valid[k]) {
                 codes[at[k] / 4] = fp8_encode4(v[k], a, divide, &sat, &under);
                 el += 4;
@@ -595,7 +671,7 @@ extern "C" __global__ void fp8_block_128x128(const float *__restrict__ x, u32 *_
         }
         key = block_max(key, s_k);
         float sinv, a;
-        tile_scale(bitsf(key), variant, &sinv, &a);
+        tile_scale(key_f(key), variant, &sinv, &a);
         if (threadIdx.x == 0) scale_inv[t] = sinv;
 #pragma unroll
         for (int j = 0; j < 16; j++) {
@@ -630,7 +706,7 @@ extern "C" __global__ void fp8_block_scales(const u32 *__restrict__ tile_keys, f
                                             float *apply, u64 tiles, int variant) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= tiles) return;
-    tile_scale(bitsf(tile_keys[i]), variant, &scale_inv[i], &apply[i]);
+    tile_scale(key_f(tile_keys[i]), variant, &scale_inv[i], &apply[i]);
 }
 
 // ... then every element.
@@ -680,8 +756,9 @@ extern "C" __global__ void encode_elements(const u32 *__restrict__ bits, u8 *__r
     if (i >= n) return;
     float x = bitsf(bits[i]);
     u16 b = bf16_rne(x);
-    out[5 * i + 0] = e4m3_sat(x);
-    out[5 * i + 1] = e5m2_sat(x);
+    // Through the same 4-wide encoders the quantizers use (the hardware cvt on sm_89+).
+    out[5 * i + 0] = (u8)(e4m3x4(x, x, x, x) & 0xFFu);
+    out[5 * i + 1] = (u8)(e5m2x4(x, x, x, x) >> 24);
     out[5 * i + 2] = (u8)e2m1_te(x);
     out[5 * i + 3] = (u8)(b & 0xFF);
     out[5 * i + 4] = (u8)(b >> 8);

@@ -25,8 +25,9 @@ const THREADS: u32 = 256;
 /// The loaded kernels of `quant.cu`.
 struct Kernels {
     bf16: CudaFunction,
-    mxfp8: CudaFunction,
-    mxfp8_col: CudaFunction,
+    /// `[element][rule]`: E4M3/E5M2 x TE ceil/OCP floor.
+    mxfp8_row: [[CudaFunction; 2]; 2],
+    mxfp8_col: [[CudaFunction; 2]; 2],
     nvfp4_amax: CudaFunction,
     nvfp4: CudaFunction,
     nvfp4_token: CudaFunction,
@@ -100,9 +101,12 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
     }
 }
 
-/// Keys as FP32 amax values (the kernels store |x| bits with NaN canonical, i.e. the float itself).
+/// Amax keys (|x| bits, maxed as integers so NaN wins) as FP32 amax values, NaN as the CPU's
+/// `f32::NAN`.
 fn keys_to_f32(k: &[u32]) -> Vec<f32> {
-    k.iter().map(|b| f32::from_bits(*b)).collect()
+    k.iter()
+        .map(|b| if *b > 0x7F80_0000 { f32::NAN } else { f32::from_bits(*b) })
+        .collect()
 }
 
 impl CudaQuantizer {
@@ -112,8 +116,14 @@ impl CudaQuantizer {
         let f = |name: &str| m.load_function(name);
         let k = Kernels {
             bf16: f("bf16_quantize")?,
-            mxfp8: f("mxfp8_quantize")?,
-            mxfp8_col: f("mxfp8_quantize_col")?,
+            mxfp8_row: [
+                [f("mxfp8_row_e4m3_te")?, f("mxfp8_row_e4m3_ocp")?],
+                [f("mxfp8_row_e5m2_te")?, f("mxfp8_row_e5m2_ocp")?],
+            ],
+            mxfp8_col: [
+                [f("mxfp8_col_e4m3_te")?, f("mxfp8_col_e4m3_ocp")?],
+                [f("mxfp8_col_e5m2_te")?, f("mxfp8_col_e5m2_ocp")?],
+            ],
             nvfp4_amax: f("nvfp4_amax")?,
             nvfp4: f("nvfp4_quantize")?,
             nvfp4_token: f("nvfp4_quantize_token")?,
@@ -249,29 +259,29 @@ impl CudaQuantizer {
                 unsafe { b.launch(cfg(grid, THREADS)) }?;
             }
             QuantFormat::Mxfp8 { elem, rule } => {
-                let (elem_i, max, emax) = match elem {
-                    Fp8Elem::E4M3 => (0i32, crate::formats::fp8::E4M3_MAX, 8i32),
-                    Fp8Elem::E5M2 => (1i32, crate::formats::fp8::E5M2_MAX, 15i32),
+                let (e, max, emax) = match elem {
+                    Fp8Elem::E4M3 => (0, crate::formats::fp8::E4M3_MAX, 8i32),
+                    Fp8Elem::E5M2 => (1, crate::formats::fp8::E5M2_MAX, 15i32),
                 };
                 let rcp_max: f32 = 1.0 / max;
-                let rule_i: i32 = match rule {
+                let r = match rule {
                     MxScaleRule::TeCeil => 0,
                     MxScaleRule::OcpFloor => 1,
                 };
                 if axis == Axis::Col {
                     let (r64, c64) = (rows as u64, cols as u64);
-                    let mut b = s.launch_builder(&self.k.mxfp8_col);
+                    let mut b = s.launch_builder(&self.k.mxfp8_col[e][r]);
                     b.arg(x).arg(codes).arg(scales_u8).arg(&r64).arg(&c64);
-                    b.arg(&elem_i).arg(&rule_i).arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
+                    b.arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
                     // SAFETY: rows is a multiple of 32 (validated); a thread per (column, 32-row
                     // block) reads inside x (rows*cols floats) and writes 32 code bytes at
                     // c*rows + 32*rb (< rows*cols) and one scale byte below rows*cols/32.
                     unsafe { b.launch(cfg(grid, THREADS)) }?;
                 } else {
                     let n4 = n64 / 4;
-                    let mut b = s.launch_builder(&self.k.mxfp8);
+                    let mut b = s.launch_builder(&self.k.mxfp8_row[e][r]);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&n4);
-                    b.arg(&elem_i).arg(&rule_i).arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
+                    b.arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
                     // SAFETY: n is a multiple of 32 (validated): n/4 float4 loads, n/4 u32 code
                     // stores and n/32 scale stores stay inside `src`, `codes` and `scales_u8`.
                     unsafe { b.launch(cfg(grid, THREADS)) }?;
