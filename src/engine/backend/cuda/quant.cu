@@ -403,10 +403,9 @@ __device__ __forceinline__ float nv_s_enc(float amax) {
 
 // One 16-element block over four lanes (one float4 each; call from whole warps): returns the
 // packed codes of this lane's four elements and sets the block's E4M3 scale byte.
-__device__ __forceinline__ u32 nv_encode4(float4 v, float s_enc, float rcp6, u32 *scale, u32 *sat,
-                                          u32 *under) {
+__device__ __forceinline__ u32 nv_encode4(float4 v, float s_enc, float s_dec, float rcp6, u32 *scale,
+                                          u32 *sat, u32 *under) {
     float vs[4] = {v.x, v.y, v.z, v.w};
-    float s_dec = 1.0f / s_enc;
     u32 k = 0;
     for (int j = 0; j < 4; j++) k = max(k, amax_key(vs[j]));
     for (int o = 2; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
@@ -468,71 +467,108 @@ extern "C" __global__ void nvfp4_amax(const float4 *__restrict__ x, u32 *__restr
     }
 }
 
-// Per-tensor scales: every 16-element block under the precomputed `[shards]` amax keys. Four
-// lanes per block; `n4` is a multiple of 4 and of the shard width.
+// Per-tensor scales: every 16-element block under the precomputed `[shards]` amax keys. A warp
+// per row at a time (four lanes per block, U float4s in flight per lane); `c4` (float4s per row)
+// is a multiple of 4 and of `shards`.
 extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__restrict__ codes,
                                           u8 *__restrict__ scales, const u32 *__restrict__ amax_keys,
-                                          u64 n4, u64 cols, u32 shards, float rcp6, u64 *stats) {
+                                          u64 rows, u64 cols, u32 shards, float rcp6, u64 *stats) {
     u32 lane = threadIdx.x & 31;
     u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
-    u64 w4 = cols / shards / 4, c4 = cols / 4;
+    u32 c4 = (u32)(cols / 4), w4 = c4 / shards;
     u32 el = 0, sat = 0, under = 0;
-    for (u64 base = warp * 32 * U; base < n4; base += nwarps * 32 * U) {
-        float4 v[U];
+    for (u64 r = warp; r < rows; r += nwarps) {
+        const float4 *xr = x + r * c4;
+        u64 o = r * c4;
+        for (u32 j0 = 0; j0 < c4; j0 += 32 * U) {
+            float4 v[U];
 #pragma unroll
-        for (int k = 0; k < U; k++) {
-            u64 i = base + k * 32 + lane;
-            v[k] = i < n4 ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+            for (int k = 0; k < U; k++) {
+                u32 j = j0 + k * 32 + lane;
+                v[k] = j < c4 ? xr[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
 #pragma unroll
-        for (int k = 0; k < U; k++) {
-            u64 i = base + k * 32 + lane;
-            bool valid = i < n4;
-            float amax = key_f(valid ? amax_keys[(i % c4) / w4] : 0u);
-            u32 scale, s_ = 0, u_ = 0;
-            u32 packed = nv_encode4(v[k], nv_s_enc(amax), rcp6, &scale, &s_, &u_);
-            if (valid) {
-                codes[i] = (u16)packed;
-                if ((i & 3) == 0) scales[i >> 2] = (u8)scale;
-                el += 4; sat += s_; under += u_;
+            for (int k = 0; k < U; k++) {
+                u32 j = j0 + k * 32 + lane;
+                bool valid = j < c4;
+                float amax = key_f(valid ? amax_keys[shards == 1 ? 0 : j / w4] : 0u);
+                float s_enc = nv_s_enc(amax);
+                u32 scale, s_ = 0, u_ = 0;
+                u32 packed = nv_encode4(v[k], s_enc, 1.0f / s_enc, rcp6, &scale, &s_, &u_);
+                if (valid) {
+                    codes[o + j] = (u16)packed;
+                    if ((j & 3) == 0) scales[(o + j) >> 2] = (u8)scale;
+                    el += 4; sat += s_; under += u_;
+                }
             }
         }
     }
     flush_stats(stats, el, sat, under);
 }
 
-// Per-token scales, fused: one thread block per (row, shard) segment finds the segment's amax,
-// then quantizes it, re-reading the segment from cache: one pass over memory.
+// Per-token scales, fused: one 256-thread block per (row, shard) segment. A segment of up to
+// 256·NV_REGS float4s stays in registers (NV_REGS loads in flight per thread): amax, then encode, one pass
+// over memory. Longer segments re-read from cache.
+#define NV_REGS 16
 extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u16 *__restrict__ codes,
                                                 u8 *__restrict__ scales, u32 *__restrict__ row_keys,
                                                 u64 rows, u64 cols, u32 shards, float rcp6,
                                                 u64 *stats) {
     __shared__ u32 s_k[32];
     u32 lane = threadIdx.x & 31;
-    u64 w4 = cols / shards / 4;
+    u32 w4 = (u32)(cols / shards / 4);
     u32 el = 0, sat = 0, under = 0;
+    bool fits = w4 <= blockDim.x * NV_REGS;
     for (u64 seg = blockIdx.x; seg < rows * shards; seg += gridDim.x) {
         u64 off = (seg / shards) * (cols / 4) + (seg % shards) * w4;
+        const float4 *xs = x + off;
+        float4 v[NV_REGS];
         u32 k = 0;
-#pragma unroll 4
-        for (u64 j = threadIdx.x; j < w4; j += blockDim.x) {
-            float4 v = x[off + j];
-            k = max(k, max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w))));
+        if (fits) {
+#pragma unroll
+            for (int q = 0; q < NV_REGS; q++) {
+                u32 j = threadIdx.x + q * blockDim.x;
+                v[q] = j < w4 ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int q = 0; q < NV_REGS; q++) k = max(k, max(max(amax_key(v[q].x), amax_key(v[q].y)), max(amax_key(v[q].z), amax_key(v[q].w))));
+        } else {
+            for (u32 j = threadIdx.x; j < w4; j += blockDim.x) {
+                float4 t = xs[j];
+                k = max(k, max(max(amax_key(t.x), amax_key(t.y)), max(amax_key(t.z), amax_key(t.w))));
+            }
         }
         k = block_max(k, s_k);
         if (threadIdx.x == 0) row_keys[seg] = canon_key(k);
         float s_enc = nv_s_enc(key_f(k));
-        for (u64 j0 = threadIdx.x - lane; j0 < w4; j0 += blockDim.x) {
-            u64 j = j0 + lane;
-            bool valid = j < w4;
-            float4 v = valid ? x[off + j] : make_float4(0.f, 0.f, 0.f, 0.f);
-            u32 scale, s_ = 0, u_ = 0;
-            u32 packed = nv_encode4(v, s_enc, rcp6, &scale, &s_, &u_);
-            if (valid) {
-                codes[off + j] = (u16)packed;
-                if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
-                el += 4; sat += s_; under += u_;
+        float s_dec = 1.0f / s_enc;
+        if (fits) {
+#pragma unroll
+            for (int q = 0; q < NV_REGS; q++) {
+                u32 j = threadIdx.x + q * blockDim.x;
+                if (q * blockDim.x < w4) { // warp-uniform: w4 and blockDim are multiples of 4 lanes' work
+                    u32 scale, s_ = 0, u_ = 0;
+                    u32 packed = nv_encode4(v[q], s_enc, s_dec, rcp6, &scale, &s_, &u_);
+                    if (j < w4) {
+                        codes[off + j] = (u16)packed;
+                        if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
+                        el += 4; sat += s_; under += u_;
+                    }
+                }
+            }
+        } else {
+            for (u32 j0 = threadIdx.x - lane; j0 < w4; j0 += blockDim.x) {
+                u32 j = j0 + lane;
+                bool valid = j < w4;
+                float4 t = valid ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                u32 scale, s_ = 0, u_ = 0;
+                u32 packed = nv_encode4(t, s_enc, s_dec, rcp6, &scale, &s_, &u_);
+                if (valid) {
+                    codes[off + j] = (u16)packed;
+                    if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
+                    el += 4; sat += s_; under += u_;
+                }
             }
         }
     }
@@ -609,40 +645,40 @@ __device__ __forceinline__ u32 key4(float4 v) {
     return max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w)));
 }
 
-// 1x128 tiles, fused, for `cols` a multiple of 4: a warp per tile (lane = one float4), U tiles in
-// flight per warp. The last tile of a row may be partial.
+// 1x128 tiles, fused, for `cols` a multiple of 4: a warp per row at a time, a tile per 32 lanes
+// (one float4 each), U tiles in flight. The last tile of a row may be partial.
 extern "C" __global__ void fp8_block_1x128(const float *__restrict__ x, u32 *__restrict__ codes,
                                            float *__restrict__ scale_inv, u64 rows, u64 cols,
                                            int variant, u64 *stats) {
     u32 lane = threadIdx.x & 31;
     u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
-    u64 tc = (cols + 127) / 128, tiles = rows * tc;
+    u32 tc = (u32)((cols + 127) / 128), c4 = (u32)(cols / 4);
     bool divide = variant == 1 || variant == 2;
     u32 el = 0, sat = 0, under = 0;
-    for (u64 t0 = warp * U; t0 < tiles; t0 += nwarps * U) {
-        float4 v[U];
-        u64 at[U];
-        bool valid[U];
+    for (u64 r = warp; r < rows; r += nwarps) {
+        const float4 *xr = (const float4 *)(x + r * cols);
+        u32 *cr = codes + r * c4;
+        for (u32 t0 = 0; t0 < tc; t0 += U) {
+            float4 v[U];
 #pragma unroll
-        for (int k = 0; k < U; k++) {
-            u64 t = t0 + k;
-            u64 c = (t % tc) * 128 + 4 * lane;
-            at[k] = (t / tc) * cols + c;
-            valid[k] = t < tiles && c < cols;
-            v[k] = valid[k] ? *(const float4 *)(x + at[k]) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int k = 0; k < U; k++) {
-            u32 key = key4(v[k]);
-            for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
-            float sinv, a;
-            tile_scale(key_f(key), variant, &sinv, &a);
-            if (valid[k]) {
-                codes[at[k] / 4] = fp8_encode4(v[k], a, divide, &sat, &under);
-                el += 4;
+            for (int k = 0; k < U; k++) {
+                u32 j = (t0 + k) * 32 + lane;
+                v[k] = j < c4 ? xr[j] : make_float4(0.f, 0.f, 0.f, 0.f);
             }
-            if (lane == 0 && t0 + k < tiles) scale_inv[t0 + k] = sinv;
+#pragma unroll
+            for (int k = 0; k < U; k++) {
+                u32 j = (t0 + k) * 32 + lane;
+                u32 key = key4(v[k]);
+                for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
+                float sinv, a;
+                tile_scale(key_f(key), variant, &sinv, &a);
+                if (j < c4) {
+                    cr[j] = fp8_encode4(v[k], a, divide, &sat, &under);
+                    el += 4;
+                }
+                if (lane == 0 && t0 + k < tc) scale_inv[r * tc + t0 + k] = sinv;
+            }
         }
     }
     flush_stats(stats, el, sat, under);

@@ -309,12 +309,12 @@ impl CudaQuantizer {
                         // keys `shards`.
                         unsafe { b.launch(cfg(segs.min(grid), THREADS)) }?;
                     }
-                    let n4 = n64 / 4;
                     let mut b = s.launch_builder(&self.k.nvfp4);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&*keys);
-                    b.arg(&n4).arg(&bc64).arg(&shards32).arg(&rcp6).arg(stats);
-                    // SAFETY: n is a multiple of 16·shards: n/4 float4 loads, n/4 u16 stores (n/2
-                    // bytes), n/16 scale bytes; key indices are shards below `shards`.
+                    b.arg(&br64).arg(&bc64).arg(&shards32).arg(&rcp6).arg(stats);
+                    // SAFETY: cols is a multiple of 16·shards: a warp per row reads cols/4 float4s
+                    // of it and writes cols/4 u16 codes and cols/16 scale bytes at the row's
+                    // offsets; key indices are shards below `shards`.
                     unsafe { b.launch(cfg(grid, THREADS)) }?;
                 }
             }
