@@ -75,7 +75,10 @@ fn diff(cpu: &QuantizedTensor, gpu: &QuantizedTensor) -> Option<String> {
         ));
     }
     if cpu.stats != gpu.stats {
-        return Some(format!("stats differ: cpu {:?} gpu {:?}", cpu.stats, gpu.stats));
+        return Some(format!(
+            "stats differ: cpu {:?} gpu {:?}",
+            cpu.stats, gpu.stats
+        ));
     }
     None
 }
@@ -138,7 +141,9 @@ fn xs(v: &Value) -> Vec<f32> {
         .unwrap()
         .iter()
         .map(|h| {
-            f32::from_bits(u32::from_str_radix(h.as_str().unwrap().trim_start_matches("0x"), 16).unwrap())
+            f32::from_bits(
+                u32::from_str_radix(h.as_str().unwrap().trim_start_matches("0x"), 16).unwrap(),
+            )
         })
         .collect()
 }
@@ -160,7 +165,10 @@ fn golden_tensors() -> Vec<(String, Vec<f32>, usize, usize)> {
     }
     for c in golden("nvfp4.json")["cases"].as_array().unwrap() {
         let s = c["shape"].as_array().unwrap();
-        let (r, k) = (s[0].as_u64().unwrap() as usize, s[1].as_u64().unwrap() as usize);
+        let (r, k) = (
+            s[0].as_u64().unwrap() as usize,
+            s[1].as_u64().unwrap() as usize,
+        );
         out.push((format!("nvfp4 {}", c["name"]), xs(c), r, k));
     }
     for c in golden("fp8_block.json")["cases"].as_array().unwrap() {
@@ -195,7 +203,11 @@ fn gpu_quantizer_matches_cpu_on_every_golden_vector() {
     for f in failures.iter().take(10) {
         eprintln!("FAIL {f}");
     }
-    assert!(failures.is_empty(), "{} of {checked} golden quantizations differ", failures.len());
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} golden quantizations differ",
+        failures.len()
+    );
     // Every golden case was run in at least its own format (83 cases; most run in several).
     assert!(checked > 300, "only {checked} quantizations checked");
 }
@@ -212,8 +224,8 @@ fn nasty(n: usize, seed: u64, specials: bool) -> Vec<f32> {
                 1 => f32::INFINITY,
                 2 => f32::NEG_INFINITY,
                 3 => -0.0,
-                4 => 464.0,  // the E4M3 tie above 448
-                5 => 5.0,    // an E2M1 tie
+                4 => 464.0, // the E4M3 tie above 448
+                5 => 5.0,   // an E2M1 tie
                 6 => f32::MAX,
                 7 => -f32::from_bits(1),
                 _ => *v,
@@ -231,7 +243,12 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     let mut failures = Vec::new();
     // (rows, cols, specials): a large finite tensor, one with NaN/Inf sprinkled in (most blocks
     // then hold a special), and an odd shape (partial FP8 tiles, BF16 with no vector width).
-    let shapes = [(1024, 2048, false), (512, 768, true), (257, 384, false), (301, 777, true)];
+    let shapes = [
+        (1024, 2048, false),
+        (512, 768, true),
+        (257, 384, false),
+        (301, 777, true),
+    ];
     for (i, &(r, c, specials)) in shapes.iter().enumerate() {
         let x = nasty(r * c, i as u64 + 7, specials);
         for fmt in all_formats() {
@@ -248,7 +265,11 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     for f in failures.iter().take(10) {
         eprintln!("FAIL {f}");
     }
-    assert!(failures.is_empty(), "{} quantizations differ", failures.len());
+    assert!(
+        failures.is_empty(),
+        "{} quantizations differ",
+        failures.len()
+    );
 }
 
 #[test]
@@ -284,7 +305,9 @@ fn gpu_element_codecs_match_cpu_on_a_sweep_of_fp32_bit_patterns() {
 
 fn backend(test: &str) -> Option<Arc<CudaBackend>> {
     gpu(test)?;
-    Some(Arc::new(CudaBackend::new(0).expect("cuBLAS starts where the quantizer did")))
+    Some(Arc::new(
+        CudaBackend::new(0).expect("cuBLAS starts where the quantizer did"),
+    ))
 }
 
 #[test]
@@ -293,11 +316,25 @@ fn cublas_gemm_matches_cpu_and_repeats_bit_for_bit() {
         return;
     };
     let (m, k, n) = (67, 129, 33);
-    let a: Vec<f32> = nasty(m * k, 1, false).iter().map(|v| v.clamp(-4.0, 4.0)).collect();
-    let b: Vec<f32> = nasty(k * n, 2, false).iter().map(|v| v.clamp(-4.0, 4.0)).collect();
+    let a: Vec<f32> = nasty(m * k, 1, false)
+        .iter()
+        .map(|v| v.clamp(-4.0, 4.0))
+        .collect();
+    let b: Vec<f32> = nasty(k * n, 2, false)
+        .iter()
+        .map(|v| v.clamp(-4.0, 4.0))
+        .collect();
     for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-        let ar = if ta { MatRef::new(&a, k, m).t() } else { MatRef::new(&a, m, k) };
-        let br = if tb { MatRef::new(&b, n, k).t() } else { MatRef::new(&b, k, n) };
+        let ar = if ta {
+            MatRef::new(&a, k, m).t()
+        } else {
+            MatRef::new(&a, m, k)
+        };
+        let br = if tb {
+            MatRef::new(&b, n, k).t()
+        } else {
+            MatRef::new(&b, k, n)
+        };
         for acc in [false, true] {
             let mut want = vec![0.5f32; m * n];
             CpuBackend.gemm(ar, br, &mut want, acc);
@@ -314,7 +351,9 @@ fn cublas_gemm_matches_cpu_and_repeats_bit_for_bit() {
                 / want.iter().map(|w| (*w as f64).powi(2)).sum::<f64>().sqrt();
             assert!(err < 1e-6, "{ta} {tb} acc {acc}: relative error {err:e}");
             assert!(
-                got.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()),
+                got.iter()
+                    .zip(&again)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{ta} {tb} acc {acc}: two identical GEMMs differ"
             );
         }
@@ -379,7 +418,10 @@ fn device_cuda_without_a_gpu_is_a_one_line_error() {
     assert_eq!(out.status.code(), Some(2), "exit code");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim_end().lines().count(), 1, "stderr: {err}");
-    assert!(err.contains("--device cuda:0") && err.contains("--device cpu"), "{err} ({why})");
+    assert!(
+        err.contains("--device cuda:0") && err.contains("--device cpu"),
+        "{err} ({why})"
+    );
     // And the library says so without panicking.
     assert!(lockstep::engine::backend::open("cuda:3".parse().unwrap()).is_err());
 }

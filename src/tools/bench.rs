@@ -125,7 +125,10 @@ pub fn engine_step_times(
         .map(|k| {
             let mut v: Vec<f64> = recs.iter().filter_map(|r| r.get(k)).collect();
             v.sort_by(|a, b| a.total_cmp(b));
-            (k.to_string(), v.get(v.len() / 2).copied().unwrap_or(f64::NAN))
+            (
+                k.to_string(),
+                v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
+            )
         })
         .collect())
 }

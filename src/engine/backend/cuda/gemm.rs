@@ -165,8 +165,9 @@ fn gemm_on(
         }
     };
     let dim = |v: usize| -> Result<i32, CudaError> {
-        i32::try_from(v)
-            .map_err(|_| CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit")))
+        i32::try_from(v).map_err(|_| {
+            CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit"))
+        })
     };
     let cfg = GemmConfig {
         transa: op(b.trans),

@@ -40,7 +40,10 @@ pub enum CudaError {
     #[error("CUDA driver: {0}")]
     Driver(#[from] DriverError),
     #[error("NVRTC could not compile the {module} kernels: {detail}")]
-    Compile { module: &'static str, detail: String },
+    Compile {
+        module: &'static str,
+        detail: String,
+    },
     #[error("cuBLAS: {0}")]
     Blas(#[from] cudarc::cublas::result::CublasError),
     #[error(transparent)]
@@ -169,9 +172,12 @@ impl CudaDevice {
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
             let detail = match &e {
-                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                    log.to_string_lossy().lines().take(6).collect::<Vec<_>>().join(" / ")
-                }
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => log
+                    .to_string_lossy()
+                    .lines()
+                    .take(6)
+                    .collect::<Vec<_>>()
+                    .join(" / "),
                 other => format!("{other:?}"),
             };
             CudaError::Compile { module, detail }

@@ -15,7 +15,9 @@ use crate::formats::fp8_block::{Fp8BlockVariant, TILE};
 use crate::formats::mxfp8::{Fp8Elem, MX_BLOCK, MxScaleRule};
 use crate::formats::nvfp4::NV_BLOCK;
 use crate::formats::tensor::validate_len;
-use crate::formats::{Axis, Fp8Tile, QuantFormat, QuantStats, QuantizedTensor, Scales, SecondScale};
+use crate::formats::{
+    Axis, Fp8Tile, QuantFormat, QuantStats, QuantizedTensor, Scales, SecondScale,
+};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
@@ -105,7 +107,13 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
 /// `f32::NAN`.
 fn keys_to_f32(k: &[u32]) -> Vec<f32> {
     k.iter()
-        .map(|b| if *b > 0x7F80_0000 { f32::NAN } else { f32::from_bits(*b) })
+        .map(|b| {
+            if *b > 0x7F80_0000 {
+                f32::NAN
+            } else {
+                f32::from_bits(*b)
+            }
+        })
         .collect()
 }
 
@@ -222,7 +230,11 @@ impl CudaQuantizer {
 
     /// Quantize the device tensor `x` (`q.rows x q.cols`, row-major) into `q`. Asynchronous: the
     /// work is queued on this quantizer's stream.
-    pub fn quantize_into(&self, x: &CudaSlice<f32>, q: &mut DeviceQuantized) -> Result<(), CudaError> {
+    pub fn quantize_into(
+        &self,
+        x: &CudaSlice<f32>,
+        q: &mut DeviceQuantized,
+    ) -> Result<(), CudaError> {
         let (rows, cols, axis) = (q.rows, q.cols, q.axis);
         validate_len(x.len(), rows, cols, &q.format, axis)?;
         let s = &self.stream;
@@ -349,7 +361,11 @@ impl CudaQuantizer {
                 {
                     let warps = br * bc.div_ceil(TILE);
                     let mut b = s.launch_builder(&self.k.fp8_amax);
-                    b.arg(src).arg(&mut *keys).arg(&br64).arg(&bc64).arg(&tile_rows);
+                    b.arg(src)
+                        .arg(&mut *keys)
+                        .arg(&br64)
+                        .arg(&bc64)
+                        .arg(&tile_rows);
                     // SAFETY: one warp per (row, tile); reads stay inside the row, atomics index
                     // the tile grid of `tiles` keys.
                     unsafe { b.launch(cfg(blocks(warps * 32, THREADS), THREADS)) }?;
@@ -425,7 +441,10 @@ impl CudaQuantizer {
                         SecondScale::PerTensor => shards,
                     }
                 );
-                (Scales::E4m3(s.clone_dtoh(&q.scales_u8)?), keys_to_f32(&keys))
+                (
+                    Scales::E4m3(s.clone_dtoh(&q.scales_u8)?),
+                    keys_to_f32(&keys),
+                )
             }
             QuantFormat::Fp8Block { .. } => (Scales::F32(s.clone_dtoh(&q.scales_f32)?), vec![]),
         };
