@@ -37,6 +37,8 @@ pub enum CudaError {
         count: usize,
         hint: String,
     },
+    #[error("the CUDA driver did not start ({0}); check the NVIDIA driver or use --device cpu")]
+    Init(DriverError),
     #[error("CUDA driver: {0}")]
     Driver(#[from] DriverError),
     #[error("NVRTC could not compile the {module} kernels: {detail}")]
@@ -88,7 +90,7 @@ pub fn device_count() -> Result<usize, CudaError> {
         Ok(n) => Ok(n.max(0) as usize),
         // cuInit fails with CUDA_ERROR_NO_DEVICE on a machine with a driver but no GPU.
         Err(e) if format!("{e:?}").contains("NO_DEVICE") => Ok(0),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(CudaError::Init(e)),
     }
 }
 
