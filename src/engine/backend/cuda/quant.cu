@@ -403,16 +403,18 @@ __device__ __forceinline__ float nv_s_enc(float amax) {
 
 // One 16-element block over four lanes (one float4 each; call from whole warps): returns the
 // packed codes of this lane's four elements and sets the block's E4M3 scale byte.
-__device__ __forceinline__ u32 nv_encode4(float4 v, float s_enc, float s_dec, float rcp6, u32 *scale,
-                                          u32 *sat, u32 *under) {
+// `mult` is S_enc·fp32(1/6) (TE's association order) and `s_dec` 1/S_enc, both per second-level
+// scale, computed by the caller once per row or tensor.
+__device__ __forceinline__ u32 nv_encode4(float4 v, float mult, float s_dec, u32 *scale, u32 *sat,
+                                          u32 *under) {
     float vs[4] = {v.x, v.y, v.z, v.w};
     u32 k = 0;
     for (int j = 0; j < 4; j++) k = max(k, amax_key(vs[j]));
     for (int o = 2; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
     float vec_max = key_f(k);
-    float ds = vec_max * (s_enc * rcp6);
+    float ds = vec_max * mult;
     if (!is_nan(ds)) ds = fminf(fmaxf(fminf(ds, FLT_MAX_F), -448.0f), 448.0f);
-    *scale = e4m3_sat(ds);
+    *scale = e4m3x4(ds, ds, ds, ds) & 0xFFu;
     float enc = 1.0f / (e4m3_decode(*scale) * s_dec);
     if (!is_nan(enc)) enc = fminf(enc, FLT_MAX_F);
     float sc[4];
@@ -478,6 +480,8 @@ extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__r
     u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
     u32 c4 = (u32)(cols / 4), w4 = c4 / shards;
     u32 el = 0, sat = 0, under = 0;
+    float s_enc1 = nv_s_enc(key_f(amax_keys[0])); // the only scale when shards == 1
+    float mult1 = s_enc1 * rcp6, s_dec1 = 1.0f / s_enc1;
     for (u64 r = warp; r < rows; r += nwarps) {
         const float4 *xr = x + r * c4;
         u64 o = r * c4;
@@ -492,10 +496,14 @@ extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__r
             for (int k = 0; k < U; k++) {
                 u32 j = j0 + k * 32 + lane;
                 bool valid = j < c4;
-                float amax = key_f(valid ? amax_keys[shards == 1 ? 0 : j / w4] : 0u);
-                float s_enc = nv_s_enc(amax);
+                float mult = mult1, s_dec = s_dec1;
+                if (shards > 1) {
+                    float s_enc = nv_s_enc(key_f(valid ? amax_keys[j / w4] : 0u));
+                    mult = s_enc * rcp6;
+                    s_dec = 1.0f / s_enc;
+                }
                 u32 scale, s_ = 0, u_ = 0;
-                u32 packed = nv_encode4(v[k], s_enc, 1.0f / s_enc, rcp6, &scale, &s_, &u_);
+                u32 packed = nv_encode4(v[k], mult, s_dec, &scale, &s_, &u_);
                 if (valid) {
                     codes[o + j] = (u16)packed;
                     if ((j & 3) == 0) scales[(o + j) >> 2] = (u8)scale;
@@ -542,14 +550,14 @@ extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u1
         k = block_max(k, s_k);
         if (threadIdx.x == 0) row_keys[seg] = canon_key(k);
         float s_enc = nv_s_enc(key_f(k));
-        float s_dec = 1.0f / s_enc;
+        float mult = s_enc * rcp6, s_dec = 1.0f / s_enc;
         if (fits) {
 #pragma unroll
             for (int q = 0; q < NV_REGS; q++) {
                 u32 j = threadIdx.x + q * blockDim.x;
                 if (q * blockDim.x < w4) { // warp-uniform: w4 and blockDim are multiples of 4 lanes' work
                     u32 scale, s_ = 0, u_ = 0;
-                    u32 packed = nv_encode4(v[q], s_enc, s_dec, rcp6, &scale, &s_, &u_);
+                    u32 packed = nv_encode4(v[q], mult, s_dec, &scale, &s_, &u_);
                     if (j < w4) {
                         codes[off + j] = (u16)packed;
                         if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
@@ -563,7 +571,7 @@ extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u1
                 bool valid = j < w4;
                 float4 t = valid ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
                 u32 scale, s_ = 0, u_ = 0;
-                u32 packed = nv_encode4(t, s_enc, s_dec, rcp6, &scale, &s_, &u_);
+                u32 packed = nv_encode4(t, mult, s_dec, &scale, &s_, &u_);
                 if (valid) {
                     codes[off + j] = (u16)packed;
                     if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
