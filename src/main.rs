@@ -39,7 +39,12 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         }) => cli::engine::bench_engine_cmd(*steps, recipes, *gemm_size),
         Command::Report(args) => cli::report::run(args),
         Command::Bench(BenchCommand::Report(args)) => cli::report::bench(args),
-        Command::Bench(BenchCommand::Quantize { size, min_time }) => {
+        Command::Bench(BenchCommand::Quantize {
+            size, device, reps, ..
+        }) if device != "cpu" => cli::bench::quantize_gpu(device, *size, *reps),
+        Command::Bench(BenchCommand::Step(args)) => cli::bench::step(args),
+        Command::Bench(BenchCommand::Quantize { size, min_time, .. }) => {
+            let size = &size.unwrap_or(4096);
             let all = std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1);

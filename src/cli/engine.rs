@@ -2,7 +2,6 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use lockstep::engine::backend::CpuBackend;
 use lockstep::engine::model::ModelConfig;
 use lockstep::engine::run::{RunConfig, default_cache, run_one, step_line};
 use lockstep::engine::task::Task;
@@ -51,6 +50,9 @@ pub struct RunOneArgs {
     /// Warm-start cache folder (default: $LOCKSTEP_CACHE or runs/cache).
     #[arg(long)]
     pub cache: Option<PathBuf>,
+    /// Where the GEMMs run: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 pub fn parse_break(s: &str) -> Result<ContractBreak> {
@@ -87,13 +89,14 @@ impl RunOneArgs {
 
 pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
     let cfg = args.config()?;
+    let be = lockstep::engine::backend::open(args.device.parse()?)?;
     let cache = args.cache.clone().unwrap_or_else(default_cache);
     let id = args
         .out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "run".into());
-    let m = run_one(&CpuBackend, &cfg, &id, &args.out, Some(&cache), |r| {
+    let m = run_one(be.as_ref(), &cfg, &id, &args.out, Some(&cache), |r| {
         println!("{}", step_line(r))
     })
     .with_context(|| format!("run {}", args.out.display()))?;

@@ -1,6 +1,7 @@
 //! Command-line definitions (clap derive: each doc comment is the flag's help) and the mapping of raw
 //! flags to validated library calls. Exit codes are defined once, in `main.rs`.
 
+pub mod bench;
 pub mod engine;
 pub mod quantize;
 pub mod report;
@@ -44,14 +45,21 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// MXFP8 and NVFP4 per-token quantizer throughput next to a plain copy, on 1 core and all cores.
+    /// MXFP8 and NVFP4 per-token quantizer throughput next to a plain copy, on 1 core and all cores
+    /// (`--device cuda`: every quantizer kernel next to a device-to-device copy).
     Quantize {
-        /// Side of the square FP32 tensor.
-        #[arg(long, default_value_t = 4096)]
-        size: usize,
-        /// Minimum seconds spent per measurement (median of the repetitions is reported).
+        /// Side of the square FP32 tensor (default 4096 on the CPU, 16384 on a GPU).
+        #[arg(long)]
+        size: Option<usize>,
+        /// Minimum seconds spent per measurement (median of the repetitions is reported; CPU only).
         #[arg(long, default_value_t = 1.0)]
         min_time: f64,
+        /// cpu, cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Timed repetitions per kernel (GPU only; the median is reported).
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
     },
     /// The built-in engine's RL step at the benchmark shape for every recipe, with rollout and train
     /// tokens/s and the train phase's GFLOP/s next to the GEMM library's rate on a large matmul.
@@ -72,4 +80,6 @@ pub enum BenchCommand {
     },
     /// Time building a report for a synthetic nightly-sized suite (target: under 10 s).
     Report(report::BenchReportArgs),
+    /// Engine GRPO step time (median of --steps after one warm-up) on a device.
+    Step(bench::StepArgs),
 }

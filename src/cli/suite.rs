@@ -2,7 +2,6 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use lockstep::engine::backend::CpuBackend;
 use lockstep::engine::run::default_cache;
 use lockstep::store::RunDir;
 use lockstep::suite::runner::{Progress, RunnerOptions, run_suite, safe_component, suite_dir};
@@ -58,11 +57,16 @@ pub struct RunArgs {
     /// Redo finished runs too.
     #[arg(long)]
     pub force: bool,
+    /// Where the GEMMs run: cpu, cuda or cuda:N (all workers share that device).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     let s = load(&args.suite)?;
     let runs = expand(&s)?;
+    let be = lockstep::engine::backend::open(args.device.parse()?)?;
+    let device = be.name();
     let jobs = args.jobs.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -108,7 +112,7 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
                 st.0, run.config, run.seed
             ),
             Progress::Started { run } => println!(
-                "[{}/{total}] start {} seed {} on cpu",
+                "[{}/{total}] start {} seed {} on {device}",
                 st.0, run.config, run.seed
             ),
             Progress::Step { run, record } => {
@@ -143,7 +147,7 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
             }
         }
     };
-    let sum = run_suite(&CpuBackend, &s, &runs, &opts, &progress)?;
+    let sum = run_suite(be.as_ref(), &s, &runs, &opts, &progress)?;
     println!(
         "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged, {} busy",
         start.elapsed().as_secs_f64(),

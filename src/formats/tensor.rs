@@ -265,11 +265,23 @@ fn validate(
     fmt: &QuantFormat,
     axis: Axis,
 ) -> Result<(), FormatError> {
-    if x.len() != rows * cols {
+    validate_len(x.len(), rows, cols, fmt, axis)
+}
+
+/// Shape and option checks of a tensor of `len` values, shared by this quantizer and the CUDA
+/// kernels (`engine::backend::cuda`), so both refuse the same inputs with the same message.
+pub(crate) fn validate_len(
+    len: usize,
+    rows: usize,
+    cols: usize,
+    fmt: &QuantFormat,
+    axis: Axis,
+) -> Result<(), FormatError> {
+    if len != rows * cols {
         return Err(FormatError::ShapeMismatch {
             rows,
             cols,
-            got: x.len(),
+            got: len,
             want: rows * cols,
         });
     }

@@ -92,3 +92,43 @@ pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<Benc
     }
     rows
 }
+
+/// Median seconds of each `perf/*` phase over `steps` GRPO steps (after one warm-up step) of a
+/// randomly initialised `model` under `recipe` on `be`, at the default GRPO batch (8 prompts x 8
+/// samples, `add:2`): the engine's step cost on a device, whatever the reward does.
+pub fn engine_step_times(
+    be: &dyn crate::engine::backend::Backend,
+    model: &crate::engine::model::ModelConfig,
+    recipe: crate::recipe::Recipe,
+    steps: usize,
+) -> Result<Vec<(String, f64)>, crate::engine::trainer::TrainerError> {
+    use crate::engine::task::Task;
+    use crate::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
+    let task = Task::Add(2);
+    let grpo = GrpoConfig {
+        max_response_tokens: task.answer_len() + 2,
+        eval_every: 0,
+        ..Default::default()
+    };
+    let init = crate::engine::model::Params::init(model, 0)?;
+    let mut t = Trainer::new(init, task, recipe, grpo, 0, ContractBreak::None)?;
+    t.step(be);
+    let recs: Vec<_> = (0..steps.max(1)).map(|_| t.step(be)).collect();
+    let keys = [
+        "perf/step_time",
+        "perf/export_time",
+        "perf/rollout_time",
+        "perf/train_time",
+    ];
+    Ok(keys
+        .iter()
+        .map(|k| {
+            let mut v: Vec<f64> = recs.iter().filter_map(|r| r.get(k)).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            (
+                k.to_string(),
+                v.get(v.len() / 2).copied().unwrap_or(f64::NAN),
+            )
+        })
+        .collect())
+}

@@ -3,10 +3,66 @@
 //!
 //! Only dense GEMM lives here for now: it is where all the FLOPs are. Element-wise ops are plain
 //! functions in `engine::ops`, written once for the CPU reference.
+//!
+//! [`Device`] is what `--device` parses to (`cpu`, `cuda`, `cuda:N`) and [`open`] turns it into a
+//! backend; without a usable GPU, `cuda` is a one-line error, never a panic.
 
 pub mod cpu;
+pub mod cuda;
 
 pub use cpu::CpuBackend;
+
+/// Where the engine's GEMMs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// A CUDA device by ordinal (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+/// A `--device` value that does not parse, or a device that cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("unknown device `{0}`; use cpu, cuda or cuda:N")]
+    Unknown(String),
+    #[error("--device {device}: {err}")]
+    Cuda {
+        device: Device,
+        err: cuda::CudaError,
+    },
+}
+
+impl std::str::FromStr for Device {
+    type Err = DeviceError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            _ => cuda::parse_ordinal(s)
+                .map(Device::Cuda)
+                .ok_or_else(|| DeviceError::Unknown(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// The backend for `device` (the CUDA one checks libraries and device count first).
+pub fn open(device: Device) -> Result<Box<dyn Backend>, DeviceError> {
+    match device {
+        Device::Cpu => Ok(Box::new(CpuBackend)),
+        Device::Cuda(i) => cuda::CudaBackend::new(i)
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+            .map_err(|err| DeviceError::Cuda { device, err }),
+    }
+}
 
 /// Row-major matrix operand: `data` holds `rows x cols` values; `trans` says to use its transpose.
 #[derive(Clone, Copy)]

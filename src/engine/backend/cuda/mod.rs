@@ -1,0 +1,206 @@
+//! The CUDA backend, through cudarc with `dynamic-loading`: libcuda, libnvrtc and libcublas are
+//! opened at first use, so the crate builds and runs on machines without CUDA, and `--device cuda`
+//! there is a one-line error ([`CudaError::Missing`]), never a panic (cudarc's `CudaContext::new`
+//! panics when libcuda is absent, so [`probe`] checks the libraries first).
+//!
+//! - [`quant`]: the quantizers as NVRTC kernels (`quant.cu`), compiled with the spec's exact FP32
+//!   arithmetic and tested byte for byte against `crate::formats` (the one quantizer);
+//! - [`gemm`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) with cuBLAS SGEMM;
+//! - [`bench`]: device timings (quantizer bandwidth vs a device-to-device copy).
+//!
+//! Every `unsafe` block of the crate that touches the GPU lives under this folder.
+
+pub mod bench;
+pub mod gemm;
+pub mod quant;
+
+pub use gemm::CudaBackend;
+pub use quant::{CudaQuantizer, DeviceQuantized};
+
+use cudarc::driver::{CudaContext, DriverError};
+use std::sync::Arc;
+
+/// Why the GPU could not be used. Messages are one line and name the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "no CUDA {lib} library could be loaded ({file}); run on a machine with an NVIDIA GPU, \
+         driver and CUDA 13 libraries, or use --device cpu"
+    )]
+    Missing {
+        lib: &'static str,
+        file: &'static str,
+    },
+    #[error("cuda:{ordinal} does not exist ({count} CUDA device(s) visible); {hint}")]
+    NoDevice {
+        ordinal: usize,
+        count: usize,
+        hint: String,
+    },
+    #[error("the CUDA driver did not start ({0}); check the NVIDIA driver or use --device cpu")]
+    Init(DriverError),
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] DriverError),
+    #[error("NVRTC could not compile the {module} kernels: {detail}")]
+    Compile {
+        module: &'static str,
+        detail: String,
+    },
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error(transparent)]
+    Format(#[from] crate::formats::FormatError),
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// Check, without panicking, that the driver, NVRTC and cuBLAS libraries can be loaded.
+pub fn probe() -> Result<(), CudaError> {
+    // SAFETY: each `is_culib_present` only tries to dlopen the library by name and closes it; no
+    // CUDA function is called.
+    let present = unsafe {
+        [
+            (
+                "driver",
+                "libcuda.so",
+                cudarc::driver::sys::is_culib_present(),
+            ),
+            (
+                "NVRTC",
+                "libnvrtc.so",
+                cudarc::nvrtc::sys::is_culib_present(),
+            ),
+            (
+                "cuBLAS",
+                "libcublas.so",
+                cudarc::cublas::sys::is_culib_present(),
+            ),
+        ]
+    };
+    match present.iter().find(|(_, _, ok)| !ok) {
+        Some((lib, file, _)) => Err(CudaError::Missing { lib, file }),
+        None => Ok(()),
+    }
+}
+
+/// Number of visible CUDA devices (0 when the driver loads but sees none).
+pub fn device_count() -> Result<usize, CudaError> {
+    probe()?;
+    match CudaContext::device_count() {
+        Ok(n) => Ok(n.max(0) as usize),
+        // cuInit fails with CUDA_ERROR_NO_DEVICE on a machine with a driver but no GPU.
+        Err(e) if format!("{e:?}").contains("NO_DEVICE") => Ok(0),
+        Err(e) => Err(CudaError::Init(e)),
+    }
+}
+
+/// One opened GPU: its context, name and compute capability.
+#[derive(Debug)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+    cc: (i32, i32),
+}
+
+impl CudaDevice {
+    /// Open `cuda:ordinal`, checking libraries and the device count first.
+    pub fn open(ordinal: usize) -> Result<Arc<Self>, CudaError> {
+        let count = device_count()?;
+        if ordinal >= count {
+            let hint = if count == 0 {
+                "run on a machine with an NVIDIA GPU or use --device cpu".to_string()
+            } else {
+                format!("use --device cuda:0 .. cuda:{}", count - 1)
+            };
+            return Err(CudaError::NoDevice {
+                ordinal,
+                count,
+                hint,
+            });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let name = ctx.name()?;
+        let cc = ctx.compute_capability()?;
+        Ok(Arc::new(CudaDevice {
+            ctx,
+            ordinal,
+            name,
+            cc,
+        }))
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The card's name as the driver reports it (what `nvidia-smi` prints).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// NVRTC virtual architecture for this device (`compute_90` on an H100/H200): PTX the driver
+    /// finishes for the exact chip at load time.
+    fn nvrtc_arch(&self) -> &'static str {
+        let arch = format!("compute_{}{}", self.cc.0, self.cc.1);
+        // cudarc wants a 'static str; one small leak per opened device and module.
+        Box::leak(arch.into_boxed_str())
+    }
+
+    /// Compile `src` with the exact-arithmetic options: no FMA contraction, no flush to zero, IEEE
+    /// division and square root (the spec's FP32 arithmetic; fast-math would change codes).
+    pub(crate) fn compile(
+        &self,
+        module: &'static str,
+        src: &str,
+    ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+        let opts = cudarc::nvrtc::CompileOptions {
+            ftz: Some(false),
+            prec_sqrt: Some(true),
+            prec_div: Some(true),
+            fmad: Some(false),
+            use_fast_math: Some(false),
+            arch: Some(self.nvrtc_arch()),
+            name: Some(format!("{module}.cu")),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
+            let detail = match &e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => log
+                    .to_string_lossy()
+                    .lines()
+                    .take(6)
+                    .collect::<Vec<_>>()
+                    .join(" / "),
+                other => format!("{other:?}"),
+            };
+            CudaError::Compile { module, detail }
+        })?;
+        Ok(self.ctx.load_module(ptx)?)
+    }
+}
+
+/// Parse `cuda` or `cuda:N` (the part after `--device`); `None` for anything else.
+pub fn parse_ordinal(s: &str) -> Option<usize> {
+    match s {
+        "cuda" => Some(0),
+        _ => s.strip_prefix("cuda:").and_then(|n| n.parse().ok()),
+    }
+}
+
+/// A message for tests that need a GPU and skip without one; `None` when a GPU is usable.
+pub fn skip_reason() -> Option<String> {
+    match device_count() {
+        Ok(0) => Some("no CUDA device visible".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}

@@ -1,0 +1,810 @@
+// lockstep's quantizers as CUDA kernels, compiled at run time by NVRTC.
+//
+// Every function here is a line-for-line port of `src/formats/` (the one quantizer), and the test
+// `cuda_quantizer_matches_cpu` checks the bytes against it. The arithmetic must stay IEEE FP32:
+// the module is compiled with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true (no
+// fast-math, no approximate reciprocals), and every constant that Rust computes in FP32 (1/448,
+// 1/6, ...) is passed in from the host rather than folded here.
+//
+// Layout conventions (see `formats::tensor`): the input is the blocked view, row-major, `rows x
+// cols`; blocks run along rows. Codes are one byte per element (FP4: two per byte, element 2i in
+// the low nibble; BF16: two bytes little-endian). Stats are three u64 counters: elements,
+// saturated, underflowed, with the CPU's exact definitions.
+
+typedef unsigned int u32;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define F32_NAN_BITS 0x7FC00000u
+#define FLT_MAX_F 3.40282346638528859812e+38f
+
+__device__ __forceinline__ u32 fbits(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ float bitsf(u32 u) { return __uint_as_float(u); }
+__device__ __forceinline__ bool is_nan(float x) { return (fbits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+__device__ __forceinline__ bool is_finite(float x) { return (fbits(x) & 0x7FFFFFFFu) < 0x7F800000u; }
+
+// ---- element codecs (formats::{bf16, fp8, e2m1, e8m0, minifloat}) -------------------------------
+
+// minifloat::round_magnitude: RNE of a finite FP32 magnitude to a small float's magnitude code.
+__device__ u32 round_magnitude(u32 abs_bits, u32 mbits, int bias) {
+    int exp_field = (int)(abs_bits >> 23);
+    if (exp_field == 0) return 0;
+    u32 sig = (1u << 23) | (abs_bits & 0x7FFFFFu);
+    int e = exp_field - 127;
+    int min_normal_exp = 1 - bias;
+    u32 base, shift, kept;
+    if (e >= min_normal_exp) {
+        base = ((u32)(e + bias)) << mbits;
+        shift = 23 - mbits;
+        kept = (sig & 0x7FFFFFu) >> shift;
+    } else {
+        int s = 23 - (int)mbits + (min_normal_exp - e);
+        if (s > 24) return 0;
+        base = 0;
+        shift = (u32)s;
+        kept = sig >> shift;
+    }
+    u32 rem = sig & ((1u << shift) - 1u);
+    u32 half = 1u << (shift - 1);
+    u32 code = base + kept;
+    return (rem > half || (rem == half && (code & 1u))) ? code + 1u : code;
+}
+
+// fp8::e4m3_from_f32_sat (branch-free fast path).
+__device__ __forceinline__ u8 e4m3_sat(float x) {
+    u32 u = fbits(x);
+    float a = fminf(bitsf(u & 0x7FFFFFFFu), 448.0f);
+    u32 ab = fbits(a);
+    u32 normal = (ab - (120u << 23) + (0x7FFFFu + ((ab >> 20) & 1u))) >> 20;
+    u32 sub = fbits(a * 512.0f + 8388608.0f) - 0x4B000000u;
+    u32 mag = ab < (121u << 23) ? sub : normal;
+    u8 code = (u8)(((u >> 24) & 0x80u) | (mag & 0xFFu));
+    return is_nan(x) ? (u8)0x7F : code;
+}
+
+// fp8::e5m2_from_f32_sat.
+__device__ __forceinline__ u8 e5m2_sat(float x) {
+    if (is_nan(x)) return 0x7E;
+    u32 u = fbits(x);
+    u32 abs_bits = u & 0x7FFFFFFFu;
+    u32 mag = abs_bits >= 0x7F800000u ? 0x7Bu : min(round_magnitude(abs_bits, 2, 15), 0x7Bu);
+    return (u8)(((u >> 24) & 0x80u) | mag);
+}
+
+// fp8::e4m3_to_f32 (exact).
+__device__ __forceinline__ float e4m3_decode(u32 c) {
+    u32 e = (c >> 3) & 0xFu, m = c & 7u;
+    float mag;
+    if (e == 15u && m == 7u) return bitsf(F32_NAN_BITS);
+    if (e == 0u) mag = (float)m * (1.0f / 512.0f);
+    else mag = bitsf(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -mag : mag;
+}
+
+// e2m1::e2m1_from_f32 with the TE reference convention (-0.0 and NaN -> code 0).
+__device__ __forceinline__ u32 e2m1_te(float x) {
+    u32 u = fbits(x);
+    float a = fminf(bitsf(u & 0x7FFFFFFFu), 6.0f);
+    u32 ab = fbits(a);
+    u32 normal = (ab - (126u << 23) + (0x1FFFFFu + ((ab >> 22) & 1u))) >> 22;
+    u32 sub = fbits(a * 2.0f + 8388608.0f) - 0x4B000000u;
+    u32 mag = ab < (127u << 23) ? sub : normal;
+    u32 code = ((u >> 28) & 8u) | (mag & 0xFFu);
+    if (is_nan(x) || u == 0x80000000u) return 0;
+    return code;
+}
+
+// bf16::bf16_from_f32.
+__device__ __forceinline__ u16 bf16_rne(float x) {
+    u32 u = fbits(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x0040u);
+    u32 lsb = (u >> 16) & 1u;
+    return (u16)((u + 0x7FFFu + lsb) >> 16);
+}
+
+// e8m0::e8m0_ceil_from_f32 (TE float_to_e8m0).
+__device__ __forceinline__ u32 e8m0_ceil(float v) {
+    if (is_nan(v)) return 0xFF;
+    u32 u = fbits(v);
+    if ((u & 0x7FFFFFFFu) == 0x7F800000u) return 0xFE;
+    if ((u & 0x7FFFFFFFu) == 0) return 0;
+    u32 e = (u >> 23) & 0xFFu, m = u & 0x7FFFFFu;
+    bool bump = m > 0 && e != 0xFEu && !(e == 0 && m <= 0x400000u);
+    return (e + (bump ? 1u : 0u)) & 0xFFu;
+}
+
+// e8m0::e8m0_reciprocal: 2^(127-b).
+__device__ __forceinline__ float e8m0_rcp(u32 b) {
+    if (b == 0xFFu) return bitsf(F32_NAN_BITS);
+    if (b == 254u) return bitsf(0x00400000u);
+    return bitsf((254u - b) << 23);
+}
+
+// Ordering key of |x|: the magnitude bits. As integers every NaN orders above Inf, so a max over
+// keys propagates NaN; `key_f` turns the result back into the amax, with the CPU's NaN (f32::NAN,
+// 0x7FC00000) for any NaN: `amax_nan_propagating` bit for bit.
+__device__ __forceinline__ u32 amax_key(float x) { return fbits(x) & 0x7FFFFFFFu; }
+__device__ __forceinline__ u32 canon_key(u32 k) { return k > 0x7F800000u ? F32_NAN_BITS : k; }
+__device__ __forceinline__ float key_f(u32 k) { return bitsf(canon_key(k)); }
+
+// ---- hardware FP8 conversion (sm_89+): cvt.rn.satfinite, two elements an instruction ----------------
+// Same rounding (RNE) and saturation as the CPU codecs; only NaN differs (the hardware keeps the
+// sign, and its E5M2 NaN pattern is its own), so NaN bytes are rewritten to the CPU's code:
+// E4M3 0x7F, E5M2 0x7E. Bytes whose magnitude is NaN: E4M3 0x7F, E5M2 above 0x7C (satfinite never
+// makes Inf).
+
+__device__ __forceinline__ u32 fix_nan_bytes(u32 p, u32 add, u32 nan_code) {
+    u32 nanmask = ((p & 0x7F7F7F7Fu) + add) & 0x80808080u;
+    u32 bytes = (nanmask >> 7) * 0xFFu;
+    return (p & ~bytes) | (nan_code & bytes);
+}
+
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return fix_nan_bytes((u32)lo | ((u32)hi << 16), 0x01010101u, 0x7F7F7F7Fu);
+#else
+    return (u32)e4m3_sat(a) | ((u32)e4m3_sat(b) << 8) | ((u32)e4m3_sat(c) << 16) | ((u32)e4m3_sat(d) << 24);
+#endif
+}
+
+__device__ __forceinline__ u32 e5m2x4(float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return fix_nan_bytes((u32)lo | ((u32)hi << 16), 0x03030303u, 0x7E7E7E7Eu);
+#else
+    return (u32)e5m2_sat(a) | ((u32)e5m2_sat(b) << 8) | ((u32)e5m2_sat(c) << 16) | ((u32)e5m2_sat(d) << 24);
+#endif
+}
+
+// Number of bytes of `p` whose FP8 magnitude is zero.
+__device__ __forceinline__ u32 zero_bytes(u32 p) {
+    u32 z = p & 0x7F7F7F7Fu;
+    return 4u - __popc((z + 0x7F7F7F7Fu) & 0x80808080u);
+}
+
+// ---- stats ----------------------------------------------------------------------------------------
+
+// Block-wide sum of three counters, one atomic per counter per thread block.
+__device__ void flush_stats(u64 *stats, u32 el, u32 sat, u32 under) {
+    __shared__ u32 s_el, s_sat, s_under;
+    if (threadIdx.x == 0) { s_el = 0; s_sat = 0; s_under = 0; }
+    __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) {
+        el += __shfl_xor_sync(0xFFFFFFFFu, el, o);
+        sat += __shfl_xor_sync(0xFFFFFFFFu, sat, o);
+        under += __shfl_xor_sync(0xFFFFFFFFu, under, o);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (el) atomicAdd(&s_el, el);
+        if (sat) atomicAdd(&s_sat, sat);
+        if (under) atomicAdd(&s_under, under);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (s_el) atomicAdd(&stats[0], (u64)s_el);
+        if (s_sat) atomicAdd(&stats[1], (u64)s_sat);
+        if (s_under) atomicAdd(&stats[2], (u64)s_under);
+    }
+}
+
+// Grid-stride kernels keep the stats in registers and flush them once per thread block; each
+// thread keeps U independent 16-byte loads in flight (memory-level parallelism for HBM latency).
+#define U 4
+
+// ---- BF16 -----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u16 bf16_one(float v, u32 *sat, u32 *under) {
+    u16 c = bf16_rne(v);
+    *sat += (is_finite(v) && (c & 0x7FFFu) == 0x7F80u) ? 1u : 0u;
+    *under += (v != 0.0f && (c & 0x7FFFu) == 0u) ? 1u : 0u;
+    return c;
+}
+
+extern "C" __global__ void bf16_quantize(const float *__restrict__ x, u16 *__restrict__ codes,
+                                         u64 n, u64 *stats) {
+    u32 el = 0, sat = 0, under = 0;
+    u64 n4 = n / 4;
+    const float4 *x4 = (const float4 *)x;
+    uint2 *c4 = (uint2 *)codes;
+    u64 step = (u64)gridDim.x * blockDim.x * U;
+    for (u64 b = (u64)blockIdx.x * blockDim.x * U + threadIdx.x; b < n4; b += step) {
+        float4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = b + (u64)k * blockDim.x;
+            v[k] = i < n4 ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = b + (u64)k * blockDim.x;
+            if (i < n4) {
+                u32 c0 = bf16_one(v[k].x, &sat, &under), c1 = bf16_one(v[k].y, &sat, &under);
+                u32 c2 = bf16_one(v[k].z, &sat, &under), c3 = bf16_one(v[k].w, &sat, &under);
+                c4[i] = make_uint2(c0 | (c1 << 16), c2 | (c3 << 16));
+                el += 4;
+            }
+        }
+    }
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = n4 * 4 + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        codes[i] = bf16_one(x[i], &sat, &under);
+        el += 1;
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// ---- MXFP8 ----------------------------------------------------------------------------------------
+// Templated on the element (0 = E4M3, 1 = E5M2) and the scale rule (0 = TE ceil, 1 = OCP floor).
+// Both rules see the same block amax (max |x| over the non-NaN elements); OCP also needs to know
+// whether a NaN was there.
+
+__device__ __forceinline__ int floor_log2(float a) {
+    u32 u = fbits(a);
+    int e = (int)((u >> 23) & 0xFFu);
+    if (e != 0) return e - 127;
+    return (31 - __clz((int)(u & 0x7FFFFFu))) - 149;
+}
+
+// The E8M0 byte of a block (mxfp8::quantize_block) from its amax `m`; 0xFF with `nanblock` when
+// the OCP rule makes the whole block NaN. Both rules then multiply by 2^(127-b) (exact, so the
+// CPU's f64 product for OCP rounds to the same FP32).
+template <int RULE>
+__device__ __forceinline__ u32 mx_scale(float m, bool nan, float rcp_max, int emax, bool *nanblock) {
+    *nanblock = false;
+    if (RULE == 0) return e8m0_ceil(m * rcp_max);
+    int e = m == 0.0f ? -126 : floor_log2(m);
+    int shared = e - emax;
+    if (nan || !is_finite(m) || shared > 127) {
+        *nanblock = true;
+        return 0xFF;
+    }
+    return (u32)(max(shared, -127) + 127);
+}
+
+template <int ELEM>
+__device__ __forceinline__ u32 fp8x4(float a, float b, float c, float d) {
+    return ELEM == 0 ? e4m3x4(a, b, c, d) : e5m2x4(a, b, c, d);
+}
+
+// Four elements of a (non-NaN) block under the multiplier `inv`; `m` is the block amax. The
+// saturation count only needs a per-element look when the block's largest value clips (or holds
+// an Inf); underflow is zero-magnitude codes from non-zero inputs.
+template <int ELEM>
+__device__ __forceinline__ u32 mx_encode4(float v0, float v1, float v2, float v3, float m, float inv,
+                                          float max_elem, u32 *sat, u32 *under) {
+    float s0 = v0 * inv, s1 = v1 * inv, s2 = v2 * inv, s3 = v3 * inv;
+    u32 p = fp8x4<ELEM>(s0, s1, s2, s3);
+    if (m * inv > max_elem) {
+        *sat += (fabsf(s0) > max_elem && is_finite(v0)) + (fabsf(s1) > max_elem && is_finite(v1)) +
+                (fabsf(s2) > max_elem && is_finite(v2)) + (fabsf(s3) > max_elem && is_finite(v3));
+    }
+    if (zero_bytes(p)) {
+        *under += ((p & 0x7Fu) == 0 && v0 != 0.0f) + (((p >> 8) & 0x7Fu) == 0 && v1 != 0.0f) +
+                  (((p >> 16) & 0x7Fu) == 0 && v2 != 0.0f) + (((p >> 24) & 0x7Fu) == 0 && v3 != 0.0f);
+    }
+    return p;
+}
+
+// Row axis: eight lanes per 32-element block, one float4 each; `n4` (float4 count) is a multiple
+// of 8. Warps stride over chunks of 32·U float4s so shuffles always see whole blocks.
+template <int ELEM, int RULE>
+__device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__restrict__ codes,
+                                          u8 *__restrict__ scales, u64 n4, float max_elem,
+                                          float rcp_max, int emax, u64 *stats) {
+    u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 base = warp * 32 * U; base < n4; base += nwarps * 32 * U) {
+        float4 v[U];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = base + k * 32 + lane;
+            v[k] = i < n4 ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u64 i = base + k * 32 + lane;
+            float m = fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w)));
+            u32 nan = 0;
+            if (RULE == 1)
+                nan = (is_nan(v[k].x) | is_nan(v[k].y) | is_nan(v[k].z) | is_nan(v[k].w)) ? 1u : 0u;
+            for (int o = 4; o > 0; o >>= 1) {
+                m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+                if (RULE == 1) nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, o);
+            }
+            bool nanblock;
+            u32 b = mx_scale<RULE>(m, nan != 0, rcp_max, emax, &nanblock);
+            u32 packed = 0x7F7F7F7Fu, s_ = 0, u_ = 0;
+            if (!nanblock)
+                packed = mx_encode4<ELEM>(v[k].x, v[k].y, v[k].z, v[k].w, m, e8m0_rcp(b), max_elem, &s_, &u_);
+            if (i < n4) {
+                codes[i] = packed;
+                if ((i & 7) == 0) scales[i >> 3] = (u8)b;
+                if (!nanblock) { el += 4; sat += s_; under += u_; }
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// Column axis without a transpose: a thread owns (column c, row block rb), reads x[rb*32 + i][c]
+// for i < 32 (coalesced across the warp's consecutive columns) and writes the block's 32 codes
+// contiguously at codes[c*rows + rb*32] (the transposed blocked view). `rows` is a multiple of 32.
+template <int ELEM, int RULE>
+__device__ __forceinline__ void mxfp8_col(const float *__restrict__ x, uint4 *__restrict__ codes,
+                                          u8 *__restrict__ scales, u64 rows, u64 cols, float max_elem,
+                                          float rcp_max, int emax, u64 *stats) {
+    u64 rbs = rows / 32;
+    u64 items = rbs * cols;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < items; t += stride) {
+        u64 rb = t / cols, c = t % cols;
+        float v[32];
+        float m = 0.0f;
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = x[(rb * 32 + i) * cols + c];
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            if (RULE == 1) nan |= is_nan(v[i]);
+            m = fmaxf(m, fabsf(v[i]));
+        }
+        bool nanblock;
+        u32 b = mx_scale<RULE>(m, nan, rcp_max, emax, &nanblock);
+        float inv = e8m0_rcp(b);
+        u32 w[8];
+#pragma unroll
+        for (int q = 0; q < 8; q++)
+            w[q] = nanblock ? 0x7F7F7F7Fu
+                            : mx_encode4<ELEM>(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3], m, inv,
+                                               max_elem, &sat, &under);
+        if (!nanblock) el += 32;
+        u64 o = (c * rows + rb * 32) / 16;
+        codes[o] = make_uint4(w[0], w[1], w[2], w[3]);
+        codes[o + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+        scales[c * rbs + rb] = (u8)b;
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+#define MX_KERNELS(SUFFIX, E, R)                                                                       \
+    extern "C" __global__ void mxfp8_row_##SUFFIX(const float4 *__restrict__ x, u32 *__restrict__ codes, \
+                                                  u8 *__restrict__ scales, u64 n4, float max_elem,     \
+                                                  float rcp_max, int emax, u64 *stats) {                \
+        mxfp8_row<E, R>(x, codes, scales, n4, max_elem, rcp_max, emax, stats);                         \
+    }                                                                                                  \
+    extern "C" __global__ void mxfp8_col_##SUFFIX(const float *__restrict__ x, uint4 *__restrict__ codes, \
+                                                  u8 *__restrict__ scales, u64 rows, u64 cols,         \
+                                                  float max_elem, float rcp_max, int emax, u64 *stats) { \
+        mxfp8_col<E, R>(x, codes, scales, rows, cols, max_elem, rcp_max, emax, stats);                 \
+    }
+MX_KERNELS(e4m3_te, 0, 0)
+MX_KERNELS(e4m3_ocp, 0, 1)
+MX_KERNELS(e5m2_te, 1, 0)
+MX_KERNELS(e5m2_ocp, 1, 1)
+
+// ---- NVFP4 ----------------------------------------------------------------------------------------
+
+// nvfp4::GlobalScale::from_amax: S_enc = min(2688 / amax, FLT_MAX), 1 when that is 0.
+__device__ __forceinline__ float nv_s_enc(float amax) {
+    float s = 2688.0f / amax;
+    if (!is_nan(s)) s = fminf(s, FLT_MAX_F);
+    if (s == 0.0f) s = 1.0f;
+    return s;
+}
+
+// One 16-element block over four lanes (one float4 each; call from whole warps): returns the
+// packed codes of this lane's four elements and sets the block's E4M3 scale byte.
+// `mult` is S_enc·fp32(1/6) (TE's association order) and `s_dec` 1/S_enc, both per second-level
+// scale, computed by the caller once per row or tensor.
+__device__ __forceinline__ u32 nv_encode4(float4 v, float mult, float s_dec, u32 *scale, u32 *sat,
+                                          u32 *under) {
+    float vs[4] = {v.x, v.y, v.z, v.w};
+    u32 k = 0;
+    for (int j = 0; j < 4; j++) k = max(k, amax_key(vs[j]));
+    for (int o = 2; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
+    float vec_max = key_f(k);
+    float ds = vec_max * mult;
+    if (!is_nan(ds)) ds = fminf(fmaxf(fminf(ds, FLT_MAX_F), -448.0f), 448.0f);
+    *scale = e4m3x4(ds, ds, ds, ds) & 0xFFu;
+    float enc = 1.0f / (e4m3_decode(*scale) * s_dec);
+    if (!is_nan(enc)) enc = fminf(enc, FLT_MAX_F);
+    float sc[4];
+    u32 packed = 0;
+    for (int j = 0; j < 4; j++) {
+        sc[j] = vs[j] * enc;
+        packed |= e2m1_te(sc[j]) << (4 * j);
+    }
+    // Saturation needs a per-element look only when the block's largest value clips (or holds an
+    // Inf); underflow is zero-magnitude codes from finite non-zero inputs (NaN also encodes as 0).
+    if (vec_max * enc > 6.0f) {
+        for (int j = 0; j < 4; j++)
+            *sat += (fabsf(sc[j]) > 6.0f && fabsf(vs[j]) < __int_as_float(0x7F800000)) ? 1u : 0u;
+    }
+    if (__popc(((packed & 0x7777u) + 0x7777u) & 0x8888u) < 4) {
+        for (int j = 0; j < 4; j++)
+            *under += (((packed >> (4 * j)) & 7u) == 0 && vs[j] != 0.0f && is_finite(vs[j])) ? 1u : 0u;
+    }
+    return packed;
+}
+
+// Block-wide max of a key (every thread gets it). Uses `s_k` (32 entries) and two barriers.
+__device__ __forceinline__ u32 block_max(u32 k, u32 *s_k) {
+    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
+    if ((threadIdx.x & 31) == 0) s_k[threadIdx.x >> 5] = k;
+    __syncthreads();
+    u32 r = 0;
+    for (u32 w = 0; w < (blockDim.x + 31) / 32; w++) r = max(r, s_k[w]);
+    __syncthreads();
+    return r;
+}
+
+// Per (row, shard) amax keys: one thread block per segment. With `tensor_keys` set, also folds
+// each into a per-shard tensor amax (zero-initialised keys): the per-tensor second-level scale.
+extern "C" __global__ void nvfp4_amax(const float4 *__restrict__ x, u32 *__restrict__ row_keys,
+                                      u32 *tensor_keys, u64 rows, u64 cols, u32 shards) {
+    __shared__ u32 s_k[32];
+    u64 w4 = cols / shards / 4;
+    for (u64 seg = blockIdx.x; seg < rows * shards; seg += gridDim.x) {
+        u64 off = (seg / shards) * (cols / 4) + (seg % shards) * w4;
+        u32 k = 0;
+#pragma unroll 4
+        for (u64 j = threadIdx.x; j < w4; j += blockDim.x) {
+            float4 v = x[off + j];
+            k = max(k, max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w))));
+        }
+        k = block_max(k, s_k);
+        if (threadIdx.x == 0) {
+            row_keys[seg] = canon_key(k);
+            if (tensor_keys) atomicMax(&tensor_keys[seg % shards], k);
+        }
+    }
+}
+
+// Per-tensor scales: every 16-element block under the precomputed `[shards]` amax keys. A warp
+// per row at a time (four lanes per block, U float4s in flight per lane); `c4` (float4s per row)
+// is a multiple of 4 and of `shards`.
+extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__restrict__ codes,
+                                          u8 *__restrict__ scales, const u32 *__restrict__ amax_keys,
+                                          u64 rows, u64 cols, u32 shards, float rcp6, u64 *stats) {
+    u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u32 c4 = (u32)(cols / 4), w4 = c4 / shards;
+    u32 el = 0, sat = 0, under = 0;
+    float s_enc1 = nv_s_enc(key_f(amax_keys[0])); // the only scale when shards == 1
+    float mult1 = s_enc1 * rcp6, s_dec1 = 1.0f / s_enc1;
+    for (u64 r = warp; r < rows; r += nwarps) {
+        const float4 *xr = x + r * c4;
+        u64 o = r * c4;
+        for (u32 j0 = 0; j0 < c4; j0 += 32 * U) {
+            float4 v[U];
+#pragma unroll
+            for (int k = 0; k < U; k++) {
+                u32 j = j0 + k * 32 + lane;
+                v[k] = j < c4 ? xr[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < U; k++) {
+                u32 j = j0 + k * 32 + lane;
+                bool valid = j < c4;
+                float mult = mult1, s_dec = s_dec1;
+                if (shards > 1) {
+                    float s_enc = nv_s_enc(key_f(valid ? amax_keys[j / w4] : 0u));
+                    mult = s_enc * rcp6;
+                    s_dec = 1.0f / s_enc;
+                }
+                u32 scale, s_ = 0, u_ = 0;
+                u32 packed = nv_encode4(v[k], mult, s_dec, &scale, &s_, &u_);
+                if (valid) {
+                    codes[o + j] = (u16)packed;
+                    if ((j & 3) == 0) scales[(o + j) >> 2] = (u8)scale;
+                    el += 4; sat += s_; under += u_;
+                }
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// Per-token scales, fused: one 256-thread block per (row, shard) segment. A segment of up to
+// 256·NV_REGS float4s stays in registers (NV_REGS loads in flight per thread): amax, then encode, one pass
+// over memory. Longer segments re-read from cache.
+#define NV_REGS 16
+extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u16 *__restrict__ codes,
+                                                u8 *__restrict__ scales, u32 *__restrict__ row_keys,
+                                                u64 rows, u64 cols, u32 shards, float rcp6,
+                                                u64 *stats) {
+    __shared__ u32 s_k[32];
+    u32 lane = threadIdx.x & 31;
+    u32 w4 = (u32)(cols / shards / 4);
+    u32 el = 0, sat = 0, under = 0;
+    bool fits = w4 <= blockDim.x * NV_REGS;
+    for (u64 seg = blockIdx.x; seg < rows * shards; seg += gridDim.x) {
+        u64 off = (seg / shards) * (cols / 4) + (seg % shards) * w4;
+        const float4 *xs = x + off;
+        float4 v[NV_REGS];
+        u32 k = 0;
+        if (fits) {
+#pragma unroll
+            for (int q = 0; q < NV_REGS; q++) {
+                u32 j = threadIdx.x + q * blockDim.x;
+                v[q] = j < w4 ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int q = 0; q < NV_REGS; q++) k = max(k, max(max(amax_key(v[q].x), amax_key(v[q].y)), max(amax_key(v[q].z), amax_key(v[q].w))));
+        } else {
+            for (u32 j = threadIdx.x; j < w4; j += blockDim.x) {
+                float4 t = xs[j];
+                k = max(k, max(max(amax_key(t.x), amax_key(t.y)), max(amax_key(t.z), amax_key(t.w))));
+            }
+        }
+        k = block_max(k, s_k);
+        if (threadIdx.x == 0) row_keys[seg] = canon_key(k);
+        float s_enc = nv_s_enc(key_f(k));
+        float mult = s_enc * rcp6, s_dec = 1.0f / s_enc;
+        if (fits) {
+#pragma unroll
+            for (int q = 0; q < NV_REGS; q++) {
+                u32 j = threadIdx.x + q * blockDim.x;
+                if (q * blockDim.x < w4) { // warp-uniform: w4 and blockDim are multiples of 4 lanes' work
+                    u32 scale, s_ = 0, u_ = 0;
+                    u32 packed = nv_encode4(v[q], mult, s_dec, &scale, &s_, &u_);
+                    if (j < w4) {
+                        codes[off + j] = (u16)packed;
+                        if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
+                        el += 4; sat += s_; under += u_;
+                    }
+                }
+            }
+        } else {
+            for (u32 j0 = threadIdx.x - lane; j0 < w4; j0 += blockDim.x) {
+                u32 j = j0 + lane;
+                bool valid = j < w4;
+                float4 t = valid ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                u32 scale, s_ = 0, u_ = 0;
+                u32 packed = nv_encode4(t, mult, s_dec, &scale, &s_, &u_);
+                if (valid) {
+                    codes[off + j] = (u16)packed;
+                    if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
+                    el += 4; sat += s_; under += u_;
+                }
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// ---- FP8 block scaling ------------------------------------------------------------------------------
+// variant: 0 te, 1 deepseek-v3, 2 deepseek-v3-ue8m0, 3 deepgemm, 4 deepgemm-ue8m0.
+// tile_rows: 1 (1x128) or 128 (128x128). Tiles along cols may be partial (last tile).
+
+// 2^ceil(log2 s) for a positive normal s (fp8_block::pow2_ceil).
+__device__ __forceinline__ float pow2_ceil(float s) {
+    if (!is_finite(s) || s <= 0.0f) return s;
+    u32 b = fbits(s);
+    u32 e = ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0 ? 1u : 0u);
+    return bitsf(min(e, 254u) << 23);
+}
+
+// fp8_block::ceil_ue8m0_deepgemm.
+__device__ __forceinline__ float ceil_ue8m0(float s) {
+    if (is_nan(s)) return s;
+    u32 b = fbits(fabsf(s));
+    u32 e = ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0 ? 1u : 0u);
+    return bitsf(min(max(e, 1u), 254u) << 23);
+}
+
+// fp8_block::tile_scale: the stored decode multiplier and the encode operand (a multiplier for
+// te/deepgemm, a divisor for deepseek-v3). NaN results are stored as the CPU's NaN (0x7FC00000):
+// NVIDIA arithmetic returns 0x7FFFFFFF where x86 propagates the operand's bits.
+__device__ __forceinline__ void tile_scale(float amax, int variant, float *scale_inv, float *apply) {
+    if (variant == 0) {
+        float scale = amax == 0.0f ? __int_as_float(0x7F800000) : 448.0f / amax;
+        if ((fbits(scale) & 0x7FFFFFFFu) == 0x7F800000u) scale = FLT_MAX_F;
+        if (amax == 0.0f) scale = 1.0f;
+        float inv = 1.0f / scale;
+        *scale_inv = is_nan(inv) ? bitsf(F32_NAN_BITS) : inv;
+        *apply = scale;
+    } else {
+        float s = fmaxf(amax, 1e-4f) / 448.0f;
+        if (is_nan(amax)) s = bitsf(F32_NAN_BITS);
+        if (variant == 4) s = ceil_ue8m0(s);
+        if (variant == 2) s = pow2_ceil(s);
+        *scale_inv = s;
+        *apply = (variant == 3 || variant == 4) ? 1.0f / s : s;
+    }
+}
+
+__device__ __forceinline__ u32 fp8_encode1(float v, float a, bool divide, u32 *sat, u32 *under) {
+    float s = divide ? v / a : v * a;
+    u32 code = e4m3_sat(s);
+    *sat += (fabsf(s) > 448.0f && is_finite(v)) ? 1u : 0u;
+    *under += ((code & 0x7Fu) == 0 && v != 0.0f && is_finite(v)) ? 1u : 0u;
+    return code;
+}
+
+__device__ __forceinline__ u32 fp8_encode4(float4 v, float a, bool divide, u32 *sat, u32 *under) {
+    float s0 = divide ? v.x / a : v.x * a, s1 = divide ? v.y / a : v.y * a;
+    float s2 = divide ? v.z / a : v.z * a, s3 = divide ? v.w / a : v.w * a;
+    u32 p = e4m3x4(s0, s1, s2, s3);
+    float m = fmaxf(fmaxf(fabsf(s0), fabsf(s1)), fmaxf(fabsf(s2), fabsf(s3)));
+    if (m > 448.0f) {
+        *sat += (fabsf(s0) > 448.0f && is_finite(v.x)) + (fabsf(s1) > 448.0f && is_finite(v.y)) +
+                (fabsf(s2) > 448.0f && is_finite(v.z)) + (fabsf(s3) > 448.0f && is_finite(v.w));
+    }
+    if (zero_bytes(p)) {
+        float vs[4] = {v.x, v.y, v.z, v.w};
+        for (int j = 0; j < 4; j++)
+            *under += (((p >> (8 * j)) & 0x7Fu) == 0 && vs[j] != 0.0f && is_finite(vs[j])) ? 1u : 0u;
+    }
+    return p;
+}
+
+__device__ __forceinline__ u32 key4(float4 v) {
+    return max(max(amax_key(v.x), amax_key(v.y)), max(amax_key(v.z), amax_key(v.w)));
+}
+
+// 1x128 tiles, fused, for `cols` a multiple of 4: a warp per row at a time, a tile per 32 lanes
+// (one float4 each), U tiles in flight. The last tile of a row may be partial.
+extern "C" __global__ void fp8_block_1x128(const float *__restrict__ x, u32 *__restrict__ codes,
+                                           float *__restrict__ scale_inv, u64 rows, u64 cols,
+                                           int variant, u64 *stats) {
+    u32 lane = threadIdx.x & 31;
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
+    u32 tc = (u32)((cols + 127) / 128), c4 = (u32)(cols / 4);
+    bool divide = variant == 1 || variant == 2;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 r = warp; r < rows; r += nwarps) {
+        const float4 *xr = (const float4 *)(x + r * cols);
+        u32 *cr = codes + r * c4;
+        for (u32 t0 = 0; t0 < tc; t0 += U) {
+            float4 v[U];
+#pragma unroll
+            for (int k = 0; k < U; k++) {
+                u32 j = (t0 + k) * 32 + lane;
+                v[k] = j < c4 ? xr[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int k = 0; k < U; k++) {
+                u32 j = (t0 + k) * 32 + lane;
+                u32 key = key4(v[k]);
+                for (int o = 16; o > 0; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
+                float sinv, a;
+                tile_scale(key_f(key), variant, &sinv, &a);
+                if (j < c4) {
+                    cr[j] = fp8_encode4(v[k], a, divide, &sat, &under);
+                    el += 4;
+                }
+                if (lane == 0 && t0 + k < tc) scale_inv[r * tc + t0 + k] = sinv;
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// 128x128 tiles, fused, for `cols` a multiple of 4: a 256-thread block per tile holds the tile in
+// registers (16 float4 a thread), reduces its amax, then encodes: one pass over memory.
+extern "C" __global__ void fp8_block_128x128(const float *__restrict__ x, u32 *__restrict__ codes,
+                                             float *__restrict__ scale_inv, u64 rows, u64 cols,
+                                             int variant, u64 *stats) {
+    __shared__ u32 s_k[32];
+    u64 tr = (rows + 127) / 128, tc = (cols + 127) / 128;
+    u32 cl = threadIdx.x & 31, rl = threadIdx.x >> 5;
+    bool divide = variant == 1 || variant == 2;
+    u32 el = 0, sat = 0, under = 0;
+    for (u64 t = blockIdx.x; t < tr * tc; t += gridDim.x) {
+        u64 r0 = (t / tc) * 128, c = (t % tc) * 128 + 4 * cl;
+        float4 v[16];
+        u32 key = 0;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            u64 r = r0 + rl + 8 * j;
+            bool ok = r < rows && c < cols;
+            v[j] = ok ? *(const float4 *)(x + r * cols + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+            key = max(key, key4(v[j]));
+        }
+        key = block_max(key, s_k);
+        float sinv, a;
+        tile_scale(key_f(key), variant, &sinv, &a);
+        if (threadIdx.x == 0) scale_inv[t] = sinv;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            u64 r = r0 + rl + 8 * j;
+            if (r < rows && c < cols) {
+                codes[(r * cols + c) / 4] = fp8_encode4(v[j], a, divide, &sat, &under);
+                el += 4;
+            }
+        }
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// Any shape (cols not a multiple of 4): tile amax keys, one warp per (row, 128-column tile),
+// folded into the tile grid with atomicMax (zero-initialised keys) ...
+extern "C" __global__ void fp8_block_amax(const float *__restrict__ x, u32 *tile_keys, u64 rows,
+                                          u64 cols, u32 tile_rows) {
+    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    u32 lane = threadIdx.x & 31;
+    u64 tc = (cols + 127) / 128;
+    if (warp >= rows * tc) return; // whole warps exit together (blockDim is a multiple of 32)
+    u64 r = warp / tc, t = warp % tc;
+    u64 c0 = t * 128, c1 = min(c0 + 128, cols);
+    u32 k = 0;
+    for (u64 c = c0 + lane; c < c1; c += 32) k = max(k, amax_key(x[r * cols + c]));
+    for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
+    if (lane == 0) atomicMax(&tile_keys[(r / tile_rows) * tc + t], k);
+}
+
+// ... then the tile scales ...
+extern "C" __global__ void fp8_block_scales(const u32 *__restrict__ tile_keys, float *scale_inv,
+                                            float *apply, u64 tiles, int variant) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= tiles) return;
+    tile_scale(key_f(tile_keys[i]), variant, &scale_inv[i], &apply[i]);
+}
+
+// ... then every element.
+extern "C" __global__ void fp8_block_encode(const float *__restrict__ x, u8 *__restrict__ codes,
+                                            const float *__restrict__ apply, u64 rows, u64 cols,
+                                            u32 tile_rows, int divide, u64 *stats) {
+    u64 tc = (cols + 127) / 128;
+    u64 n = rows * cols;
+    u32 el = 0, sat = 0, under = 0;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        u64 r = i / cols, c = i % cols;
+        codes[i] = (u8)fp8_encode1(x[i], apply[(r / tile_rows) * tc + c / 128], divide != 0, &sat, &under);
+        el += 1;
+    }
+    flush_stats(stats, el, sat, under);
+}
+
+// ---- layout and element tests ---------------------------------------------------------------------
+
+// out[c, r] = x[r, c] through 32x32 shared-memory tiles (column quantization = row quantization of
+// the transpose). Block (32, 8).
+extern "C" __global__ void transpose_f32(const float *__restrict__ x, float *__restrict__ out,
+                                         u64 rows, u64 cols) {
+    __shared__ float tile[32][33];
+    u64 c = (u64)blockIdx.x * 32 + threadIdx.x;
+    u64 r0 = (u64)blockIdx.y * 32;
+    for (u32 j = threadIdx.y; j < 32; j += 8) {
+        u64 r = r0 + j;
+        if (r < rows && c < cols) tile[j][threadIdx.x] = x[r * cols + c];
+    }
+    __syncthreads();
+    u64 oc = r0 + threadIdx.x;          // column of out = row of x
+    u64 orow0 = (u64)blockIdx.x * 32;   // row of out = column of x
+    for (u32 j = threadIdx.y; j < 32; j += 8) {
+        u64 orow = orow0 + j;
+        if (orow < cols && oc < rows) out[orow * rows + oc] = tile[threadIdx.x][j];
+    }
+}
+
+// Every element codec on every input, for the exhaustive GPU-vs-CPU element test:
+// out[5 * i + {0..4}] = e4m3_sat, e5m2_sat, e2m1_te, bf16 low byte, bf16 high byte;
+// e8m0[i] = e8m0_ceil(x).
+extern "C" __global__ void encode_elements(const u32 *__restrict__ bits, u8 *__restrict__ out,
+                                           u8 *__restrict__ e8m0, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float x = bitsf(bits[i]);
+    u16 b = bf16_rne(x);
+    // Through the same 4-wide encoders the quantizers use (the hardware cvt on sm_89+).
+    out[5 * i + 0] = (u8)(e4m3x4(x, x, x, x) & 0xFFu);
+    out[5 * i + 1] = (u8)(e5m2x4(x, x, x, x) >> 24);
+    out[5 * i + 2] = (u8)e2m1_te(x);
+    out[5 * i + 3] = (u8)(b & 0xFF);
+    out[5 * i + 4] = (u8)(b >> 8);
+    e8m0[i] = (u8)e8m0_ceil(x);
+}
