@@ -3,6 +3,7 @@
 
 pub mod engine;
 pub mod quantize;
+pub mod slurm;
 pub mod suite;
 
 use clap::{Parser, Subcommand};
