@@ -71,7 +71,7 @@ impl SlurmArgs {
         [
             (s.partition.is_some(), "--partition"),
             (s.gpus_per_run.is_some(), "--gpus-per-run"),
-            (s.cpus_per_run.is_some(), "--cpus-per-task"),
+            (s.cpus_per_run.is_some(), "--cpus-per-run"),
             (s.time.is_some(), "--time"),
             (s.account.is_some(), "--account"),
             (s.mem.is_some(), "--mem"),

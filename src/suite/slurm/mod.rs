@@ -483,7 +483,15 @@ pub fn submit(
         runs.len(),
         suite.name
     );
-    let id = ctl::sbatch(&sub.script_path(), &what)?;
+    let id = match ctl::sbatch(&sub.script_path(), &what) {
+        Ok(id) => id,
+        Err(e @ SlurmError::Missing { .. }) => {
+            let _ = std::fs::remove_dir_all(&sub.dir); // sbatch never ran: nothing can be queued
+            return Err(e);
+        }
+        // Kept open: if sbatch did queue it despite the error, the next run finds it by name.
+        Err(e) => return Err(e),
+    };
     sub.job_id = Some(id);
     sub.save()?;
     Ok(sub)

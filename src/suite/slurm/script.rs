@@ -198,7 +198,7 @@ mod tests {
             assert!(s.contains(line), "missing {line:?} in\n{s}");
         }
         assert!(s.starts_with("#!/bin/bash\n"));
-        assert!(!s.contains("--force") && !s.contains("--cpus-per-task"));
+        assert!(!s.contains("--force") && !s.contains("#SBATCH --cpus-per-task"));
     }
 
     #[test]

@@ -1,0 +1,371 @@
+//! Issue 8 (Slurm sweeps) against a real Slurm: `.ci/start-slurm.sh` starts a one-node cluster
+//! on localhost. Tests that need the cluster print why and return when `sinfo` is missing or no
+//! node is usable; there is no fake scheduler. The refusal tests that need no cluster always run.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+const STEPS: usize = 40;
+
+/// 2 configs x 2 seeds, tiny model, runs of a few seconds each on one core.
+fn suite(dir: &Path, slurm: &str) -> PathBuf {
+    let p = dir.join("it.toml");
+    let text = format!(
+        "name = \"slurm-it\"\nseeds = [0, 1]\n[workload]\nmodel = \"tiny\"\ntask = \"add:2\"\n\
+         prompts_per_step = 8\nsamples_per_prompt = 8\nmax_response_tokens = 4\nsteps = {STEPS}\n\
+         [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[[configs]]\nname = \"nvfp4-dq\"\nrecipe = \"nvfp4-dq\"\n{slurm}"
+    );
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Why the cluster cannot be used, if it cannot.
+fn cluster_down() -> Option<String> {
+    let out = match Command::new("sinfo").args(["-h", "-o", "%t"]).output() {
+        Ok(o) => o,
+        Err(e) => return Some(format!("sinfo cannot run ({e}): Slurm is not installed")),
+    };
+    if !out.status.success() {
+        return Some(format!(
+            "sinfo failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let states = String::from_utf8_lossy(&out.stdout).to_string();
+    if !states
+        .lines()
+        .any(|s| matches!(s.trim(), "idle" | "mix" | "alloc"))
+    {
+        return Some(format!("no usable node (sinfo states: {:?})", states.trim()));
+    }
+    None
+}
+
+macro_rules! need_cluster {
+    () => {
+        if let Some(why) = cluster_down() {
+            eprintln!("SKIP (no Slurm cluster): {why}; start one with `bash .ci/start-slurm.sh` as root");
+            return;
+        }
+    };
+}
+
+/// The submission records (`submission.json`) of the suite, oldest first.
+fn submissions(store: &Path) -> Vec<serde_json::Value> {
+    let base = store.join("slurm-it/.slurm");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&base)
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    dirs.sort();
+    dirs.iter()
+        .filter_map(|d| std::fs::read_to_string(d.join("submission.json")).ok())
+        .map(|t| serde_json::from_str(&t).unwrap())
+        .collect()
+}
+
+/// Cancels every job this test submitted, whatever happens to the test.
+struct CancelOnDrop(PathBuf);
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        for s in submissions(&self.0) {
+            if let Some(name) = s["name"].as_str() {
+                let _ = Command::new("scancel").args(["-n", name]).output();
+            }
+        }
+    }
+}
+
+fn lockstep(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.current_dir(dir)
+        .env("LOCKSTEP_CACHE", dir.join("cache"))
+        .args(args);
+    c
+}
+
+/// Lines of a child's stdout, as they come.
+fn lines_of(child: &mut Child) -> Receiver<String> {
+    let (tx, rx) = channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn wait_line(rx: &Receiver<String>, seen: &mut Vec<String>, what: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while Instant::now() < deadline {
+        if let Ok(l) = rx.recv_timeout(Duration::from_millis(200)) {
+            seen.push(l.clone());
+            if what(&l) {
+                return l;
+            }
+        }
+    }
+    panic!("timed out waiting; output so far:\n{}", seen.join("\n"));
+}
+
+fn finish(mut c: Command) -> Output {
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("lockstep did not finish in time");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Run ids of the suite, from `lockstep suite show`.
+fn planned_ids(dir: &Path, suite: &Path) -> Vec<String> {
+    let o = lockstep(dir, &["suite", "show", suite.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let mut ids: Vec<String> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().last().map(String::from))
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[test]
+fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
+    need_cluster!();
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let store = dir.join("runs");
+    let _guard = CancelOnDrop(store.clone());
+    let suite = suite(dir, "");
+    let s = suite.to_str().unwrap();
+    // One task at a time (--jobs 1 throttles the array), so cancelling task 0 mid-run leaves
+    // the others queued in Slurm when lockstep is killed.
+    let args = ["run", s, "--executor", "slurm", "--jobs", "1", "--poll", "0.5"];
+    let mut first = lockstep(dir, &args).stdout(Stdio::piped()).spawn().unwrap();
+    let rx = lines_of(&mut first);
+    let mut seen = Vec::new();
+    let start = wait_line(&rx, &mut seen, |l| l.contains(" start ") && l.contains("(slurm "));
+    let task = start
+        .rsplit("(slurm ")
+        .next()
+        .unwrap()
+        .trim_end_matches(')')
+        .to_string();
+    let (job, index) = task.split_once('_').unwrap();
+    let subs = submissions(&store);
+    assert_eq!(subs.len(), 1);
+    assert_eq!(subs[0]["job_id"], job);
+    let victim = subs[0]["runs"][index.parse::<usize>().unwrap()]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Mid-run: the run has written at least one step.
+    let log = store.join("slurm-it").join(&victim).join("log.txt");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(&log).is_ok_and(|t| t.contains("step    0")) {
+        assert!(Instant::now() < deadline, "run {victim} never reached step 0");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = Command::new("scancel").arg(&task).output().unwrap();
+    assert!(o.status.success(), "scancel: {}", text(&o));
+    let ended = wait_line(&rx, &mut seen, |l| l.contains(&format!("(slurm {task} ")));
+    assert!(ended.contains("Failed") && ended.contains("CANCELLED"), "{ended}");
+    let m: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(store.join("slurm-it").join(&victim).join("manifest.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(m["status"], "failed");
+    assert_eq!(m["extra"]["slurm"]["state"], "CANCELLED");
+    // lockstep crashes while the rest of the array is still queued or running.
+    first.kill().unwrap();
+    first.wait().unwrap();
+
+    eprintln!("first lockstep, killed:\n{}", seen.join("\n"));
+    let second = finish(lockstep(dir, &args));
+    let out = text(&second);
+    eprintln!("second lockstep:\n{out}");
+    assert!(second.status.success(), "{out}");
+    assert!(out.contains("; 1 submitted,"), "only the cancelled run is resubmitted:\n{out}");
+    let subs = submissions(&store);
+    assert_eq!(subs.len(), 2, "{subs:?}");
+    assert_eq!(subs[1]["runs"], serde_json::json!([victim]));
+    assert!(subs.iter().all(|s| s["closed"] == true), "{subs:?}");
+    let followed: usize = out
+        .lines()
+        .filter(|l| l.contains("submitted earlier; not resubmitted"))
+        .count();
+    let skipped = out.lines().filter(|l| l.contains(" skip ")).count();
+    assert_eq!(followed + skipped, 3, "{out}");
+
+    // The store: every planned run exactly once, complete, with Slurm's view recorded.
+    let planned = planned_ids(dir, &suite);
+    assert_eq!(planned.len(), 4);
+    let mut stored: Vec<String> = std::fs::read_dir(store.join("slurm-it"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    stored.sort();
+    assert_eq!(stored, planned);
+    for id in &planned {
+        let rd = store.join("slurm-it").join(id);
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(rd.join("manifest.json")).unwrap())
+                .unwrap();
+        assert_eq!(m["status"], "ok", "{id}: {m}");
+        assert_eq!(m["steps_done"], STEPS);
+        let sl = &m["extra"]["slurm"];
+        assert_eq!(sl["state"], "COMPLETED", "{id}: {sl}");
+        assert_eq!(sl["exit_code"], "0:0");
+        assert!(!sl["node"].as_str().unwrap_or("").is_empty());
+        let want_job = if *id == victim { &subs[1]["job_id"] } else { &subs[0]["job_id"] };
+        assert_eq!(&sl["array_job_id"], want_job, "{id}");
+        let rows = std::fs::read_to_string(rd.join("scalars.csv"))
+            .unwrap()
+            .lines()
+            .count();
+        assert_eq!(rows, STEPS + 1, "{id}: one header and one row per step");
+    }
+    // A third invocation has nothing left to do.
+    let third = finish(lockstep(dir, &args));
+    let out = text(&third);
+    assert!(third.status.success() && out.contains("4 skipped") && out.contains("0 submitted"), "{out}");
+    assert_eq!(submissions(&store).len(), 2);
+}
+
+#[test]
+fn r8_unknown_partition_is_refused_with_slurms_words_and_nothing_queued() {
+    need_cluster!();
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let store = dir.join("runs");
+    let _guard = CancelOnDrop(store.clone());
+    let suite = suite(dir, "[slurm]\npartition = \"no-such-partition\"\n");
+    let o = lockstep(dir, &["run", suite.to_str().unwrap(), "--executor", "slurm"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("sbatch said") && err.contains("invalid partition"), "{err}");
+    let subs = submissions(&store);
+    assert_eq!(subs.len(), 1);
+    assert!(subs[0]["job_id"].is_null(), "{subs:?}");
+    // The command line overrides the suite's partition; the refused record is closed, not followed.
+    let o = lockstep(
+        dir,
+        &["run", suite.to_str().unwrap(), "--executor", "slurm", "--partition", "debug", "--dry-run"],
+    )
+    .output()
+    .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(out.contains("#SBATCH --partition=debug\n") && out.contains("#SBATCH --array=0-3\n"), "{out}");
+}
+
+#[test]
+fn r8_dry_run_prints_the_script_and_writes_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let suite = suite(dir, "[slurm]\npartition = \"gpu\"\ntime = \"00:30:00\"\nsbatch_args = [\"--qos=high\"]\n");
+    let o = lockstep(
+        dir,
+        &[
+            "run",
+            suite.to_str().unwrap(),
+            "--executor",
+            "slurm",
+            "--dry-run",
+            "--time",
+            "01:00:00",
+            "--gpus-per-run",
+            "1",
+            "--sbatch-arg=--exclusive",
+        ],
+    )
+    .output()
+    .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o));
+    for line in [
+        "#SBATCH --partition=gpu\n",
+        "#SBATCH --time=01:00:00\n",
+        "#SBATCH --gres=gpu:1\n",
+        "#SBATCH --qos=high\n",
+        "#SBATCH --exclusive\n",
+        "#SBATCH --array=0-3\n",
+        " run-one --suite ",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in\n{out}");
+    }
+    assert!(out.contains(BIN), "tasks run this very binary:\n{out}");
+    assert!(!dir.join("runs").exists(), "a dry run writes nothing");
+}
+
+#[test]
+fn r8_missing_sbatch_is_one_clear_line_and_leaves_no_record() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let empty = dir.join("empty-path");
+    std::fs::create_dir(&empty).unwrap();
+    let suite = suite(dir, "");
+    let o = lockstep(dir, &["run", suite.to_str().unwrap(), "--executor", "slurm"])
+        .env("PATH", &empty)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("`sbatch` not found") && err.contains("slurm-client"), "{err}");
+    assert!(submissions(&dir.join("runs")).is_empty());
+}
+
+#[test]
+fn r8_unreachable_controller_is_one_clear_line() {
+    if Command::new("sbatch").arg("--version").output().is_err() {
+        eprintln!("SKIP: sbatch is not installed");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    // A configuration naming a controller port nothing listens on.
+    let conf = dir.join("slurm.conf");
+    std::fs::write(
+        &conf,
+        "ClusterName=nowhere\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1\nAuthType=auth/munge\n\
+         NodeName=localhost CPUs=1 State=UNKNOWN\nPartitionName=p Nodes=ALL Default=YES\n",
+    )
+    .unwrap();
+    let suite = suite(dir, "");
+    let o = lockstep(dir, &["run", suite.to_str().unwrap(), "--executor", "slurm"])
+        .env("SLURM_CONF", &conf)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("sbatch said") && err.contains("Unable to contact slurm controller"), "{err}");
+}
