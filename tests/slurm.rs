@@ -40,7 +40,10 @@ fn cluster_down() -> Option<String> {
         .lines()
         .any(|s| matches!(s.trim(), "idle" | "mix" | "alloc"))
     {
-        return Some(format!("no usable node (sinfo states: {:?})", states.trim()));
+        return Some(format!(
+            "no usable node (sinfo states: {:?})",
+            states.trim()
+        ));
     }
     None
 }
@@ -48,7 +51,9 @@ fn cluster_down() -> Option<String> {
 macro_rules! need_cluster {
     () => {
         if let Some(why) = cluster_down() {
-            eprintln!("SKIP (no Slurm cluster): {why}; start one with `bash .ci/start-slurm.sh` as root");
+            eprintln!(
+                "SKIP (no Slurm cluster): {why}; start one with `bash .ci/start-slurm.sh` as root"
+            );
             return;
         }
     };
@@ -115,7 +120,11 @@ fn wait_line(rx: &Receiver<String>, seen: &mut Vec<String>, what: impl Fn(&str) 
 }
 
 fn finish(mut c: Command) -> Output {
-    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(240);
     while child.try_wait().unwrap().is_none() {
         if Instant::now() > deadline {
@@ -160,11 +169,22 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
     let s = suite.to_str().unwrap();
     // One task at a time (--jobs 1 throttles the array), so cancelling task 0 mid-run leaves
     // the others queued in Slurm when lockstep is killed.
-    let args = ["run", s, "--executor", "slurm", "--jobs", "1", "--poll", "0.5"];
+    let args = [
+        "run",
+        s,
+        "--executor",
+        "slurm",
+        "--jobs",
+        "1",
+        "--poll",
+        "0.5",
+    ];
     let mut first = lockstep(dir, &args).stdout(Stdio::piped()).spawn().unwrap();
     let rx = lines_of(&mut first);
     let mut seen = Vec::new();
-    let start = wait_line(&rx, &mut seen, |l| l.contains(" start ") && l.contains("(slurm "));
+    let start = wait_line(&rx, &mut seen, |l| {
+        l.contains(" start ") && l.contains("(slurm ")
+    });
     let task = start
         .rsplit("(slurm ")
         .next()
@@ -183,13 +203,19 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
     let log = store.join("slurm-it").join(&victim).join("log.txt");
     let deadline = Instant::now() + Duration::from_secs(120);
     while !std::fs::read_to_string(&log).is_ok_and(|t| t.contains("step    0")) {
-        assert!(Instant::now() < deadline, "run {victim} never reached step 0");
+        assert!(
+            Instant::now() < deadline,
+            "run {victim} never reached step 0"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let o = Command::new("scancel").arg(&task).output().unwrap();
     assert!(o.status.success(), "scancel: {}", text(&o));
     let ended = wait_line(&rx, &mut seen, |l| l.contains(&format!("(slurm {task} ")));
-    assert!(ended.contains("Failed") && ended.contains("CANCELLED"), "{ended}");
+    assert!(
+        ended.contains("Failed") && ended.contains("CANCELLED"),
+        "{ended}"
+    );
     let m: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(store.join("slurm-it").join(&victim).join("manifest.json"))
             .unwrap(),
@@ -206,7 +232,10 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
     let out = text(&second);
     eprintln!("second lockstep:\n{out}");
     assert!(second.status.success(), "{out}");
-    assert!(out.contains("; 1 submitted,"), "only the cancelled run is resubmitted:\n{out}");
+    assert!(
+        out.contains("; 1 submitted,"),
+        "only the cancelled run is resubmitted:\n{out}"
+    );
     let subs = submissions(&store);
     assert_eq!(subs.len(), 2, "{subs:?}");
     assert_eq!(subs[1]["runs"], serde_json::json!([victim]));
@@ -241,7 +270,11 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
         assert_eq!(sl["state"], "COMPLETED", "{id}: {sl}");
         assert_eq!(sl["exit_code"], "0:0");
         assert!(!sl["node"].as_str().unwrap_or("").is_empty());
-        let want_job = if *id == victim { &subs[1]["job_id"] } else { &subs[0]["job_id"] };
+        let want_job = if *id == victim {
+            &subs[1]["job_id"]
+        } else {
+            &subs[0]["job_id"]
+        };
         assert_eq!(&sl["array_job_id"], want_job, "{id}");
         let rows = std::fs::read_to_string(rd.join("scalars.csv"))
             .unwrap()
@@ -252,7 +285,10 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
     // A third invocation has nothing left to do.
     let third = finish(lockstep(dir, &args));
     let out = text(&third);
-    assert!(third.status.success() && out.contains("4 skipped") && out.contains("0 submitted"), "{out}");
+    assert!(
+        third.status.success() && out.contains("4 skipped") && out.contains("0 submitted"),
+        "{out}"
+    );
     assert_eq!(submissions(&store).len(), 2);
 }
 
@@ -264,33 +300,53 @@ fn r8_unknown_partition_is_refused_with_slurms_words_and_nothing_queued() {
     let store = dir.join("runs");
     let _guard = CancelOnDrop(store.clone());
     let suite = suite(dir, "[slurm]\npartition = \"no-such-partition\"\n");
-    let o = lockstep(dir, &["run", suite.to_str().unwrap(), "--executor", "slurm"])
-        .output()
-        .unwrap();
+    let o = lockstep(
+        dir,
+        &["run", suite.to_str().unwrap(), "--executor", "slurm"],
+    )
+    .output()
+    .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("sbatch said") && err.contains("invalid partition"), "{err}");
+    assert!(
+        err.contains("sbatch said") && err.contains("invalid partition"),
+        "{err}"
+    );
     let subs = submissions(&store);
     assert_eq!(subs.len(), 1);
     assert!(subs[0]["job_id"].is_null(), "{subs:?}");
     // The command line overrides the suite's partition; the refused record is closed, not followed.
     let o = lockstep(
         dir,
-        &["run", suite.to_str().unwrap(), "--executor", "slurm", "--partition", "debug", "--dry-run"],
+        &[
+            "run",
+            suite.to_str().unwrap(),
+            "--executor",
+            "slurm",
+            "--partition",
+            "debug",
+            "--dry-run",
+        ],
     )
     .output()
     .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(out.contains("#SBATCH --partition=debug\n") && out.contains("#SBATCH --array=0-3\n"), "{out}");
+    assert!(
+        out.contains("#SBATCH --partition=debug\n") && out.contains("#SBATCH --array=0-3\n"),
+        "{out}"
+    );
 }
 
 #[test]
 fn r8_dry_run_prints_the_script_and_writes_nothing() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
-    let suite = suite(dir, "[slurm]\npartition = \"gpu\"\ntime = \"00:30:00\"\nsbatch_args = [\"--qos=high\"]\n");
+    let suite = suite(
+        dir,
+        "[slurm]\npartition = \"gpu\"\ntime = \"00:30:00\"\nsbatch_args = [\"--qos=high\"]\n",
+    );
     let o = lockstep(
         dir,
         &[
@@ -332,14 +388,20 @@ fn r8_missing_sbatch_is_one_clear_line_and_leaves_no_record() {
     let empty = dir.join("empty-path");
     std::fs::create_dir(&empty).unwrap();
     let suite = suite(dir, "");
-    let o = lockstep(dir, &["run", suite.to_str().unwrap(), "--executor", "slurm"])
-        .env("PATH", &empty)
-        .output()
-        .unwrap();
+    let o = lockstep(
+        dir,
+        &["run", suite.to_str().unwrap(), "--executor", "slurm"],
+    )
+    .env("PATH", &empty)
+    .output()
+    .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("`sbatch` not found") && err.contains("slurm-client"), "{err}");
+    assert!(
+        err.contains("`sbatch` not found") && err.contains("slurm-client"),
+        "{err}"
+    );
     assert!(submissions(&dir.join("runs")).is_empty());
 }
 
@@ -360,12 +422,84 @@ fn r8_unreachable_controller_is_one_clear_line() {
     )
     .unwrap();
     let suite = suite(dir, "");
-    let o = lockstep(dir, &["run", suite.to_str().unwrap(), "--executor", "slurm"])
-        .env("SLURM_CONF", &conf)
-        .output()
-        .unwrap();
+    let o = lockstep(
+        dir,
+        &["run", suite.to_str().unwrap(), "--executor", "slurm"],
+    )
+    .env("SLURM_CONF", &conf)
+    .output()
+    .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("sbatch said") && err.contains("Unable to contact slurm controller"), "{err}");
+    assert!(
+        err.contains("sbatch said") && err.contains("Unable to contact slurm controller"),
+        "{err}"
+    );
+}
+
+#[test]
+fn r8_command_engine_launch_script_runs_inside_the_task() {
+    need_cluster!();
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let store = dir.join("runs");
+    let _guard = CancelOnDrop(store.clone());
+    // A stand-in launcher: writes metrics over time, its environment and the Slurm job it ran in.
+    let launcher = dir.join("launch.sh");
+    std::fs::write(
+        &launcher,
+        "out=\"$1\"\nfor i in 0 1 2; do echo \"{\\\"step\\\": $i, \\\"rollout/raw_reward\\\": 0.5}\" >> \"$out/metrics.jsonl\"; sleep 0.2; done\n\
+         echo \"$SLURM_ARRAY_JOB_ID $SLURM_ARRAY_TASK_ID $RECIPE_KNOB\" > \"$out/where.txt\"\n",
+    )
+    .unwrap();
+    let suite = dir.join("cmd.toml");
+    std::fs::write(
+        &suite,
+        format!(
+            "name = \"slurm-it\"\nengine = \"command\"\nseeds = [0]\n[workload]\nsteps = 3\n\
+             [command]\nargv = [\"sh\", \"{}\", \"{{out_dir}}\"]\ntimeout_s = 60\n\
+             [command.metrics]\nfiles = [\"metrics.jsonl\"]\n\
+             [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[configs.env]\nRECIPE_KNOB = \"plain\"\n\
+             [[configs]]\nname = \"nvfp4-dq\"\nrecipe = \"nvfp4-dq\"\n[configs.env]\nRECIPE_KNOB = \"dequantized\"\n",
+            launcher.display()
+        ),
+    )
+    .unwrap();
+    let o = finish(lockstep(
+        dir,
+        &[
+            "run",
+            suite.to_str().unwrap(),
+            "--executor",
+            "slurm",
+            "--poll",
+            "0.5",
+        ],
+    ));
+    assert!(o.status.success(), "{}", text(&o));
+    let subs = submissions(&store);
+    assert_eq!(subs.len(), 1);
+    for (i, id) in subs[0]["runs"].as_array().unwrap().iter().enumerate() {
+        let rd = store.join("slurm-it").join(id.as_str().unwrap());
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(rd.join("manifest.json")).unwrap())
+                .unwrap();
+        assert_eq!(m["engine"], "command");
+        assert_eq!(m["status"], "ok", "{m}");
+        assert_eq!(m["steps_done"], 3);
+        assert_eq!(m["extra"]["slurm"]["state"], "COMPLETED");
+        let knob = if m["config"]["config"] == "bf16" {
+            "plain"
+        } else {
+            "dequantized"
+        };
+        assert_eq!(
+            std::fs::read_to_string(rd.join("out/where.txt"))
+                .unwrap()
+                .trim(),
+            format!("{} {i} {knob}", subs[0]["job_id"].as_str().unwrap()),
+            "the launch script ran inside array task {i} with its config's environment"
+        );
+    }
 }

@@ -85,13 +85,17 @@ impl SlurmArgs {
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {
-    std::path::absolute(p).with_context(|| format!("{}: cannot make the path absolute", p.display()))
+    std::path::absolute(p)
+        .with_context(|| format!("{}: cannot make the path absolute", p.display()))
 }
 
 /// Submit the suite's unfinished runs as one job array and follow it to the end.
 pub fn run(args: &RunArgs, s: &SuiteSpec, runs: &[RunSpec]) -> Result<bool> {
     if !args.slurm.poll.is_finite() || args.slurm.poll <= 0.0 {
-        bail!("--poll {}: give a positive number of seconds", args.slurm.poll);
+        bail!(
+            "--poll {}: give a positive number of seconds",
+            args.slurm.poll
+        );
     }
     let opts = SlurmOptions {
         sbatch: s.slurm.overridden_by(&args.slurm.spec()),
@@ -215,7 +219,11 @@ pub fn run(args: &RunArgs, s: &SuiteSpec, runs: &[RunSpec]) -> Result<bool> {
                     run.config,
                     run.seed,
                     end.state,
-                    if end.exit_code.is_empty() { "?" } else { &end.exit_code },
+                    if end.exit_code.is_empty() {
+                        "?"
+                    } else {
+                        &end.exit_code
+                    },
                     error.map(|e| format!(": {e}")).unwrap_or_default(),
                     eta(st.0)
                 );

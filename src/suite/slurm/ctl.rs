@@ -214,7 +214,11 @@ pub fn ends_from_scontrol(
                 TaskEnd {
                     state: g("JobState"),
                     exit_code: g("ExitCode"),
-                    node: if node == "(null)" { String::new() } else { node },
+                    node: if node == "(null)" {
+                        String::new()
+                    } else {
+                        node
+                    },
                     job_id: g("JobId"),
                 },
             ))
@@ -360,7 +364,10 @@ mod tests {
         assert!(e.to_string().contains("lockstep-no-such-tool"), "{e}");
         let e = tool(
             "sh",
-            &["-c".into(), "echo 'sbatch: error: no\nsecond' >&2; exit 1".into()],
+            &[
+                "-c".into(),
+                "echo 'sbatch: error: no\nsecond' >&2; exit 1".into(),
+            ],
             "submitting",
         )
         .unwrap_err()

@@ -342,8 +342,7 @@ impl TaskIdentity {
             array_job_id: v("SLURM_ARRAY_JOB_ID")?,
             array_task_id: v("SLURM_ARRAY_TASK_ID")?.parse().ok()?,
             job_id: v("SLURM_JOB_ID").unwrap_or_default(),
-            node: v("SLURMD_NODENAME")
-                .unwrap_or_else(crate::store::run::hostname),
+            node: v("SLURMD_NODENAME").unwrap_or_else(crate::store::run::hostname),
             started: crate::store::run::now_utc(),
         })
     }
@@ -365,7 +364,8 @@ pub fn write_task_marker(root: &Path, run_id: &str, who: &TaskIdentity) -> Resul
     if let Some(d) = p.parent() {
         std::fs::create_dir_all(d).map_err(|e| IoError::io(d, e))?;
     }
-    let text = serde_json::to_string_pretty(who).map_err(|e| IoError::invalid(&p, e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(who).map_err(|e| IoError::invalid(&p, e.to_string()))?;
     atomic::write_file(&p, text.as_bytes())
 }
 
@@ -450,7 +450,11 @@ pub fn record_end(
             "Slurm task {t} ended {} (exit {}) on {} before the run finished; rerun the same command to resubmit it",
             end.state,
             end.exit_code,
-            if end.node.is_empty() { &who.node } else { &end.node }
+            if end.node.is_empty() {
+                &who.node
+            } else {
+                &end.node
+            }
         ));
         m.finished = Some(crate::store::run::now_utc());
     }
@@ -743,7 +747,8 @@ mod tests {
     }
 
     fn manifest(dir: &Path, status: RunStatus) {
-        let mut m = crate::store::Manifest::start("r", "builtin", serde_json::json!({}), 0, 5, "cpu");
+        let mut m =
+            crate::store::Manifest::start("r", "builtin", serde_json::json!({}), 0, 5, "cpu");
         m.status = status;
         RunDir::create(dir).unwrap().write_manifest(&m).unwrap();
     }

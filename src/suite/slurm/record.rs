@@ -63,7 +63,10 @@ impl Submission {
                 Err(e) => return Err(IoError::io(&dir, e)),
             }
         }
-        Err(IoError::invalid(&base, "could not make a new submission folder"))
+        Err(IoError::invalid(
+            &base,
+            "could not make a new submission folder",
+        ))
     }
 
     /// The submission `create` would make now, without touching the disk (for `--dry-run`).
@@ -155,10 +158,7 @@ mod tests {
         assert!(a.logs_dir().is_dir());
         a.save().unwrap();
         a.save_runs().unwrap();
-        assert_eq!(
-            std::fs::read_to_string(a.runs_path()).unwrap(),
-            "r1\nr2\n"
-        );
+        assert_eq!(std::fs::read_to_string(a.runs_path()).unwrap(), "r1\nr2\n");
         a.job_id = Some("12".into());
         a.save().unwrap();
         let all = read_all(d.path()).unwrap(); // b was never saved

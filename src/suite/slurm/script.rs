@@ -209,7 +209,10 @@ mod tests {
         i.logs = "/a b/logs".into();
         let s = render(&i).unwrap();
         assert!(s.contains("#SBATCH --array=0-3%2\n"), "{s}");
-        assert!(s.contains("#SBATCH --output=\"/a b/logs/%A_%a.out\"\n"), "{s}");
+        assert!(
+            s.contains("#SBATCH --output=\"/a b/logs/%A_%a.out\"\n"),
+            "{s}"
+        );
         assert!(s.trim_end().ends_with("--force"), "{s}");
     }
 
@@ -217,7 +220,12 @@ mod tests {
     fn unwritable_options_are_refused() {
         let mut i = input();
         i.sbatch.sbatch_args = vec!["qos=high".into()];
-        assert!(render(&i).unwrap_err().to_string().contains("starting with `-`"));
+        assert!(
+            render(&i)
+                .unwrap_err()
+                .to_string()
+                .contains("starting with `-`")
+        );
         let mut i = input();
         i.sbatch.partition = Some("gpu\n#SBATCH --x".into());
         assert!(render(&i).unwrap_err().to_string().contains("newline"));
