@@ -226,6 +226,23 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
     // lockstep crashes while the rest of the array is still queued or running.
     first.kill().unwrap();
     first.wait().unwrap();
+    // Harder still: as if it had died between sbatch answering and the job id being saved. The
+    // rerun must find the array by its job name and still not resubmit its queued runs.
+    let rec = store
+        .join("slurm-it/.slurm")
+        .join(
+            std::fs::read_dir(store.join("slurm-it/.slurm"))
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .find(|e| e.path().join("submission.json").exists())
+                .unwrap()
+                .file_name(),
+        )
+        .join("submission.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rec).unwrap()).unwrap();
+    v["job_id"] = serde_json::Value::Null;
+    std::fs::write(&rec, v.to_string()).unwrap();
 
     eprintln!("first lockstep, killed:\n{}", seen.join("\n"));
     let second = finish(lockstep(dir, &args));
@@ -276,11 +293,17 @@ fn r8_cancelled_task_and_crashed_lockstep_rerun_gives_every_run_exactly_once() {
             &subs[0]["job_id"]
         };
         assert_eq!(&sl["array_job_id"], want_job, "{id}");
-        let rows = std::fs::read_to_string(rd.join("scalars.csv"))
+        let steps: Vec<usize> = lockstep::store::RunDir::open(&rd)
+            .read_scalars()
             .unwrap()
-            .lines()
-            .count();
-        assert_eq!(rows, STEPS + 1, "{id}: one header and one row per step");
+            .iter()
+            .map(|r| r.step)
+            .collect();
+        assert_eq!(
+            steps,
+            (0..STEPS).collect::<Vec<_>>(),
+            "{id}: one row per step, once"
+        );
     }
     // A third invocation has nothing left to do.
     let third = finish(lockstep(dir, &args));

@@ -199,6 +199,8 @@ pub struct Plan<'r> {
     pub submit: Vec<&'r RunSpec>,
     /// Submissions with tasks still queued or running.
     pub open: Vec<Submission>,
+    /// Held from planning until the array is submitted (`None` for a dry run).
+    lock: Option<record::SubmitLock>,
 }
 
 /// Sort `runs` into finished, already in Slurm, and to submit. Earlier submissions are looked
@@ -211,6 +213,11 @@ pub fn plan<'r>(
     dry_run: bool,
 ) -> Result<Plan<'r>, SlurmError> {
     let root = suite_dir(&opts.store, &suite.name)?;
+    let lock = if dry_run {
+        None
+    } else {
+        Some(record::SubmitLock::acquire(&root, Duration::from_secs(30))?)
+    };
     let mut open: Vec<Submission> = record::read_all(&root)?
         .into_iter()
         .filter(|s| !s.closed)
@@ -274,6 +281,7 @@ pub fn plan<'r>(
         in_flight,
         submit,
         open,
+        lock,
     })
 }
 
@@ -561,6 +569,7 @@ pub fn run_sweep(
         mut in_flight,
         submit: to_submit,
         mut open,
+        lock,
     } = plan;
     let mut sum = SlurmSummary {
         skipped: skipped.len(),
@@ -595,6 +604,7 @@ pub fn run_sweep(
         }
         open.push(sub);
     }
+    drop(lock); // submitted: another lockstep may plan now and will see this array in squeue
     follow(&root, &mut in_flight, &mut open, opts, on, &mut sum)?;
     Ok(sum)
 }

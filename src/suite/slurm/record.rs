@@ -112,6 +112,85 @@ impl Submission {
     }
 }
 
+/// Serialises plan-and-submit per suite, so two lockstep processes started at once cannot both
+/// submit the same unfinished runs. `.slurm/submit.lock` holds `host pid unix-seconds`; a lock
+/// whose process is gone (same host) or that is older than [`STALE_LOCK_S`] (another host, where
+/// the process cannot be checked) is taken over. Released on drop.
+#[derive(Debug)]
+pub struct SubmitLock(PathBuf);
+
+/// Seconds after which another host's submit lock counts as abandoned (submitting takes seconds).
+pub const STALE_LOCK_S: u64 = 600;
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Whether a submit lock with content `text` may be taken over by `host` at `now`.
+pub fn lock_is_stale(text: &str, host: &str, now: u64) -> bool {
+    let w: Vec<&str> = text.split_whitespace().collect();
+    let [h, pid, t] = w[..] else {
+        return false; // being written right now
+    };
+    let t: u64 = t.parse().unwrap_or(0);
+    if h == host {
+        !Path::new(&format!("/proc/{pid}")).exists()
+    } else {
+        now.saturating_sub(t) > STALE_LOCK_S
+    }
+}
+
+impl SubmitLock {
+    /// Take the suite's submit lock, waiting up to `wait` for another lockstep to finish.
+    pub fn acquire(suite_root: &Path, wait: std::time::Duration) -> Result<SubmitLock, IoError> {
+        use std::io::Write;
+        let dir = slurm_dir(suite_root);
+        std::fs::create_dir_all(&dir).map_err(|e| IoError::io(&dir, e))?;
+        let p = dir.join("submit.lock");
+        let host = crate::store::run::hostname();
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&p)
+            {
+                Ok(mut f) => {
+                    write!(f, "{host} {} {}", std::process::id(), unix_now())
+                        .map_err(|e| IoError::io(&p, e))?;
+                    return Ok(SubmitLock(p));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let text = std::fs::read_to_string(&p).unwrap_or_default();
+                    if lock_is_stale(&text, &host, unix_now()) {
+                        let _ = std::fs::remove_file(&p);
+                        continue;
+                    }
+                    if std::time::Instant::now() >= deadline {
+                        return Err(IoError::invalid(
+                            &p,
+                            format!(
+                                "another lockstep (host pid time: {}) is submitting this suite; wait for it, or delete this file if that process is gone",
+                                text.trim()
+                            ),
+                        ));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err(e) => return Err(IoError::io(&p, e)),
+            }
+        }
+    }
+}
+
+impl Drop for SubmitLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Every submission record of a suite, oldest first. A folder without `submission.json` (a
 /// submission that died before its record was saved, so before `sbatch`) is ignored.
 pub fn read_all(suite_root: &Path) -> Result<Vec<Submission>, IoError> {
@@ -123,6 +202,9 @@ pub fn read_all(suite_root: &Path) -> Result<Vec<Submission>, IoError> {
     };
     let mut out = Vec::new();
     for entry in entries.filter_map(Result::ok) {
+        if !entry.path().is_dir() {
+            continue; // submit.lock
+        }
         let p = entry.path().join("submission.json");
         let text = match std::fs::read_to_string(&p) {
             Ok(t) => t,
@@ -147,6 +229,48 @@ pub fn read_all(suite_root: &Path) -> Result<Vec<Submission>, IoError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn submit_lock_excludes_a_second_taker_and_stale_locks_are_taken_over() {
+        let d = tempfile::tempdir().unwrap();
+        let short = std::time::Duration::from_millis(300);
+        let l = SubmitLock::acquire(d.path(), short).unwrap();
+        let e = SubmitLock::acquire(d.path(), short)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("submit.lock") && e.contains("another lockstep"),
+            "{e}"
+        );
+        drop(l);
+        let again = SubmitLock::acquire(d.path(), short).unwrap();
+        drop(again);
+        // Gone process on this host, abandoned lock elsewhere, fresh lock elsewhere, half-written.
+        let host = crate::store::run::hostname();
+        assert!(lock_is_stale(&format!("{host} 999999999 5"), &host, 10));
+        assert!(!lock_is_stale(
+            &format!("{host} {} 5", std::process::id()),
+            &host,
+            10
+        ));
+        assert!(lock_is_stale(
+            "other-host 1 100",
+            &host,
+            100 + STALE_LOCK_S + 1
+        ));
+        assert!(!lock_is_stale(
+            "other-host 1 100",
+            &host,
+            100 + STALE_LOCK_S
+        ));
+        assert!(!lock_is_stale("", &host, 1 << 40));
+        std::fs::write(
+            slurm_dir(d.path()).join("submit.lock"),
+            format!("{host} 999999999 5"),
+        )
+        .unwrap();
+        SubmitLock::acquire(d.path(), short).expect("a dead owner's lock is taken over");
+    }
 
     #[test]
     fn records_round_trip_and_unsaved_folders_are_ignored() {
