@@ -40,6 +40,11 @@ if ! munge -n >/dev/null 2>&1; then
   $SUDO munged --force
 fi
 
+if [ -s "$CONF_DIR/slurm.conf" ] && ! grep -q '^ClusterName=lockstep$' "$CONF_DIR/slurm.conf"; then
+  echo "start-slurm: $CONF_DIR/slurm.conf exists and is not the one this script writes; leaving that cluster alone" >&2
+  exit 1
+fi
+
 # slurm.conf: one node, no cgroups, no accounting database (sacct is then unavailable; lockstep
 # follows jobs with squeue and `scontrol show job`, kept for MinJobAge seconds after they end).
 $SUDO tee "$CONF_DIR/slurm.conf" >/dev/null <<EOF

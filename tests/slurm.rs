@@ -526,3 +526,92 @@ fn r8_command_engine_launch_script_runs_inside_the_task() {
         );
     }
 }
+
+/// Takes the (only) node down under running tasks, so it disturbs every other Slurm test: run
+/// it alone with `cargo test --test slurm -- --ignored`. The default tests cover the same
+/// resubmission rule through a cancelled task.
+#[test]
+#[ignore = "marks the cluster's node DOWN; run alone: cargo test --test slurm -- --ignored"]
+fn r8_node_failure_fails_the_runs_on_it_and_a_rerun_resubmits_only_those() {
+    need_cluster!();
+    let node = String::from_utf8_lossy(
+        &Command::new("sinfo")
+            .args(["-h", "-o", "%n"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .lines()
+    .next()
+    .unwrap()
+    .trim()
+    .to_string();
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let store = dir.join("runs");
+    let _guard = CancelOnDrop(store.clone());
+    let suite = suite(dir, "");
+    let s = suite.to_str().unwrap();
+    // Without requeueing, a task on a failed node ends NODE_FAIL instead of waiting to rerun.
+    let args = [
+        "run",
+        s,
+        "--executor",
+        "slurm",
+        "--poll",
+        "0.5",
+        "--sbatch-arg=--no-requeue",
+    ];
+    let mut first = lockstep(dir, &args).stdout(Stdio::piped()).spawn().unwrap();
+    let rx = lines_of(&mut first);
+    let mut seen = Vec::new();
+    wait_line(&rx, &mut seen, |l| {
+        l.contains(" step ") && l.contains("(slurm ")
+    });
+    let down = |state: &str| {
+        Command::new("scontrol")
+            .args([
+                "update",
+                &format!("nodename={node}"),
+                &format!("state={state}"),
+            ])
+            .args(if state == "down" {
+                vec!["reason=lockstep-test"]
+            } else {
+                vec![]
+            })
+            .output()
+            .unwrap()
+    };
+    assert!(down("down").status.success());
+    wait_line(&rx, &mut seen, |l| l.contains("NODE_FAIL"));
+    let _ = down("resume"); // fails harmlessly when the node already returned to service
+    let status = first.wait().unwrap();
+    seen.extend(rx.iter());
+    assert!(
+        !status.success(),
+        "runs failed, so the sweep fails:\n{}",
+        seen.join("\n")
+    );
+    let lost = seen
+        .iter()
+        .filter(|l| l.contains("Failed") && l.contains("NODE_FAIL"))
+        .count();
+    assert!(lost >= 1, "{}", seen.join("\n"));
+    let second = finish(lockstep(dir, &args));
+    let out = text(&second);
+    assert!(second.status.success(), "{out}");
+    assert!(
+        out.contains(&format!("; {lost} submitted,")),
+        "only the lost runs go again:\n{out}"
+    );
+    for id in planned_ids(dir, &suite) {
+        let m: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(store.join("slurm-it").join(&id).join("manifest.json"))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(m["status"], "ok", "{id}");
+        assert_eq!(m["extra"]["slurm"]["state"], "COMPLETED", "{id}");
+    }
+}
