@@ -615,3 +615,67 @@ fn r8_node_failure_fails_the_runs_on_it_and_a_rerun_resubmits_only_those() {
         assert_eq!(m["extra"]["slurm"]["state"], "COMPLETED", "{id}");
     }
 }
+
+#[test]
+fn r8_a_run_made_in_slurm_equals_the_same_run_made_locally() {
+    need_cluster!();
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let _guard = CancelOnDrop(dir.join("slurm-store"));
+    let suite = dir.join("same.toml");
+    std::fs::write(
+        &suite,
+        "name = \"slurm-it\"\nseeds = [3]\n[workload]\nmodel = \"tiny\"\ntask = \"add:2\"\n\
+         prompts_per_step = 8\nsamples_per_prompt = 8\nmax_response_tokens = 4\nsteps = 8\n\
+         [[configs]]\nname = \"mxfp8\"\nrecipe = \"mxfp8\"\n[[configs]]\nname = \"nvfp4-hp\"\nrecipe = \"nvfp4-hp\"\n",
+    )
+    .unwrap();
+    let s = suite.to_str().unwrap();
+    let local = finish(lockstep(
+        dir,
+        &["run", s, "--store", "local-store", "--jobs", "1"],
+    ));
+    assert!(local.status.success(), "{}", text(&local));
+    let slurm = finish(lockstep(
+        dir,
+        &[
+            "run",
+            s,
+            "--store",
+            "slurm-store",
+            "--executor",
+            "slurm",
+            "--poll",
+            "0.5",
+        ],
+    ));
+    assert!(slurm.status.success(), "{}", text(&slurm));
+    let ids = planned_ids(dir, &suite);
+    assert_eq!(ids.len(), 2);
+    for id in ids {
+        let read = |store: &str| {
+            let rd = lockstep::store::RunDir::open(&dir.join(store).join("slurm-it").join(&id));
+            (rd.read_manifest().unwrap(), rd.read_scalars().unwrap())
+        };
+        let (ml, sl) = read("local-store");
+        let (ms, ss) = read("slurm-store");
+        assert_eq!(ml.config, ms.config, "{id}");
+        assert!(ms.extra.contains_key("slurm") && !ml.extra.contains_key("slurm"));
+        assert_eq!(sl.len(), ss.len());
+        for (a, b) in sl.iter().zip(&ss) {
+            let strip = |r: &lockstep::engine::metrics::StepRecord| {
+                r.scalars
+                    .iter()
+                    .filter(|(k, _)| !k.starts_with("perf/")) // wall-clock times differ
+                    .map(|(k, v)| (k.clone(), v.to_bits()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(
+                strip(a),
+                strip(b),
+                "{id} step {}: same bits locally and in Slurm",
+                a.step
+            );
+        }
+    }
+}
