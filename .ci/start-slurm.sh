@@ -80,7 +80,8 @@ EOF
 if ! scontrol ping 2>/dev/null | grep -q 'is UP'; then
   $SUDO slurmctld
 fi
-if ! pgrep -x slurmd >/dev/null 2>&1; then
+alive() { [ -s "$1" ] && $SUDO kill -0 "$($SUDO cat "$1")" 2>/dev/null; }
+if ! alive /run/slurm/slurmd.pid; then
   $SUDO slurmd
 fi
 
