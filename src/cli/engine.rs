@@ -100,7 +100,14 @@ impl RunOneArgs {
 
 pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
     if let (Some(suite), Some(run_id)) = (&args.suite, &args.run_id) {
-        return super::slurm::run_task(suite, run_id, &args.store, args.cache.clone(), args.force);
+        return super::slurm::run_task(
+            &CpuBackend,
+            suite,
+            run_id,
+            &args.store,
+            args.cache.clone(),
+            args.force,
+        );
     }
     let Some(out) = &args.out else {
         anyhow::bail!("give --out DIR (or --suite FILE --run-id ID)");

@@ -5,7 +5,6 @@
 use super::suite::RunArgs;
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use lockstep::engine::backend::CpuBackend;
 use lockstep::engine::run::default_cache;
 use lockstep::store::RunStatus;
 use lockstep::suite::runner::{Outcome, Progress, RunnerOptions, run_planned, suite_dir};
@@ -107,6 +106,8 @@ pub fn run(args: &RunArgs, s: &SuiteSpec, runs: &[RunSpec]) -> Result<bool> {
         exe: std::env::current_exe().context("cannot find the lockstep binary to run in tasks")?,
         suite_file: absolute(&args.suite)?,
         workdir: std::env::current_dir().context("cannot read the current directory")?,
+        // Issue 7 adds `--device` to run/run-one: pass it here (opened in the tasks only).
+        device: None,
     };
     let plan = slurm::plan(s, runs, &opts, args.slurm.dry_run)?;
     if args.slurm.dry_run {
@@ -249,6 +250,7 @@ pub fn run(args: &RunArgs, s: &SuiteSpec, runs: &[RunSpec]) -> Result<bool> {
 /// would make it; inside a Slurm array task it also claims the run and stamps the manifest with
 /// the task's identity. Exit: ok when the run ended ok or was already finished.
 pub fn run_task(
+    be: &dyn lockstep::engine::backend::Backend,
     suite_file: &Path,
     run_id: &str,
     store: &Path,
@@ -299,7 +301,7 @@ pub fn run_task(
             error.map(|e| format!(": {e}")).unwrap_or_default()
         ),
     };
-    let outcome = run_planned(&CpuBackend, &s, run, &root, &opts, &progress);
+    let outcome = run_planned(be, &s, run, &root, &opts, &progress);
     if let (Some(w), Outcome::Finished(_)) = (&who, outcome) {
         stamp_manifest(&root, run_id, w)?;
     }

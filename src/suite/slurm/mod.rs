@@ -91,6 +91,9 @@ pub struct SlurmOptions {
     pub suite_file: PathBuf,
     /// The tasks' working directory.
     pub workdir: PathBuf,
+    /// `--device` passed to every task's `run-one` (built-in engine on a GPU node); the device is
+    /// opened in the task, never on the submitting machine.
+    pub device: Option<String>,
 }
 
 /// One array task.
@@ -535,6 +538,7 @@ fn script_input(sub: &Submission, opts: &SlurmOptions) -> script::ScriptInput {
         store: opts.store.clone(),
         cache: opts.cache.clone(),
         force: opts.force,
+        device: opts.device.clone(),
     }
 }
 

@@ -25,6 +25,8 @@ pub struct ScriptInput {
     pub store: PathBuf,
     pub cache: PathBuf,
     pub force: bool,
+    /// `--device` for the tasks' built-in engine (`cuda`, `cuda:N`); `None` keeps run-one's default.
+    pub device: Option<String>,
 }
 
 /// `s` as one bash word.
@@ -143,6 +145,10 @@ pub fn render(i: &ScriptInput) -> Result<String, SlurmError> {
     if i.force {
         cmd.push("--force".into());
     }
+    if let Some(d) = &i.device {
+        cmd.push("--device".into());
+        cmd.push(sh_quote(d));
+    }
     let _ = writeln!(out, "exec {}", cmd.join(" "));
     Ok(out)
 }
@@ -176,6 +182,7 @@ mod tests {
             store: "/s/runs".into(),
             cache: "/s/runs/cache".into(),
             force: false,
+            device: None,
         }
     }
 
@@ -206,14 +213,15 @@ mod tests {
         let mut i = input();
         i.max_parallel = Some(2);
         i.force = true;
+        i.device = Some("cuda:1".into());
         i.logs = "/a b/logs".into();
         let s = render(&i).unwrap();
         assert!(s.contains("#SBATCH --array=0-3%2\n"), "{s}");
+        assert!(s.contains(" --force --device 'cuda:1'\n"), "{s}");
         assert!(
             s.contains("#SBATCH --output=\"/a b/logs/%A_%a.out\"\n"),
             "{s}"
         );
-        assert!(s.trim_end().ends_with("--force"), "{s}");
     }
 
     #[test]
