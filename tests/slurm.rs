@@ -472,7 +472,7 @@ fn r8_command_engine_launch_script_runs_inside_the_task() {
     let launcher = dir.join("launch.sh");
     std::fs::write(
         &launcher,
-        "out=\"$1\"\nfor i in 0 1 2; do echo \"{\\\"step\\\": $i, \\\"rollout/raw_reward\\\": 0.5}\" >> \"$out/metrics.jsonl\"; sleep 0.2; done\n\
+        "out=\"$1\"\nfor i in 0 1 2 3 4 5 6 7 8 9; do echo \"{\\\"step\\\": $i, \\\"rollout/raw_reward\\\": 0.5}\" >> \"$out/metrics.jsonl\"; sleep 0.1; done\nsleep 1.5\n\
          echo \"$SLURM_ARRAY_JOB_ID $SLURM_ARRAY_TASK_ID $RECIPE_KNOB\" > \"$out/where.txt\"\n",
     )
     .unwrap();
@@ -480,7 +480,7 @@ fn r8_command_engine_launch_script_runs_inside_the_task() {
     std::fs::write(
         &suite,
         format!(
-            "name = \"slurm-it\"\nengine = \"command\"\nseeds = [0]\n[workload]\nsteps = 3\n\
+            "name = \"slurm-it\"\nengine = \"command\"\nseeds = [0]\n[workload]\nsteps = 10\n\
              [command]\nargv = [\"sh\", \"{}\", \"{{out_dir}}\"]\ntimeout_s = 60\n\
              [command.metrics]\nfiles = [\"metrics.jsonl\"]\n\
              [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[configs.env]\nRECIPE_KNOB = \"plain\"\n\
@@ -501,6 +501,11 @@ fn r8_command_engine_launch_script_runs_inside_the_task() {
         ],
     ));
     assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains(" step 10/10 reward 0.500 "),
+        "progress read from the launcher's metrics:\n{}",
+        text(&o)
+    );
     let subs = submissions(&store);
     assert_eq!(subs.len(), 1);
     for (i, id) in subs[0]["runs"].as_array().unwrap().iter().enumerate() {
@@ -510,7 +515,7 @@ fn r8_command_engine_launch_script_runs_inside_the_task() {
                 .unwrap();
         assert_eq!(m["engine"], "command");
         assert_eq!(m["status"], "ok", "{m}");
-        assert_eq!(m["steps_done"], 3);
+        assert_eq!(m["steps_done"], 10);
         assert_eq!(m["extra"]["slurm"]["state"], "COMPLETED");
         let knob = if m["config"]["config"] == "bf16" {
             "plain"

@@ -542,6 +542,24 @@ fn script_input(sub: &Submission, opts: &SlurmOptions) -> script::ScriptInput {
     }
 }
 
+/// The last step a run has reached (0-based) and its reward: the built-in engine's `log.txt`,
+/// or the command engine's metrics files under `out/` (read through the suite's mapping).
+fn progress_of(suite: &SuiteSpec, run_dir: &Path) -> Option<(usize, Option<f64>)> {
+    if suite.engine != "command" {
+        return last_step(run_dir);
+    }
+    let mapping = suite
+        .command
+        .as_ref()
+        .and_then(|c| c.get("metrics"))
+        .and_then(|m| m.as_table())
+        .cloned()
+        .unwrap_or_default();
+    let (records, _) = super::command::ingest_dir(&run_dir.join("out"), &mapping).ok()?;
+    let last = records.last()?;
+    Some((last.step, last.get("rollout/raw_reward")))
+}
+
 /// The last step a run's `log.txt` reports (0-based) and its reward.
 pub fn last_step(run_dir: &Path) -> Option<(usize, Option<f64>)> {
     let text = std::fs::read_to_string(run_dir.join("log.txt")).ok()?;
@@ -609,11 +627,12 @@ pub fn run_sweep(
         open.push(sub);
     }
     drop(lock); // submitted: another lockstep may plan now and will see this array in squeue
-    follow(&root, &mut in_flight, &mut open, opts, on, &mut sum)?;
+    follow(suite, &root, &mut in_flight, &mut open, opts, on, &mut sum)?;
     Ok(sum)
 }
 
 fn follow(
+    suite: &SuiteSpec,
     root: &Path,
     tracked: &mut [Tracked<'_>],
     open: &mut [Submission],
@@ -664,7 +683,7 @@ fn follow(
                         });
                     }
                     if t.started
-                        && let Some((step, reward)) = last_step(&root.join(&t.run.run_id))
+                        && let Some((step, reward)) = progress_of(suite, &root.join(&t.run.run_id))
                         && t.last_step.is_none_or(|s| step > s)
                     {
                         t.last_step = Some(step);
