@@ -33,8 +33,21 @@ pub struct RunOneArgs {
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
     /// Run folder to write (manifest.json, scalars.parquet, layers.parquet, events.jsonl, log.txt).
+    #[arg(long, required_unless_present = "suite", conflicts_with = "suite")]
+    pub out: Option<PathBuf>,
+    /// Run one planned run of this suite file into the store instead (what a Slurm array task
+    /// runs; the suite decides model, task, recipe, seed and steps; needs --run-id).
+    #[arg(long, requires = "run_id")]
+    pub suite: Option<PathBuf>,
+    /// The run id within --suite (`lockstep suite show FILE` lists them).
+    #[arg(long, requires = "suite")]
+    pub run_id: Option<String>,
+    /// Run store root for --suite.
+    #[arg(long, default_value = "runs")]
+    pub store: PathBuf,
+    /// With --suite: redo the run even if it is finished.
     #[arg(long)]
-    pub out: PathBuf,
+    pub force: bool,
     /// Prompts per step.
     #[arg(long)]
     pub prompts: Option<usize>,
@@ -88,23 +101,36 @@ impl RunOneArgs {
 }
 
 pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
+    if let (Some(suite), Some(run_id)) = (&args.suite, &args.run_id) {
+        let be = lockstep::engine::backend::open(args.device.parse()?)?;
+        return super::slurm::run_task(
+            be.as_ref(),
+            suite,
+            run_id,
+            &args.store,
+            args.cache.clone(),
+            args.force,
+        );
+    }
+    let Some(out) = &args.out else {
+        anyhow::bail!("give --out DIR (or --suite FILE --run-id ID)");
+    };
     let cfg = args.config()?;
     let be = lockstep::engine::backend::open(args.device.parse()?)?;
     let cache = args.cache.clone().unwrap_or_else(default_cache);
-    let id = args
-        .out
+    let id = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "run".into());
-    let m = run_one(be.as_ref(), &cfg, &id, &args.out, Some(&cache), |r| {
+    let m = run_one(be.as_ref(), &cfg, &id, out, Some(&cache), |r| {
         println!("{}", step_line(r))
     })
-    .with_context(|| format!("run {}", args.out.display()))?;
+    .with_context(|| format!("run {}", out.display()))?;
     println!(
         "status {:?}, {} steps, wrote {}",
         m.status,
         m.steps_done,
-        args.out.display()
+        out.display()
     );
     if let Some(e) = &m.error {
         eprintln!("error: {e}");

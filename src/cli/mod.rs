@@ -5,6 +5,7 @@ pub mod bench;
 pub mod engine;
 pub mod quantize;
 pub mod report;
+pub mod slurm;
 pub mod suite;
 
 use clap::{Parser, Subcommand};

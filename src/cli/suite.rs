@@ -60,11 +60,30 @@ pub struct RunArgs {
     /// Where the GEMMs run: cpu, cuda or cuda:N (all workers share that device).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Where runs execute: `local` (this machine, --jobs workers) or `slurm` (one job array,
+    /// one task per unfinished run; --jobs then caps how many tasks run at once).
+    #[arg(long, value_enum, default_value_t = Executor::Local)]
+    pub executor: Executor,
+    #[command(flatten)]
+    pub slurm: super::slurm::SlurmArgs,
+}
+
+/// Where `lockstep run` executes runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Executor {
+    Local,
+    Slurm,
 }
 
 pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     let s = load(&args.suite)?;
     let runs = expand(&s)?;
+    if args.executor == Executor::Slurm {
+        return super::slurm::run(args, &s, &runs);
+    }
+    if let Some(flag) = args.slurm.first_set() {
+        bail!("{flag} only applies with --executor slurm");
+    }
     let be = lockstep::engine::backend::open(args.device.parse()?)?;
     let device = be.name();
     let jobs = args.jobs.unwrap_or_else(|| {
@@ -205,6 +224,7 @@ pub fn runs_cmd(cmd: &RunsCommand) -> Result<bool> {
                     .with_context(|| format!("{}", dir.display()))?
                     .filter_map(|e| e.ok())
                     .filter(|e| e.path().is_dir())
+                    .filter(|e| !e.file_name().to_string_lossy().starts_with('.')) // .slurm records
                     .collect();
                 entries.sort_by_key(|e| e.file_name());
                 for e in entries {

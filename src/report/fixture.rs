@@ -382,6 +382,7 @@ fn spec(shape: &Shape, labels: &[(String, String, BTreeMap<String, String>)]) ->
                 .collect(),
             ..Default::default()
         },
+        slurm: Default::default(),
         checks,
         command: None,
         path: format!("suites/{}.toml", shape.suite).into(),

@@ -1,11 +1,12 @@
 //! Suites: a TOML file naming an engine, a workload, seeds, configurations, optional sweep axes and
 //! checks, expanded into the list of runs to execute ([`plan`]), run by a resumable parallel runner
-//! ([`runner`]). No statistics here.
+//! ([`runner`]) or handed to Slurm as one job array ([`slurm`]). No statistics here.
 
 pub mod command;
 pub mod ingest;
 pub mod plan;
 pub mod runner;
+pub mod slurm;
 pub mod spec;
 
 pub use plan::{RunSpec, expand};

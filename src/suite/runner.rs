@@ -165,41 +165,65 @@ pub fn run_suite(
                 loop {
                     let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                     let Some(run) = next else { break };
-                    let dir = root.join(&run.run_id);
-                    if !opts.force && is_finished(&dir) {
-                        progress(Progress::Skipped { run });
-                        bump(&|s| s.skipped += 1);
-                        continue;
+                    match run_planned(be, suite, run, &root, opts, progress) {
+                        Outcome::Skipped => bump(&|s| s.skipped += 1),
+                        Outcome::Busy => bump(&|s| s.busy += 1),
+                        Outcome::Finished(status) => bump(&|s| match status {
+                            RunStatus::Ok => s.ok += 1,
+                            RunStatus::Diverged => s.diverged += 1,
+                            _ => s.failed += 1,
+                        }),
                     }
-                    let Some(_lock) = RunLock::acquire(&root.join(format!("{}.lock", run.run_id)))
-                    else {
-                        progress(Progress::Busy { run });
-                        bump(&|s| s.busy += 1);
-                        continue;
-                    };
-                    if !opts.force && is_finished(&dir) {
-                        progress(Progress::Skipped { run }); // finished by another process meanwhile
-                        bump(&|s| s.skipped += 1);
-                        continue;
-                    }
-                    let _ = std::fs::remove_dir_all(&dir); // a half-written run is redone from scratch
-                    progress(Progress::Started { run });
-                    let res = execute(be, suite, run, &dir, opts, progress);
-                    let (status, error) = match res {
-                        Ok(m) => (m.status, m.error),
-                        Err(e) => (RunStatus::Failed, Some(e.to_string())),
-                    };
-                    bump(&|s| match status {
-                        RunStatus::Ok => s.ok += 1,
-                        RunStatus::Diverged => s.diverged += 1,
-                        _ => s.failed += 1,
-                    });
-                    progress(Progress::Finished { run, status, error });
                 }
             });
         }
     });
     Ok(summary.into_inner().unwrap_or_default())
+}
+
+/// What became of one planned run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Already finished (by an earlier invocation or another process).
+    Skipped,
+    /// Another live process holds its lock.
+    Busy,
+    /// Ran now and ended with this status.
+    Finished(RunStatus),
+}
+
+/// Run one planned run into `root/<run-id>` unless it is finished or locked: the per-run step of
+/// [`run_suite`], shared with `lockstep run-one --suite` (a Slurm array task), so a run made by
+/// either lands in the store identically. Reports every [`Progress`] event for the run.
+pub fn run_planned(
+    be: &dyn Backend,
+    suite: &SuiteSpec,
+    run: &RunSpec,
+    root: &Path,
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Outcome {
+    let dir = root.join(&run.run_id);
+    if !opts.force && is_finished(&dir) {
+        progress(Progress::Skipped { run });
+        return Outcome::Skipped;
+    }
+    let Some(_lock) = RunLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
+        progress(Progress::Busy { run });
+        return Outcome::Busy;
+    };
+    if !opts.force && is_finished(&dir) {
+        progress(Progress::Skipped { run }); // finished by another process meanwhile
+        return Outcome::Skipped;
+    }
+    let _ = std::fs::remove_dir_all(&dir); // a half-written run is redone from scratch
+    progress(Progress::Started { run });
+    let (status, error) = match execute(be, suite, run, &dir, opts, progress) {
+        Ok(m) => (m.status, m.error),
+        Err(e) => (RunStatus::Failed, Some(e.to_string())),
+    };
+    progress(Progress::Finished { run, status, error });
+    Outcome::Finished(status)
 }
 
 fn execute(

@@ -20,6 +20,10 @@
 //! bf16_last = [2, 4, 8]
 //! [checks]                        # used by `lockstep compare`
 //! margin = 0.05
+//! [slurm]                         # optional defaults for `--executor slurm`
+//! partition = "gpu"
+//! gpus_per_run = 1
+//! time = "02:00:00"
 //! ```
 
 use crate::recipe::presets::suggest;
@@ -47,6 +51,9 @@ pub struct SuiteSpec {
     /// Command engine settings (engine = "command").
     #[serde(default)]
     pub command: Option<toml::Table>,
+    /// Defaults for `lockstep run --executor slurm` (command-line flags override them).
+    #[serde(default)]
+    pub slurm: super::slurm::SlurmSpec,
     /// Where the file was read from (recipe files resolve relative to it).
     #[serde(skip)]
     pub path: PathBuf,
@@ -137,7 +144,7 @@ pub enum SuiteError {
     Invalid { path: String, msg: String },
 }
 
-const TOP_KEYS: [&str; 9] = [
+const TOP_KEYS: [&str; 10] = [
     "name",
     "description",
     "engine",
@@ -147,8 +154,9 @@ const TOP_KEYS: [&str; 9] = [
     "sweep",
     "checks",
     "command",
+    "slurm",
 ];
-const OTHER_KEYS: [&str; 21] = [
+const OTHER_KEYS: [&str; 28] = [
     "model",
     "task",
     "prompts_per_step",
@@ -170,6 +178,13 @@ const OTHER_KEYS: [&str; 21] = [
     "tail",
     "argv",
     "timeout_s",
+    "partition",
+    "gpus_per_run",
+    "cpus_per_run",
+    "time",
+    "account",
+    "mem",
+    "sbatch_args",
 ];
 
 /// Read a suite file.
