@@ -3,6 +3,7 @@
 //! step, one column per metric key), `layers.csv` (per site and layer), `events.jsonl` and
 //! `log.txt`. Every file is written atomically, so a reader never sees a half-written one.
 
+pub mod baseline;
 pub mod run;
 
 pub use run::{Manifest, RunDir, RunStatus};
