@@ -958,7 +958,7 @@ mod tests {
         assert_eq!(err("mean(rollout/raw_reward) > bf17").pos, 27);
         assert_eq!(err("mean(rollout/raw_reward) > 1 2").pos, 29);
         assert_eq!(err("mean(rollout/raw_reward) # 1").pos, 25);
-        assert_eq!(err("mean(x) > bf16 + max(y)").pos, 10, "two calls: bf16 is ambiguous");
+        assert_eq!(err("mean(x) + max(y) > bf16").pos, 19, "two calls: bf16 is ambiguous");
         assert_eq!(err("mean() > 0").pos, 0);
         assert_eq!(err("mean(a, config=\"fp9\") > 0").pos, 15);
         assert_eq!(err("rollout/raw_reward > 0").pos, 0);

@@ -1,10 +1,15 @@
 //! Comparing a suite's configurations against BF16 across seeds (issue 5). [`result`] holds the
 //! plain result types, [`stats`] the statistics over per-seed values, [`expr`] the check language,
 //! [`settings`] the suite's `[checks]` table, [`data`] the runs read into memory, [`spikes`] the
-//! gradient-spike rules and [`analyze`] the procedure that fills a [`SuiteComparison`].
+//! gradient-spike rules, [`analyze`] the procedure that fills a [`SuiteComparison`], [`golden`]
+//! the golden-value diff, [`nightly`] the nightly verdict, Markdown and JUnit, and [`bench`] the
+//! timing of a large comparison.
 
 pub mod analyze;
+pub mod bench;
 pub mod data;
+pub mod golden;
+pub mod nightly;
 pub mod expr;
 pub mod result;
 pub mod settings;
