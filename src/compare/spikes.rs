@@ -9,7 +9,6 @@
 //! here: the trainer records them as `non_finite` events.
 
 use super::settings::SpikeRule;
-use super::stats::median;
 
 /// A flagged step: index into the series, ratio to the rolling max, robust z.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,40 +19,77 @@ pub struct Flag {
 }
 
 /// Flag spikes in one grad-norm series (values in step order).
+///
+/// The window is kept sorted as it slides (insert and remove by binary search), so the median is
+/// a lookup and the MAD a merge of the two halves' distances to it; a step that cannot reach the
+/// z threshold even with the MAD at its floor skips the MAD entirely.
 pub fn find(g: &[f64], rule: &SpikeRule) -> Vec<Flag> {
     let mut out = Vec::new();
     let logs: Vec<f64> = g
         .iter()
         .map(|v| if v.is_finite() && *v > 0.0 { v.ln() } else { f64::NAN })
         .collect();
-    let mut win: Vec<f64> = Vec::with_capacity(rule.window);
-    let mut dev: Vec<f64> = Vec::with_capacity(rule.window);
+    let mut win: Vec<f64> = Vec::with_capacity(rule.window + 1);
+    let z_reach = rule.z * 1.4826 * rule.mad_floor;
     for i in 0..g.len() {
-        if !logs[i].is_finite() {
+        if i > rule.window {
+            let old = logs[i - rule.window - 1];
+            if old.is_finite()
+                && let Ok(k) = win.binary_search_by(|p| p.total_cmp(&old))
+            {
+                win.remove(k);
+            }
+        }
+        if i > 0 {
+            let new = logs[i - 1];
+            if new.is_finite() {
+                let k = win.partition_point(|p| p.total_cmp(&new).is_lt());
+                win.insert(k, new);
+            }
+        }
+        let x = logs[i];
+        if !x.is_finite() || win.len() < rule.min_history {
             continue;
         }
-        let from = i.saturating_sub(rule.window);
-        win.clear();
-        win.extend(logs[from..i].iter().copied().filter(|v| v.is_finite()));
-        if win.len() < rule.min_history {
-            continue;
+        let ratio = (x - win[win.len() - 1]).exp();
+        let med = sorted_median(&win);
+        if x - med < z_reach && ratio < rule.ratio {
+            continue; // z < rule.z whatever the MAD, and under the ratio rule
         }
-        let max_log = win.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let ratio = (logs[i] - max_log).exp();
-        let med = median(&win);
-        // Cheap exit: at or below the median a step can be neither kind of spike.
-        if logs[i] <= med && ratio < rule.ratio {
-            continue;
-        }
-        dev.clear();
-        dev.extend(win.iter().map(|v| (v - med).abs()));
-        let mad = median(&dev).max(rule.mad_floor);
-        let z = (logs[i] - med) / (1.4826 * mad);
+        let mad = sorted_mad(&win, med).max(rule.mad_floor);
+        let z = (x - med) / (1.4826 * mad);
         if z >= rule.z || ratio >= rule.ratio {
             out.push(Flag { index: i, ratio, z });
         }
     }
     out
+}
+
+fn sorted_median(s: &[f64]) -> f64 {
+    let n = s.len();
+    if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) }
+}
+
+/// Median absolute deviation of sorted values from their median `med`: the distances below the
+/// median grow leftwards and those above grow rightwards, so merging the two runs gives the
+/// distances in order without sorting.
+fn sorted_mad(s: &[f64], med: f64) -> f64 {
+    let n = s.len();
+    let split = s.partition_point(|v| *v < med);
+    let (mut l, mut r) = (split as isize - 1, split);
+    let mut d = Vec::with_capacity(n);
+    while d.len() < n {
+        let dl = if l >= 0 { med - s[l as usize] } else { f64::INFINITY };
+        let dr = if r < n { s[r] - med } else { f64::INFINITY };
+        if dl <= dr {
+            d.push(dl);
+            l -= 1;
+        } else {
+            d.push(dr);
+            r += 1;
+        }
+    }
+    sorted_median(&d)
 }
 
 #[cfg(test)]
@@ -85,6 +121,19 @@ mod tests {
         let f = find(&g, &rule);
         assert_eq!(f.iter().map(|f| f.index).collect::<Vec<_>>(), vec![30]);
         assert!(f[0].ratio < rule.ratio);
+    }
+
+    #[test]
+    fn sorted_median_and_mad_match_the_definitions() {
+        use crate::compare::stats::median;
+        for n in 1..12 {
+            let mut v: Vec<f64> = (0..n).map(|i| ((i * 37 % 11) as f64).powf(1.3)).collect();
+            v.sort_by(f64::total_cmp);
+            let m = median(&v);
+            assert_eq!(sorted_median(&v), m);
+            let dev: Vec<f64> = v.iter().map(|x| (x - m).abs()).collect();
+            assert_eq!(sorted_mad(&v, m), median(&dev), "n = {n}");
+        }
     }
 
     #[test]
