@@ -446,6 +446,11 @@ pub struct Decision {
     pub seeds_needed: Option<usize>,
 }
 
+/// The noise used to count the seeds a margin needs is the upper bound of the pooled standard
+/// deviation at this level (99 %): a small sample that happens to look quiet claims "enough
+/// seeds" with probability at most 1 %, and must then also pass TOST.
+pub const SD_BOUND_LEVEL: f64 = 0.01;
+
 /// Decide from per-seed final-window values `x` (configuration) and `y` (baseline).
 ///
 /// With `g` the difference oriented so that positive is better and `[lo, hi]` its Welch interval
@@ -457,8 +462,8 @@ pub struct Decision {
 /// 4. `lo > 0`: improved;
 /// 5. otherwise inconclusive, saying how many seeds the margin needs.
 ///
-/// The required count uses the `1 - alpha` upper confidence bound of the pooled standard
-/// deviation, so a small sample that happens to look quiet cannot claim equivalence.
+/// The required count uses the 99 % upper confidence bound of the pooled standard deviation
+/// ([`SD_BOUND_LEVEL`]), so a small sample that happens to look quiet cannot claim equivalence.
 pub fn decide(x: &[f64], y: &[f64], margin: Option<f64>, higher_is_better: bool, s: &CompareSettings) -> Decision {
     let raw = stats::welch_interval(x, y, s.alpha);
     let sign = if higher_is_better { 1.0 } else { -1.0 };
@@ -466,7 +471,7 @@ pub fn decide(x: &[f64], y: &[f64], margin: Option<f64>, higher_is_better: bool,
     let est = sign * raw.estimate;
     let n = x.len().min(y.len());
     let (var, df) = stats::pooled_variance(x, y);
-    let sd_up = stats::sd_upper(var, df, s.alpha);
+    let sd_up = stats::sd_upper(var, df, SD_BOUND_LEVEL);
     let needed = margin.and_then(|m| stats::seeds_needed(sd_up, m, s.alpha, s.power));
     let worse = if higher_is_better { "lower" } else { "higher" };
     let f = expr::fmt_num;
@@ -740,7 +745,7 @@ fn method(s: &CompareSettings) -> Method {
             format!(
                 "Seeds needed: the smallest n per arm with margin / (sd·sqrt(2/n)) >= t(1-alpha) + t(power) at power {}, where sd is the {:.0} % upper confidence bound of the pooled per-seed standard deviation, so a quiet-looking small sample cannot claim equivalence.",
                 s.power,
-                100.0 * (1.0 - s.alpha)
+                100.0 * (1.0 - SD_BOUND_LEVEL)
             ),
             format!(
                 "Bands: percentile bootstrap of the mean curve over seeds ({} resamples, the same resample at every step); final-window and area-under-curve intervals: stratified percentile bootstrap over seeds, each arm resampled on its own ({} resamples, seed {}), as in rliable.",
