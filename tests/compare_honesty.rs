@@ -32,7 +32,14 @@ fn normal(rng: &mut ChaCha8Rng) -> f64 {
 
 /// One simulated run: a rising reward curve shifted by `shift`, a per-seed offset (sd `seed_sd`)
 /// and per-step noise (sd `step_sd`).
-fn run(config: &str, seed: u64, shift: f64, seed_sd: f64, step_sd: f64, rng: &mut ChaCha8Rng) -> RunData {
+fn run(
+    config: &str,
+    seed: u64,
+    shift: f64,
+    seed_sd: f64,
+    step_sd: f64,
+    rng: &mut ChaCha8Rng,
+) -> RunData {
     let offset = seed_sd * normal(rng);
     let pts = (0..STEPS)
         .map(|t| {
@@ -73,7 +80,14 @@ fn fast() -> CompareOptions {
 }
 
 /// Simulate `k` comparisons of `seeds` seeds per arm; return each verdict.
-fn simulate(k: usize, seeds: u64, shift: f64, seed_sd: f64, step_sd: f64, sim_seed: u64) -> Vec<Verdict> {
+fn simulate(
+    k: usize,
+    seeds: u64,
+    shift: f64,
+    seed_sd: f64,
+    step_sd: f64,
+    sim_seed: u64,
+) -> Vec<Verdict> {
     let mut rng = ChaCha8Rng::seed_from_u64(sim_seed);
     let s = settings();
     (0..k)
@@ -110,7 +124,10 @@ fn identical_configurations_regress_at_most_at_alpha() {
             r <= alpha + slack,
             "{seeds} seeds: false regression rate {r} above alpha {alpha} (+{slack:.3} binomial slack)"
         );
-        assert!(rate(&v, Verdict::Improved) <= alpha + slack, "and symmetric for false improvements");
+        assert!(
+            rate(&v, Verdict::Improved) <= alpha + slack,
+            "and symmetric for false improvements"
+        );
     }
 }
 
@@ -121,10 +138,20 @@ fn a_regression_of_the_margins_size_is_caught_at_the_stated_power() {
     // The noisiest per-seed spread at which the procedure says 5 seeds are enough for the margin.
     let step_sd = 0.03;
     let mut seed_sd = 0.0;
-    while seeds_needed(final_sd(seed_sd + 0.0005, step_sd), MARGIN, s.alpha, s.power).is_some_and(|n| n <= seeds as usize) {
+    while seeds_needed(
+        final_sd(seed_sd + 0.0005, step_sd),
+        MARGIN,
+        s.alpha,
+        s.power,
+    )
+    .is_some_and(|n| n <= seeds as usize)
+    {
         seed_sd += 0.0005;
     }
-    assert!(seed_sd > 0.005, "the search found a usable noise level ({seed_sd})");
+    assert!(
+        seed_sd > 0.005,
+        "the search found a usable noise level ({seed_sd})"
+    );
     let k = 400;
     let v = simulate(k, seeds, -MARGIN, seed_sd, step_sd, 3);
     let caught = rate(&v, Verdict::Regressed);
@@ -136,7 +163,11 @@ fn a_regression_of_the_margins_size_is_caught_at_the_stated_power() {
         s.power
     );
     // TOST: a difference of exactly the margin is called equivalent at most at rate alpha.
-    assert!(rate(&v, Verdict::Equivalent) <= s.alpha, "{}", rate(&v, Verdict::Equivalent));
+    assert!(
+        rate(&v, Verdict::Equivalent) <= s.alpha,
+        "{}",
+        rate(&v, Verdict::Equivalent)
+    );
 }
 
 #[test]
@@ -148,7 +179,11 @@ fn too_few_seeds_are_inconclusive_never_equivalent() {
     let s = settings();
     assert!(seeds_needed(final_sd(0.05, 0.05), MARGIN, s.alpha, s.power).unwrap() > 10);
     let v = simulate(400, 3, 0.0, 0.05, 0.05, 5);
-    assert_eq!(rate(&v, Verdict::Equivalent), 0.0, "no equivalence claims from 3 seeds at this noise");
+    assert_eq!(
+        rate(&v, Verdict::Equivalent),
+        0.0,
+        "no equivalence claims from 3 seeds at this noise"
+    );
     // The same procedure does reach `equivalent` when the seeds suffice (so the test can fail).
     let v = simulate(100, 10, 0.0, 0.005, 0.01, 6);
     assert!(rate(&v, Verdict::Equivalent) >= 0.9, "{v:?}");

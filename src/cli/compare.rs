@@ -5,7 +5,9 @@ use clap::{Args, Subcommand};
 use lockstep::compare::expr::fmt_num;
 use lockstep::compare::golden::{self, GoldenDiff};
 use lockstep::compare::nightly::{self, NightState};
-use lockstep::compare::{CompareOptions, CompareSettings, OverallVerdict, SuiteComparison, Verdict, data, settings};
+use lockstep::compare::{
+    CompareOptions, CompareSettings, OverallVerdict, SuiteComparison, Verdict, data, settings,
+};
 use lockstep::io::atomic;
 use lockstep::store::RunDir;
 use lockstep::store::baseline::{self as bstore, BaselineMeta};
@@ -70,7 +72,10 @@ pub fn compare_cmd(a: &CompareArgs) -> Result<bool> {
             }
             None => ("runs".to_string(), CompareSettings::default()),
         };
-        (lockstep::compare::compare_runs(&name, &a.runs, &s, &a.flags.options())?, None)
+        (
+            lockstep::compare::compare_runs(&name, &a.runs, &s, &a.flags.options())?,
+            None,
+        )
     } else {
         let Some(f) = &a.suite else {
             bail!("name a suite (--suite SUITE.toml) or run folders (--runs DIR...)");
@@ -161,7 +166,8 @@ pub fn print_comparison(c: &SuiteComparison) {
     }
     let mut by: std::collections::BTreeMap<(&str, &str, i64), usize> = Default::default();
     for s in &c.spikes {
-        *by.entry((s.config.as_str(), s.site.as_str(), s.layer)).or_default() += 1;
+        *by.entry((s.config.as_str(), s.site.as_str(), s.layer))
+            .or_default() += 1;
     }
     println!("gradient spikes: {}", c.spikes.len());
     for ((cfg, site, layer), n) in by.iter().take(12) {
@@ -210,7 +216,11 @@ fn suite_tables(
     spec: &SuiteSpec,
     store: &Path,
     metrics: &[String],
-) -> Result<(std::collections::BTreeMap<String, bstore::GoldenTable>, String, bool)> {
+) -> Result<(
+    std::collections::BTreeMap<String, bstore::GoldenTable>,
+    String,
+    bool,
+)> {
     let dir = suite_dir(store, &spec.name)?;
     let planned = expand(spec)?;
     let dirs: Vec<PathBuf> = planned
@@ -259,7 +269,10 @@ pub fn baseline_cmd(cmd: &BaselineCommand) -> Result<bool> {
                 created: lockstep::store::run::now_utc(),
                 platform: golden::platform(&device, emulated),
                 metrics: s.golden.metrics.clone(),
-                configs: tables.keys().map(|c| (c.clone(), format!("{}.csv", bstore::slug(c)))).collect(),
+                configs: tables
+                    .keys()
+                    .map(|c| (c.clone(), format!("{}.csv", bstore::slug(c))))
+                    .collect(),
                 derived_tolerances: derived.clone(),
                 repeats: sets.len(),
             };
@@ -287,11 +300,22 @@ pub fn baseline_cmd(cmd: &BaselineCommand) -> Result<bool> {
     }
 }
 
-fn golden_diff(spec: &SuiteSpec, s: &CompareSettings, store: &Path, baselines: &Path) -> Result<GoldenDiff> {
+fn golden_diff(
+    spec: &SuiteSpec,
+    s: &CompareSettings,
+    store: &Path,
+    baselines: &Path,
+) -> Result<GoldenDiff> {
     let dir = baselines.join(&spec.name);
     let (meta, base) = bstore::load(&dir)?;
     let (current, device, emulated) = suite_tables(spec, store, &meta.metrics)?;
-    Ok(golden::diff(&meta, &base, &current, &golden::platform(&device, emulated), &s.golden))
+    Ok(golden::diff(
+        &meta,
+        &base,
+        &current,
+        &golden::platform(&device, emulated),
+        &s.golden,
+    ))
 }
 
 fn print_golden(d: &GoldenDiff) {
@@ -310,7 +334,9 @@ fn print_golden(d: &GoldenDiff) {
         } else {
             format!(
                 "CHANGED{}",
-                r.first_outside.map(|(s, t)| format!(" (first: seed {s} step {t})")).unwrap_or_default()
+                r.first_outside
+                    .map(|(s, t)| format!(" (first: seed {s} step {t})"))
+                    .unwrap_or_default()
             )
         };
         println!(
@@ -323,7 +349,10 @@ fn print_golden(d: &GoldenDiff) {
             fmt_num(r.tolerance)
         );
     }
-    println!("golden values: {}", if d.passed { "PASS" } else { "CHANGED" });
+    println!(
+        "golden values: {}",
+        if d.passed { "PASS" } else { "CHANGED" }
+    );
 }
 
 #[derive(Debug, Args)]
@@ -379,22 +408,36 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
     };
     let state_path = dir.join("nightly-state.json");
     let mut state: NightState = match std::fs::read_to_string(&state_path) {
-        Ok(t) => serde_json::from_str(&t)
-            .with_context(|| format!("{}: not a nightly state file; delete it to start over", state_path.display()))?,
+        Ok(t) => serde_json::from_str(&t).with_context(|| {
+            format!(
+                "{}: not a nightly state file; delete it to start over",
+                state_path.display()
+            )
+        })?,
         Err(_) => NightState::default(),
     };
     let date = a
         .date
         .clone()
         .unwrap_or_else(|| lockstep::store::run::now_utc()[..10].to_string());
-    let v = nightly::verdict(&cmp, golden.as_ref(), &mut state, &date, s.nights, s.inconclusive_fails);
+    let v = nightly::verdict(
+        &cmp,
+        golden.as_ref(),
+        &mut state,
+        &date,
+        s.nights,
+        s.inconclusive_fails,
+    );
     let out = a.out.clone().unwrap_or_else(|| dir.clone());
     std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
     write_json(&state_path, &state)?;
     write_json(&out.join("verdict.json"), &v)?;
     let md = nightly::markdown(&v, &cmp);
     atomic::write_file(&out.join("summary.md"), md.as_bytes())?;
-    atomic::write_file(&out.join("junit.xml"), nightly::junit(&cmp, golden.as_ref()).as_bytes())?;
+    atomic::write_file(
+        &out.join("junit.xml"),
+        nightly::junit(&cmp, golden.as_ref()).as_bytes(),
+    )?;
     print_comparison(&cmp);
     if let Some(g) = &golden {
         print_golden(g);
@@ -409,17 +452,33 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
 }
 
 /// `lockstep bench compare`.
-pub fn bench_compare(runs: usize, steps: usize, configs: usize, sites: usize, io: bool) -> Result<bool> {
+pub fn bench_compare(
+    runs: usize,
+    steps: usize,
+    configs: usize,
+    sites: usize,
+    io: bool,
+) -> Result<bool> {
     let r = lockstep::compare::bench::run(runs, steps, configs, sites, io)?;
     println!(
         "compare {runs} runs x {steps} steps ({configs} configurations, {} metrics, {sites} grad-norm series per run)",
         r.metrics
     );
     if let Some(t) = r.load_s {
-        println!("  load from the store (CSV, {} threads): {t:.2} s", rayon::current_num_threads());
+        println!(
+            "  load from the store (CSV, {} threads): {t:.2} s",
+            rayon::current_num_threads()
+        );
     }
-    println!("  statistics (bands, intervals, verdicts, spikes, checks): {:.2} s", r.compare_s);
-    println!("  compare.json serialisation: {:.2} s ({:.1} MB)", r.json_s, r.json_bytes as f64 / 1e6);
+    println!(
+        "  statistics (bands, intervals, verdicts, spikes, checks): {:.2} s",
+        r.compare_s
+    );
+    println!(
+        "  compare.json serialisation: {:.2} s ({:.1} MB)",
+        r.json_s,
+        r.json_bytes as f64 / 1e6
+    );
     println!("  total: {:.2} s", r.load_s.unwrap_or(0.0) + r.compare_s);
     Ok(true)
 }

@@ -38,7 +38,9 @@ pub enum CompareError {
     Settings(#[from] SettingsError),
     #[error(transparent)]
     Suite(#[from] SuiteError),
-    #[error("{dir}: no finished runs of suite `{suite}` here; run it first (`lockstep run SUITE.toml --store STORE`)")]
+    #[error(
+        "{dir}: no finished runs of suite `{suite}` here; run it first (`lockstep run SUITE.toml --store STORE`)"
+    )]
     NoRuns { dir: String, suite: String },
     #[error(
         "no finished runs of the baseline configuration `{baseline}` (configurations with runs: {have}); run it, or pick another with [checks] baseline / --baseline"
@@ -62,7 +64,10 @@ pub fn compare_suite(
         if d.join("manifest.json").is_file() {
             dirs.push(d);
         } else {
-            warnings.push(format!("{} seed {}: not run yet ({})", r.config, r.seed, r.run_id));
+            warnings.push(format!(
+                "{} seed {}: not run yet ({})",
+                r.config, r.seed, r.run_id
+            ));
         }
     }
     if let Ok(all) = data::run_dirs(suite_dir) {
@@ -205,7 +210,10 @@ pub fn compare_data(
     let mut warnings = Vec::new();
     for g in &groups {
         if g.failed > 0 {
-            warnings.push(format!("{}: {} run(s) failed or unfinished, left out", g.config, g.failed));
+            warnings.push(format!(
+                "{}: {} run(s) failed or unfinished, left out",
+                g.config, g.failed
+            ));
         }
     }
     let baselines: Vec<usize> = (0..groups.len())
@@ -214,7 +222,11 @@ pub fn compare_data(
     if baselines.is_empty() {
         return Err(CompareError::NoBaseline {
             baseline: s.baseline.clone(),
-            have: groups.iter().map(|g| g.config.as_str()).collect::<Vec<_>>().join(", "),
+            have: groups
+                .iter()
+                .map(|g| g.config.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
         });
     }
     let metrics = tracked_metrics(&s, runs);
@@ -226,7 +238,9 @@ pub fn compare_data(
         .par_iter()
         .map(|&(g, m)| ((g, m.clone()), Arm::build(&groups[g], m, &s)))
         .collect();
-    let others: Vec<usize> = (0..groups.len()).filter(|i| groups[*i].base != s.baseline).collect();
+    let others: Vec<usize> = (0..groups.len())
+        .filter(|i| groups[*i].base != s.baseline)
+        .collect();
     let configs: Vec<ConfigComparison> = others
         .par_iter()
         .map(|&gi| {
@@ -235,13 +249,19 @@ pub fn compare_data(
                 .iter()
                 .copied()
                 .find(|&b| groups[b].axes == g.axes)
-                .or_else(|| baselines.iter().copied().find(|&b| groups[b].axes.is_empty()))
+                .or_else(|| {
+                    baselines
+                        .iter()
+                        .copied()
+                        .find(|&b| groups[b].axes.is_empty())
+                })
                 .unwrap_or(baselines[0]);
             let metrics = metrics
                 .iter()
                 .filter_map(|m| {
                     let (x, y) = (&bands[&(gi, m.clone())], &bands[&(bi, m.clone())]);
-                    (!x.seeds.is_empty() && !y.seeds.is_empty()).then(|| compare_metric(m, x, y, &s, &g.config))
+                    (!x.seeds.is_empty() && !y.seeds.is_empty())
+                        .then(|| compare_metric(m, x, y, &s, &g.config))
                 })
                 .collect();
             ConfigComparison {
@@ -291,7 +311,10 @@ fn tracked_metrics(s: &CompareSettings, runs: &[RunData]) -> Vec<String> {
         }
     }
     want.into_iter()
-        .filter(|m| runs.iter().any(|r| r.metrics.get(m).is_some_and(|v| !v.is_empty())))
+        .filter(|m| {
+            runs.iter()
+                .any(|r| r.metrics.get(m).is_some_and(|v| !v.is_empty()))
+        })
         .collect()
 }
 
@@ -320,7 +343,10 @@ impl Arm {
                 points.push(p);
             }
         }
-        let finals = points.iter().map(|p| final_mean(p, s.final_window)).collect();
+        let finals = points
+            .iter()
+            .map(|p| final_mean(p, s.final_window))
+            .collect();
         // The band is over the steps every seed has.
         let mut common: Option<BTreeSet<usize>> = None;
         for p in &points {
@@ -336,7 +362,10 @@ impl Arm {
             .zip(&points)
             .map(|(sd, p)| (*sd, values_at(p, &steps)))
             .collect();
-        let flat: Vec<f64> = per_seed.iter().flat_map(|(_, v)| v.iter().copied()).collect();
+        let flat: Vec<f64> = per_seed
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .collect();
         let mut rs = Resampler::new(stream_seed(s.bootstrap_seed, &g.config, metric, 1));
         let (mean, lo, hi) = rs.band(&flat, per_seed.len(), steps.len(), s.band_reps, s.alpha);
         Arm {
@@ -383,16 +412,26 @@ pub fn final_mean(p: &[(usize, f64)], window: usize) -> f64 {
 /// A bootstrap stream per (configuration, metric, purpose), independent of evaluation order.
 fn stream_seed(seed: u64, config: &str, metric: &str, purpose: u64) -> u64 {
     use sha2::{Digest, Sha256};
-    let h: [u8; 32] = Sha256::digest(format!("{seed}\u{0}{config}\u{0}{metric}\u{0}{purpose}").as_bytes()).into();
+    let h: [u8; 32] =
+        Sha256::digest(format!("{seed}\u{0}{config}\u{0}{metric}\u{0}{purpose}").as_bytes()).into();
     u64::from_le_bytes([h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]])
 }
 
 fn is_kl_type(metric: &str) -> bool {
     let m = metric.to_ascii_lowercase();
-    m.contains("kl") || m.contains("logprob_abs_diff") || m.contains("prob_error") || m.contains("probs_diff")
+    m.contains("kl")
+        || m.contains("logprob_abs_diff")
+        || m.contains("prob_error")
+        || m.contains("probs_diff")
 }
 
-fn compare_metric(metric: &str, x: &Arm, y: &Arm, s: &CompareSettings, config: &str) -> MetricComparison {
+fn compare_metric(
+    metric: &str,
+    x: &Arm,
+    y: &Arm,
+    s: &CompareSettings,
+    config: &str,
+) -> MetricComparison {
     let hib = s.higher_is_better(metric);
     let margin = s.margin(metric);
     let d = decide(&x.finals, &y.finals, margin, hib, s);
@@ -411,7 +450,14 @@ fn compare_metric(metric: &str, x: &Arm, y: &Arm, s: &CompareSettings, config: &
     let auc = |a: &Arm| -> Vec<f64> {
         a.points
             .iter()
-            .map(|p| stats::mean(&p.iter().filter(|q| common.contains(&q.0)).map(|q| q.1).collect::<Vec<_>>()))
+            .map(|p| {
+                stats::mean(
+                    &p.iter()
+                        .filter(|q| common.contains(&q.0))
+                        .map(|q| q.1)
+                        .collect::<Vec<_>>(),
+                )
+            })
             .collect()
     };
     let auc_diff = rs.diff_interval(&auc(x), &auc(y), s.bootstrap_reps, s.alpha, stats::mean);
@@ -464,10 +510,20 @@ pub const SD_BOUND_LEVEL: f64 = 0.01;
 ///
 /// The required count uses the 99 % upper confidence bound of the pooled standard deviation
 /// ([`SD_BOUND_LEVEL`]), so a small sample that happens to look quiet cannot claim equivalence.
-pub fn decide(x: &[f64], y: &[f64], margin: Option<f64>, higher_is_better: bool, s: &CompareSettings) -> Decision {
+pub fn decide(
+    x: &[f64],
+    y: &[f64],
+    margin: Option<f64>,
+    higher_is_better: bool,
+    s: &CompareSettings,
+) -> Decision {
     let raw = stats::welch_interval(x, y, s.alpha);
     let sign = if higher_is_better { 1.0 } else { -1.0 };
-    let (lo, hi) = if higher_is_better { (raw.lo, raw.hi) } else { (-raw.hi, -raw.lo) };
+    let (lo, hi) = if higher_is_better {
+        (raw.lo, raw.hi)
+    } else {
+        (-raw.hi, -raw.lo)
+    };
     let est = sign * raw.estimate;
     let n = x.len().min(y.len());
     let (var, df) = stats::pooled_variance(x, y);
@@ -494,12 +550,17 @@ pub fn decide(x: &[f64], y: &[f64], margin: Option<f64>, higher_is_better: bool,
             format!(
                 "{n} seed(s) per arm; at least {} are needed for any verdict{}",
                 s.min_seeds,
-                needed.map(|k| format!(" (about {k} for a {} margin)", f(m))).unwrap_or_default()
+                needed
+                    .map(|k| format!(" (about {k} for a {} margin)", f(m)))
+                    .unwrap_or_default()
             ),
         );
     }
     if !(lo.is_finite() && hi.is_finite()) {
-        return verdict_of(Verdict::Inconclusive, format!("no interval could be computed: difference {ci}"));
+        return verdict_of(
+            Verdict::Inconclusive,
+            format!("no interval could be computed: difference {ci}"),
+        );
     }
     let within = lo > -m && hi < m;
     let enough = needed.is_some_and(|k| n >= k);
@@ -507,7 +568,11 @@ pub fn decide(x: &[f64], y: &[f64], margin: Option<f64>, higher_is_better: bool,
     if within && enough {
         return verdict_of(
             Verdict::Equivalent,
-            format!("difference {ci} lies inside ±{} (TOST at alpha {})", f(m), s.alpha),
+            format!(
+                "difference {ci} lies inside ±{} (TOST at alpha {})",
+                f(m),
+                s.alpha
+            ),
         );
     }
     if hi < 0.0 {
@@ -522,7 +587,10 @@ pub fn decide(x: &[f64], y: &[f64], margin: Option<f64>, higher_is_better: bool,
         );
     }
     if lo > 0.0 && !within {
-        return verdict_of(Verdict::Improved, format!("better by {} ({ci})", f(est.abs())));
+        return verdict_of(
+            Verdict::Improved,
+            format!("better by {} ({ci})", f(est.abs())),
+        );
     }
     if within {
         return verdict_of(
@@ -574,16 +642,18 @@ fn find_spikes(groups: &[Group<'_>], s: &CompareSettings) -> Vec<Spike> {
     runs.par_iter()
         .flat_map_iter(|r| {
             r.layers.iter().flat_map(move |l| {
-                spikes::find(&l.grad_norm, &s.spikes).into_iter().map(move |f| Spike {
-                    config: r.config.clone(),
-                    seed: r.seed,
-                    step: l.steps[f.index],
-                    site: l.site.clone(),
-                    layer: l.layer,
-                    value: l.grad_norm[f.index],
-                    ratio: f.ratio,
-                    z: f.z,
-                })
+                spikes::find(&l.grad_norm, &s.spikes)
+                    .into_iter()
+                    .map(move |f| Spike {
+                        config: r.config.clone(),
+                        seed: r.seed,
+                        step: l.steps[f.index],
+                        site: l.site.clone(),
+                        layer: l.layer,
+                        value: l.grad_norm[f.index],
+                        ratio: f.ratio,
+                        z: f.z,
+                    })
             })
         })
         .collect()
@@ -628,7 +698,9 @@ impl Source for Data<'_, '_> {
             .unwrap_or_default()
     }
     fn spikes(&self, config: &str, site: Option<&str>, layer: Option<i64>) -> Vec<f64> {
-        let Some(g) = self.group(config) else { return vec![] };
+        let Some(g) = self.group(config) else {
+            return vec![];
+        };
         g.runs
             .iter()
             .map(|r| {
@@ -645,20 +717,29 @@ impl Source for Data<'_, '_> {
             .collect()
     }
     fn events(&self, config: &str, kind: Option<&str>, site: Option<&str>) -> Vec<f64> {
-        let Some(g) = self.group(config) else { return vec![] };
+        let Some(g) = self.group(config) else {
+            return vec![];
+        };
         g.runs
             .iter()
             .map(|r| {
                 r.events
                     .iter()
-                    .filter(|e| kind.is_none_or(|k| e.kind == k) && site_matches(site, &e.site, e.layer))
+                    .filter(|e| {
+                        kind.is_none_or(|k| e.kind == k) && site_matches(site, &e.site, e.layer)
+                    })
                     .count() as f64
             })
             .collect()
     }
     fn contract_violations(&self, config: &str) -> Vec<f64> {
-        let Some(g) = self.group(config) else { return vec![] };
-        g.runs.iter().map(|r| r.contract_violations as f64).collect()
+        let Some(g) = self.group(config) else {
+            return vec![];
+        };
+        g.runs
+            .iter()
+            .map(|r| r.contract_violations as f64)
+            .collect()
     }
 }
 
@@ -676,7 +757,9 @@ fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Ve
             let applies = if matchers.is_empty() {
                 g.base != s.baseline
             } else {
-                matchers.iter().any(|m| m.is_match(&g.config) || m.is_match(&g.base))
+                matchers
+                    .iter()
+                    .any(|m| m.is_match(&g.config) || m.is_match(&g.base))
             };
             if !applies {
                 continue;
@@ -696,7 +779,11 @@ fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Ve
     out
 }
 
-fn overall(configs: &[ConfigComparison], checks: &[CheckResult], s: &CompareSettings) -> OverallVerdict {
+fn overall(
+    configs: &[ConfigComparison],
+    checks: &[CheckResult],
+    s: &CompareSettings,
+) -> OverallVerdict {
     let gated: Vec<&MetricComparison> = configs
         .iter()
         .flat_map(|c| &c.metrics)
@@ -754,7 +841,7 @@ fn method(s: &CompareSettings) -> Method {
             "Interquartile mean (IQM): mean of the middle half of the per-seed values; probability of improvement: P(a run of the configuration beats a run of the baseline), the Mann-Whitney U over n·m, ties counted half.".to_string(),
             "KL-type metrics: level = final-window mean; step-0 offset = the configuration's first value minus the baseline's (the format's constant offset); drift = least-squares slope per seed, averaged over seeds with a t interval.".to_string(),
             format!(
-                "Gradient spikes, per site and layer: a step is flagged when its log grad norm is at least {} robust z-scores (1.4826·MAD, floor {}) above the median of the previous {} steps, or when it is at least {}x the largest of them; a step needs {} earlier values to be judged.",
+                "Gradient spikes, per site and layer: a step is flagged when its log grad norm is at least {} robust z-scores (1.4826·MAD, floor {}) above the median of the previous {} steps and a new high of that window, or when it is at least {}x the largest of them; a step needs {} earlier values to be judged.",
                 s.spikes.z, s.spikes.mad_floor, s.spikes.window, s.spikes.ratio, s.spikes.min_history
             ),
             "Overall: regression if any metric with a margin regressed or any declared check failed; pass if every metric with a margin is equivalent or improved; inconclusive otherwise. Metrics without a margin are descriptive.".to_string(),

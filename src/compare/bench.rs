@@ -28,7 +28,11 @@ pub fn synthetic(runs: usize, steps: usize, configs: usize, sites: usize) -> Vec
     let per = (runs / configs.max(1)).max(1);
     let mut out = Vec::with_capacity(runs);
     for c in 0..configs.max(1) {
-        let config = if c == 0 { "bf16".to_string() } else { format!("cfg{c}") };
+        let config = if c == 0 {
+            "bf16".to_string()
+        } else {
+            format!("cfg{c}")
+        };
         for seed in 0..per as u64 {
             let mut rng = ChaCha8Rng::seed_from_u64(seed * 1000 + c as u64);
             let mut metrics: BTreeMap<String, Vec<(usize, f64)>> = BTreeMap::new();
@@ -119,16 +123,30 @@ fn write_run(root: &std::path::Path, r: &RunData) -> Result<std::path::PathBuf, 
         }
     }
     rd.write_metrics(&recs)?;
-    let mut m = Manifest::start(&r.run_id, "builtin", serde_json::json!({}), r.seed, steps, "cpu");
+    let mut m = Manifest::start(
+        &r.run_id,
+        "builtin",
+        serde_json::json!({}),
+        r.seed,
+        steps,
+        "cpu",
+    );
     m.status = RunStatus::Ok;
     m.steps_done = steps;
-    m.extra.insert("config_name".into(), r.config.clone().into());
+    m.extra
+        .insert("config_name".into(), r.config.clone().into());
     rd.write_manifest(&m)?;
     Ok(dir)
 }
 
 /// Generate, optionally write and read back, compare and serialise; return the timings.
-pub fn run(runs: usize, steps: usize, configs: usize, sites: usize, io: bool) -> Result<BenchResult, IoError> {
+pub fn run(
+    runs: usize,
+    steps: usize,
+    configs: usize,
+    sites: usize,
+    io: bool,
+) -> Result<BenchResult, IoError> {
     let mut data = synthetic(runs, steps, configs, sites);
     let mut s = settings::CompareSettings::default();
     s.margins.insert("rollout/raw_reward".into(), 0.05);
@@ -137,8 +155,12 @@ pub fn run(runs: usize, steps: usize, configs: usize, sites: usize, io: bool) ->
         baseline: "bf16".into(),
         constants: s.constants(),
     };
-    for e in ["max(train/train_rollout_kl) < 3e-3", "spikes(site=\"*experts*\") <= 2"] {
-        let check = crate::compare::expr::parse(e, &names).map_err(|err| IoError::invalid(std::path::Path::new(e), err.to_string()))?;
+    for e in [
+        "max(train/train_rollout_kl) < 3e-3",
+        "spikes(site=\"*experts*\") <= 2",
+    ] {
+        let check = crate::compare::expr::parse(e, &names)
+            .map_err(|err| IoError::invalid(std::path::Path::new(e), err.to_string()))?;
         s.checks.push(settings::CheckSpec {
             name: e.into(),
             check,
@@ -147,10 +169,14 @@ pub fn run(runs: usize, steps: usize, configs: usize, sites: usize, io: bool) ->
     }
     let mut load_s = None;
     if io {
-        let root = std::env::temp_dir().join(format!("lockstep-bench-compare-{}", std::process::id()));
+        let root =
+            std::env::temp_dir().join(format!("lockstep-bench-compare-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         std::fs::create_dir_all(&root).map_err(|e| IoError::io(&root, e))?;
-        let dirs = data.iter().map(|r| write_run(&root, r)).collect::<Result<Vec<_>, _>>()?;
+        let dirs = data
+            .iter()
+            .map(|r| write_run(&root, r))
+            .collect::<Result<Vec<_>, _>>()?;
         let t = Instant::now();
         let (back, skipped) = data::load_runs(&dirs, None);
         load_s = Some(t.elapsed().as_secs_f64());
@@ -165,7 +191,8 @@ pub fn run(runs: usize, steps: usize, configs: usize, sites: usize, io: bool) ->
         .map_err(|e| IoError::invalid(std::path::Path::new("bench"), e.to_string()))?;
     let compare_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let json = serde_json::to_vec(&cmp).map_err(|e| IoError::invalid(std::path::Path::new("bench"), e.to_string()))?;
+    let json = serde_json::to_vec(&cmp)
+        .map_err(|e| IoError::invalid(std::path::Path::new("bench"), e.to_string()))?;
     Ok(BenchResult {
         metrics: DEFAULT_METRICS.len(),
         load_s,

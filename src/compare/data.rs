@@ -80,9 +80,15 @@ pub fn load_run(dir: &Path, wanted: Wanted<'_>) -> Result<RunData, IoError> {
     let events = rd.read_events()?;
     let extra = |k: &str| m.extra.get(k).and_then(|v| v.as_str()).map(str::to_string);
     let config = extra("config_name")
-        .or_else(|| m.config.get("config").and_then(|v| v.as_str()).map(str::to_string))
+        .or_else(|| {
+            m.config
+                .get("config")
+                .and_then(|v| v.as_str())
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| config_from_run_id(&m.run_id, m.seed));
-    let base = extra("base_config").unwrap_or_else(|| config.split(" [").next().unwrap_or_default().to_string());
+    let base = extra("base_config")
+        .unwrap_or_else(|| config.split(" [").next().unwrap_or_default().to_string());
     let axes = m
         .extra
         .get("axes")
@@ -107,18 +113,21 @@ pub fn load_run(dir: &Path, wanted: Wanted<'_>) -> Result<RunData, IoError> {
 /// `nvfp4-dq-s3-0a1b2c3d4e5f` → `nvfp4-dq`.
 fn config_from_run_id(id: &str, seed: u64) -> String {
     let tag = format!("-s{seed}-");
-    id.rfind(&tag).map_or_else(|| id.to_string(), |i| id[..i].to_string())
+    id.rfind(&tag)
+        .map_or_else(|| id.to_string(), |i| id[..i].to_string())
 }
 
 fn group_layers(rows: Vec<crate::engine::metrics::LayerRecord>) -> Vec<LayerSeries> {
     let mut by: BTreeMap<(String, i64), LayerSeries> = BTreeMap::new();
     for r in rows {
-        let e = by.entry((r.site.clone(), r.layer)).or_insert_with(|| LayerSeries {
-            site: r.site.clone(),
-            layer: r.layer,
-            steps: Vec::new(),
-            grad_norm: Vec::new(),
-        });
+        let e = by
+            .entry((r.site.clone(), r.layer))
+            .or_insert_with(|| LayerSeries {
+                site: r.site.clone(),
+                layer: r.layer,
+                steps: Vec::new(),
+                grad_norm: Vec::new(),
+            });
         e.steps.push(r.step);
         e.grad_norm.push(r.grad_norm);
     }

@@ -91,72 +91,82 @@ fn tokenize(s: &str) -> Result<Vec<Token>, ExprError> {
             i += 1;
             continue;
         }
-        let tok = if c.is_ascii_digit() || (c == b'.' && b.get(i + 1).is_some_and(u8::is_ascii_digit)) {
-            while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
-                i += 1;
-            }
-            if i < b.len() && (b[i] == b'e' || b[i] == b'E') {
-                let mut j = i + 1;
-                if j < b.len() && (b[j] == b'+' || b[j] == b'-') {
-                    j += 1;
+        let tok =
+            if c.is_ascii_digit() || (c == b'.' && b.get(i + 1).is_some_and(u8::is_ascii_digit)) {
+                while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
+                    i += 1;
                 }
-                if j < b.len() && b[j].is_ascii_digit() {
-                    i = j;
-                    while i < b.len() && b[i].is_ascii_digit() {
-                        i += 1;
+                if i < b.len() && (b[i] == b'e' || b[i] == b'E') {
+                    let mut j = i + 1;
+                    if j < b.len() && (b[j] == b'+' || b[j] == b'-') {
+                        j += 1;
+                    }
+                    if j < b.len() && b[j].is_ascii_digit() {
+                        i = j;
+                        while i < b.len() && b[i].is_ascii_digit() {
+                            i += 1;
+                        }
                     }
                 }
-            }
-            if i < b.len() && is_ident_start(b[i]) {
-                return Err(ExprError::at(i, "a number runs into a name; put a space or an operator between them"));
-            }
-            let text = &s[start..i];
-            Tok::Num(text.parse().map_err(|_| ExprError::at(start, format!("`{text}` is not a number")))?)
-        } else if is_ident_start(c) {
-            while i < b.len() && is_ident_char(b[i]) {
+                if i < b.len() && is_ident_start(b[i]) {
+                    return Err(ExprError::at(
+                        i,
+                        "a number runs into a name; put a space or an operator between them",
+                    ));
+                }
+                let text = &s[start..i];
+                Tok::Num(
+                    text.parse()
+                        .map_err(|_| ExprError::at(start, format!("`{text}` is not a number")))?,
+                )
+            } else if is_ident_start(c) {
+                while i < b.len() && is_ident_char(b[i]) {
+                    i += 1;
+                }
+                if s[start..i].ends_with('/') {
+                    return Err(ExprError::at(
+                        i - 1,
+                        "a name cannot end in `/` (write division with spaces: `a / b`)",
+                    ));
+                }
+                Tok::Ident(s[start..i].to_string())
+            } else if c == b'"' || c == b'\'' {
                 i += 1;
-            }
-            if s[start..i].ends_with('/') {
-                return Err(ExprError::at(i - 1, "a name cannot end in `/` (write division with spaces: `a / b`)"));
-            }
-            Tok::Ident(s[start..i].to_string())
-        } else if c == b'"' || c == b'\'' {
-            i += 1;
-            while i < b.len() && b[i] != c {
+                while i < b.len() && b[i] != c {
+                    i += 1;
+                }
+                if i >= b.len() {
+                    return Err(ExprError::at(start, "unterminated string"));
+                }
                 i += 1;
-            }
-            if i >= b.len() {
-                return Err(ExprError::at(start, "unterminated string"));
-            }
-            i += 1;
-            Tok::Str(s[start + 1..i - 1].to_string())
-        } else {
-            let two = s.get(i..i + 2).unwrap_or("");
-            let (tok, len) = match two {
-                "<=" => (Tok::Op("<="), 2),
-                ">=" => (Tok::Op(">="), 2),
-                "==" => (Tok::Op("=="), 2),
-                "!=" => (Tok::Op("!="), 2),
-                _ => match c {
-                    b'<' => (Tok::Op("<"), 1),
-                    b'>' => (Tok::Op(">"), 1),
-                    b'+' => (Tok::Op("+"), 1),
-                    b'-' => (Tok::Op("-"), 1),
-                    b'*' => (Tok::Op("*"), 1),
-                    b'/' => (Tok::Op("/"), 1),
-                    b'(' => (Tok::LParen, 1),
-                    b')' => (Tok::RParen, 1),
-                    b',' => (Tok::Comma, 1),
-                    b'=' => (Tok::Assign, 1),
-                    _ => {
-                        let ch = s[i..].chars().next().unwrap_or('?');
-                        return Err(ExprError::at(i, format!("unexpected character `{ch}`")));
-                    }
-                },
+                Tok::Str(s[start + 1..i - 1].to_string())
+            } else {
+                let two = s.get(i..i + 2).unwrap_or("");
+                let (tok, len) = match two {
+                    "<=" => (Tok::Op("<="), 2),
+                    ">=" => (Tok::Op(">="), 2),
+                    "==" => (Tok::Op("=="), 2),
+                    "!=" => (Tok::Op("!="), 2),
+                    _ => match c {
+                        b'<' => (Tok::Op("<"), 1),
+                        b'>' => (Tok::Op(">"), 1),
+                        b'+' => (Tok::Op("+"), 1),
+                        b'-' => (Tok::Op("-"), 1),
+                        b'*' => (Tok::Op("*"), 1),
+                        b'/' => (Tok::Op("/"), 1),
+                        b'(' => (Tok::LParen, 1),
+                        b')' => (Tok::RParen, 1),
+                        b',' => (Tok::Comma, 1),
+                        b'=' => (Tok::Assign, 1),
+                        _ => {
+                            let ch = s[i..].chars().next().unwrap_or('?');
+                            return Err(ExprError::at(i, format!("unexpected character `{ch}`")));
+                        }
+                    },
+                };
+                i += len;
+                tok
             };
-            i += len;
-            tok
-        };
         out.push(Token { tok, start, end: i });
     }
     out.push(Token {
@@ -231,7 +241,9 @@ impl Func {
             Func::Spikes => &["site", "layer", "config", "over"],
             Func::Events => &["kind", "site", "config", "over"],
             Func::ContractViolations => &["config", "over"],
-            Func::RatioAbove | Func::RatioBelow => &["last", "first", "start", "end", "config", "over"],
+            Func::RatioAbove | Func::RatioBelow => {
+                &["last", "first", "start", "end", "config", "over"]
+            }
             _ => &["last", "first", "start", "end", "config", "over"],
         }
     }
@@ -312,7 +324,12 @@ pub fn parse(text: &str, names: &Names) -> Result<Check, ExprError> {
                 "a check needs a comparison (<, <=, >, >=, ==, !=)",
             ));
         }
-        _ => return Err(ExprError::at(t.start, "expected a comparison (<, <=, >, >=, ==, !=)")),
+        _ => {
+            return Err(ExprError::at(
+                t.start,
+                "expected a comparison (<, <=, >, >=, ==, !=)",
+            ));
+        }
     };
     let rhs = p.sum()?;
     let t = p.next();
@@ -429,7 +446,10 @@ impl Parser<'_> {
                 }
                 self.name(&name, t.start)
             }
-            Tok::End => Err(ExprError::at(t.start, "expression ends too early: expected a value")),
+            Tok::End => Err(ExprError::at(
+                t.start,
+                "expression ends too early: expected a value",
+            )),
             _ => Err(ExprError::at(
                 t.start,
                 "expected a number, a function call or a name",
@@ -480,7 +500,10 @@ impl Parser<'_> {
                 .unwrap_or_default();
             return Err(ExprError::at(
                 pos,
-                format!("unknown function `{name}`{hint}; known: {}", names.join(", ")),
+                format!(
+                    "unknown function `{name}`{hint}; known: {}",
+                    names.join(", ")
+                ),
             ));
         };
         let mut c = Call::new(func, pos);
@@ -492,7 +515,9 @@ impl Parser<'_> {
                 let t = self.next();
                 let named = matches!(t.tok, Tok::Ident(_)) && self.peek().tok == Tok::Assign;
                 if named {
-                    let Tok::Ident(key) = t.tok else { unreachable!("checked above") };
+                    let Tok::Ident(key) = t.tok else {
+                        unreachable!("checked above")
+                    };
                     self.next();
                     let v = self.next();
                     self.named_arg(&mut c, &key, t.start, v)?;
@@ -511,7 +536,9 @@ impl Parser<'_> {
         if func.takes_metric() && c.metric.is_none() {
             return Err(ExprError::at(
                 pos,
-                format!("`{name}` needs a metric as its first argument, e.g. {name}(rollout/raw_reward)"),
+                format!(
+                    "`{name}` needs a metric as its first argument, e.g. {name}(rollout/raw_reward)"
+                ),
             ));
         }
         if matches!(func, Func::RatioAbove | Func::RatioBelow) && c.threshold.is_none() {
@@ -553,14 +580,24 @@ impl Parser<'_> {
                 t.start,
                 format!(
                     "unexpected argument; this function takes {}named arguments {}",
-                    if c.func.takes_metric() { "a metric, then " } else { "only " },
+                    if c.func.takes_metric() {
+                        "a metric, then "
+                    } else {
+                        "only "
+                    },
                     c.func.allowed_args().join("=, ") + "="
                 ),
             )),
         }
     }
 
-    fn named_arg(&mut self, c: &mut Call, key: &str, pos: usize, v: Token) -> Result<(), ExprError> {
+    fn named_arg(
+        &mut self,
+        c: &mut Call,
+        key: &str,
+        pos: usize,
+        v: Token,
+    ) -> Result<(), ExprError> {
         let allowed = c.func.allowed_args();
         if !allowed.contains(&key) {
             let hint = crate::recipe::presets::suggest(key, allowed)
@@ -568,16 +605,25 @@ impl Parser<'_> {
                 .unwrap_or_default();
             return Err(ExprError::at(
                 pos,
-                format!("unknown argument `{key}`{hint}; allowed: {}", allowed.join(", ")),
+                format!(
+                    "unknown argument `{key}`{hint}; allowed: {}",
+                    allowed.join(", ")
+                ),
             ));
         }
         let count = |v: &Token| match v.tok {
             Tok::Num(x) if x >= 0.0 && x.fract() == 0.0 => Ok(x as usize),
-            _ => Err(ExprError::at(v.start, format!("`{key}` takes a whole number >= 0"))),
+            _ => Err(ExprError::at(
+                v.start,
+                format!("`{key}` takes a whole number >= 0"),
+            )),
         };
         let text = |v: &Token| match &v.tok {
             Tok::Str(s) | Tok::Ident(s) => Ok(s.clone()),
-            _ => Err(ExprError::at(v.start, format!("`{key}` takes a quoted string"))),
+            _ => Err(ExprError::at(
+                v.start,
+                format!("`{key}` takes a quoted string"),
+            )),
         };
         match key {
             "last" => c.last = Some(count(&v)?),
@@ -599,11 +645,18 @@ impl Parser<'_> {
             "kind" => c.kind = Some(text(&v)?),
             "config" => {
                 let s = text(&v)?;
-                let s = if s == "baseline" { self.names.baseline.clone() } else { s };
+                let s = if s == "baseline" {
+                    self.names.baseline.clone()
+                } else {
+                    s
+                };
                 if !self.names.configs.is_empty() && !self.names.configs.contains(&s) {
                     return Err(ExprError::at(
                         v.start,
-                        format!("no configuration `{s}` in this suite (have: {})", self.names.configs.join(", ")),
+                        format!(
+                            "no configuration `{s}` in this suite (have: {})",
+                            self.names.configs.join(", ")
+                        ),
                     ));
                 }
                 c.config = Some(s);
@@ -701,7 +754,13 @@ impl Check {
                     _ => l != r,
                 };
                 let message = if passed {
-                    format!("{config}: {} holds ({} {} {})", self.text, fmt_num(l), self.op, fmt_num(r))
+                    format!(
+                        "{config}: {} holds ({} {} {})",
+                        self.text,
+                        fmt_num(l),
+                        self.op,
+                        fmt_num(r)
+                    )
                 } else {
                     format!(
                         "{config}: {} failed: left side is {}, right side is {}",
@@ -793,7 +852,9 @@ impl Ctx<'_> {
     fn call(&self, c: &Call, config: &str) -> Result<f64, String> {
         let per_seed: Vec<f64> = match c.func {
             Func::Spikes => self.src.spikes(config, c.site.as_deref(), c.layer),
-            Func::Events => self.src.events(config, c.kind.as_deref(), c.site.as_deref()),
+            Func::Events => self
+                .src
+                .events(config, c.kind.as_deref(), c.site.as_deref()),
             Func::ContractViolations => self.src.contract_violations(config),
             _ => {
                 let metric = c.metric.as_deref().unwrap_or_default();
@@ -899,19 +960,31 @@ mod tests {
             let base = if config == "bf16" { 0.7 } else { 0.6 };
             // two seeds, 20 steps, reward rising to `base` then flat
             (0..2)
-                .map(|s| (0..20).map(|i| (i, if i < 10 { 0.0 } else { base + 0.01 * s as f64 })).collect())
+                .map(|s| {
+                    (0..20)
+                        .map(|i| (i, if i < 10 { 0.0 } else { base + 0.01 * s as f64 }))
+                        .collect()
+                })
                 .collect()
         }
         fn spikes(&self, config: &str, site: Option<&str>, _: Option<i64>) -> Vec<f64> {
             let n = if config == "bf16" { 0.0 } else { 2.0 };
-            let m = if site.is_some_and(|s| s.contains("experts")) { n } else { n + 1.0 };
+            let m = if site.is_some_and(|s| s.contains("experts")) {
+                n
+            } else {
+                n + 1.0
+            };
             vec![m, m]
         }
         fn events(&self, _: &str, _: Option<&str>, _: Option<&str>) -> Vec<f64> {
             vec![0.0, 1.0]
         }
         fn contract_violations(&self, config: &str) -> Vec<f64> {
-            if config == "bf16" { vec![0.0, 0.0] } else { vec![0.0, 3.0] }
+            if config == "bf16" {
+                vec![0.0, 0.0]
+            } else {
+                vec![0.0, 3.0]
+            }
         }
     }
 
@@ -923,27 +996,51 @@ mod tests {
 
     #[test]
     fn examples_from_the_issue_parse_and_evaluate() {
-        let o = eval("mean(rollout/raw_reward, last=10) >= bf16 - 0.05", "nvfp4-dq");
+        let o = eval(
+            "mean(rollout/raw_reward, last=10) >= bf16 - 0.05",
+            "nvfp4-dq",
+        );
         assert!(!o.passed, "0.605 vs 0.705 - 0.05 = 0.655 must fail: {o:?}");
-        assert!((o.lhs - 0.605).abs() < 1e-12 && (o.rhs - 0.655).abs() < 1e-12, "{o:?}");
+        assert!(
+            (o.lhs - 0.605).abs() < 1e-12 && (o.rhs - 0.655).abs() < 1e-12,
+            "{o:?}"
+        );
         assert!(o.message.contains("failed"), "{}", o.message);
-        assert!(eval("mean(rollout/raw_reward, last=10) >= baseline - 0.15", "nvfp4-dq").passed);
+        assert!(
+            eval(
+                "mean(rollout/raw_reward, last=10) >= baseline - 0.15",
+                "nvfp4-dq"
+            )
+            .passed
+        );
         assert!(eval("mean(rollout/raw_reward, last=10) >= bf16 - margin", "bf16").passed);
         // first 10 steps are 0, so the window matters
-        assert_eq!(eval("mean(rollout/raw_reward, first=10) == 0", "bf16").lhs, 0.0);
+        assert_eq!(
+            eval("mean(rollout/raw_reward, first=10) == 0", "bf16").lhs,
+            0.0
+        );
         assert_eq!(eval("max(rollout/raw_reward) < 3e-3", "bf16").lhs, 0.71);
         assert_eq!(eval("spikes(site=\"*experts*\") <= 2", "nvfp4-dq").lhs, 4.0);
-        assert_eq!(eval("spikes(site=\"*experts*\", over=\"max\") <= 2", "nvfp4-dq").lhs, 2.0);
+        assert_eq!(
+            eval("spikes(site=\"*experts*\", over=\"max\") <= 2", "nvfp4-dq").lhs,
+            2.0
+        );
         assert!(!eval("contract_violations == 0", "nvfp4-dq").passed);
         assert!(eval("contract_violations == 0", "bf16").passed);
-        assert_eq!(eval("ratio_above(rollout/raw_reward, 0.5) > 0.4", "bf16").lhs, 0.5);
+        assert_eq!(
+            eval("ratio_above(rollout/raw_reward, 0.5) > 0.4", "bf16").lhs,
+            0.5
+        );
         assert_eq!(eval("-(1 + 2) * 3 / 2 == -4.5", "bf16").lhs, -4.5);
     }
 
     #[test]
     fn a_missing_metric_fails_instead_of_passing() {
         let o = eval("mean(train/nothing) < 1", "bf16");
-        assert!(!o.passed && o.message.contains("could not be evaluated"), "{o:?}");
+        assert!(
+            !o.passed && o.message.contains("could not be evaluated"),
+            "{o:?}"
+        );
     }
 
     #[test]
@@ -951,14 +1048,22 @@ mod tests {
         let err = |t: &str| parse(t, &names()).unwrap_err();
         assert_eq!(err("mean(rollout/raw_reward) >").pos, 26);
         assert_eq!(err("maen(rollout/raw_reward) > 0").pos, 0);
-        assert!(err("maen(rollout/raw_reward) > 0").msg.contains("did you mean `mean`"));
+        assert!(
+            err("maen(rollout/raw_reward) > 0")
+                .msg
+                .contains("did you mean `mean`")
+        );
         let e = err("mean(rollout/raw_reward, lst=3) > 0");
         assert_eq!(e.pos, 25);
         assert!(e.msg.contains("did you mean `last`"), "{}", e.msg);
         assert_eq!(err("mean(rollout/raw_reward) > bf17").pos, 27);
         assert_eq!(err("mean(rollout/raw_reward) > 1 2").pos, 29);
         assert_eq!(err("mean(rollout/raw_reward) # 1").pos, 25);
-        assert_eq!(err("mean(x) + max(y) > bf16").pos, 19, "two calls: bf16 is ambiguous");
+        assert_eq!(
+            err("mean(x) + max(y) > bf16").pos,
+            19,
+            "two calls: bf16 is ambiguous"
+        );
         assert_eq!(err("mean() > 0").pos, 0);
         assert_eq!(err("mean(a, config=\"fp9\") > 0").pos, 15);
         assert_eq!(err("rollout/raw_reward > 0").pos, 0);

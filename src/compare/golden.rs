@@ -70,14 +70,21 @@ pub fn tables(runs: &[RunData], metrics: &[String]) -> BTreeMap<String, GoldenTa
 }
 
 /// Per metric, `factor` x the largest deviation of any repeat from the first set of tables.
-pub fn derive_tolerances(sets: &[BTreeMap<String, GoldenTable>], factor: f64) -> BTreeMap<String, f64> {
+pub fn derive_tolerances(
+    sets: &[BTreeMap<String, GoldenTable>],
+    factor: f64,
+) -> BTreeMap<String, f64> {
     let mut out: BTreeMap<String, f64> = BTreeMap::new();
-    let Some(first) = sets.first() else { return out };
+    let Some(first) = sets.first() else {
+        return out;
+    };
     for other in &sets[1..] {
         for (config, t) in first {
             let Some(o) = other.get(config) else { continue };
             for (j, m) in t.metrics.iter().enumerate() {
-                let Some(k) = o.metrics.iter().position(|x| x == m) else { continue };
+                let Some(k) = o.metrics.iter().position(|x| x == m) else {
+                    continue;
+                };
                 for (key, vals) in &t.rows {
                     if let Some(ov) = o.rows.get(key) {
                         let d = (vals[j] - ov[k]).abs();
@@ -121,7 +128,9 @@ pub fn diff(
     let mut rows = Vec::new();
     for (config, bt) in base {
         let Some(ct) = current.get(config) else {
-            notes.push(format!("configuration `{config}` is in the baseline but has no runs now"));
+            notes.push(format!(
+                "configuration `{config}` is in the baseline but has no runs now"
+            ));
             rows.extend(bt.metrics.iter().map(|m| GoldenRow {
                 config: config.clone(),
                 metric: m.clone(),
@@ -190,7 +199,11 @@ pub fn diff(
         }
     }
     let passed = rows.iter().all(|r| r.passed);
-    GoldenDiff { rows, notes, passed }
+    GoldenDiff {
+        rows,
+        notes,
+        passed,
+    }
 }
 
 #[cfg(test)]
@@ -231,19 +244,39 @@ mod tests {
 
     #[test]
     fn exact_by_default_then_tolerance_then_allowed_share() {
-        let base: BTreeMap<_, _> = [("bf16".to_string(), table(&[(0, 0, 1.0), (0, 1, 2.0), (0, 2, 3.0), (0, 3, 4.0)]))].into();
-        let cur: BTreeMap<_, _> = [("bf16".to_string(), table(&[(0, 0, 1.0), (0, 1, 2.0), (0, 2, 3.0 + 1e-12), (0, 3, 4.0)]))].into();
+        let base: BTreeMap<_, _> = [(
+            "bf16".to_string(),
+            table(&[(0, 0, 1.0), (0, 1, 2.0), (0, 2, 3.0), (0, 3, 4.0)]),
+        )]
+        .into();
+        let cur: BTreeMap<_, _> = [(
+            "bf16".to_string(),
+            table(&[(0, 0, 1.0), (0, 1, 2.0), (0, 2, 3.0 + 1e-12), (0, 3, 4.0)]),
+        )]
+        .into();
         let here = platform("cpu", true);
         let d = diff(&meta(), &base, &base, &here, &settings(0.0, 0.0));
         assert!(d.passed && d.notes.is_empty(), "{d:?}");
         let d = diff(&meta(), &base, &cur, &here, &settings(0.0, 0.0));
         assert!(!d.passed);
-        assert_eq!((d.rows[0].outside, d.rows[0].first_outside), (1, Some((0, 2))));
-        assert!(diff(&meta(), &base, &cur, &here, &settings(1e-9, 0.0)).passed, "within tolerance");
-        assert!(diff(&meta(), &base, &cur, &here, &settings(0.0, 0.25)).passed, "1 of 4 steps allowed");
+        assert_eq!(
+            (d.rows[0].outside, d.rows[0].first_outside),
+            (1, Some((0, 2)))
+        );
+        assert!(
+            diff(&meta(), &base, &cur, &here, &settings(1e-9, 0.0)).passed,
+            "within tolerance"
+        );
+        assert!(
+            diff(&meta(), &base, &cur, &here, &settings(0.0, 0.25)).passed,
+            "1 of 4 steps allowed"
+        );
         let mut m = meta();
         m.derived_tolerances.insert("m".into(), 1e-9);
-        assert!(diff(&m, &base, &cur, &here, &settings(0.0, 0.0)).passed, "derived band");
+        assert!(
+            diff(&m, &base, &cur, &here, &settings(0.0, 0.0)).passed,
+            "derived band"
+        );
         let short: BTreeMap<_, _> = [("bf16".to_string(), table(&[(0, 0, 1.0)]))].into();
         let d = diff(&meta(), &base, &short, &here, &settings(1.0, 0.0));
         assert_eq!(d.rows[0].missing, 3, "missing steps count as outside");

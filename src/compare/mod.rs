@@ -8,9 +8,9 @@
 pub mod analyze;
 pub mod bench;
 pub mod data;
+pub mod expr;
 pub mod golden;
 pub mod nightly;
-pub mod expr;
 pub mod result;
 pub mod settings;
 pub mod spikes;

@@ -63,7 +63,11 @@ pub struct NightState {
 pub fn findings(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> Vec<Finding> {
     let mut out = Vec::new();
     for c in &cmp.configs {
-        for m in c.metrics.iter().filter(|m| m.margin.is_some() && m.verdict == Verdict::Regressed) {
+        for m in c
+            .metrics
+            .iter()
+            .filter(|m| m.margin.is_some() && m.verdict == Verdict::Regressed)
+        {
             out.push(Finding {
                 key: format!("{} :: {}", c.config, m.metric),
                 config: c.config.clone(),
@@ -117,7 +121,11 @@ pub fn findings(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> Vec<Findi
 }
 
 fn signed(v: f64) -> String {
-    if v >= 0.0 { format!("+{}", fmt_num(v)) } else { fmt_num(v) }
+    if v >= 0.0 {
+        format!("+{}", fmt_num(v))
+    } else {
+        fmt_num(v)
+    }
 }
 
 /// Tonight's verdict; appends tonight to `state` (a rerun on the same date replaces that night).
@@ -148,7 +156,8 @@ pub fn verdict(
         f.since = streak.last().map(|n| n.date.clone()).unwrap_or_default();
     }
     let need = nights_required.max(1);
-    let (regressions, pending): (Vec<Finding>, Vec<Finding>) = found.into_iter().partition(|f| f.nights >= need);
+    let (regressions, pending): (Vec<Finding>, Vec<Finding>) =
+        found.into_iter().partition(|f| f.nights >= need);
     let inconclusive: Vec<String> = cmp
         .configs
         .iter()
@@ -164,7 +173,14 @@ pub fn verdict(
     } else if !pending.is_empty() {
         ("pending", EXIT_PASS)
     } else if cmp.overall == OverallVerdict::Inconclusive || !inconclusive.is_empty() {
-        ("inconclusive", if inconclusive_fails { EXIT_REGRESSION } else { EXIT_PASS })
+        (
+            "inconclusive",
+            if inconclusive_fails {
+                EXIT_REGRESSION
+            } else {
+                EXIT_PASS
+            },
+        )
     } else {
         ("pass", EXIT_PASS)
     };
@@ -201,9 +217,15 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         v.date,
         v.verdict.to_uppercase()
     );
-    s.push_str(&format!("Checks passed: {}/{}.", v.checks_passed, v.checks_total));
+    s.push_str(&format!(
+        "Checks passed: {}/{}.",
+        v.checks_passed, v.checks_total
+    ));
     if v.nights_required > 1 {
-        s.push_str(&format!(" A regression alerts after {} consecutive nights.", v.nights_required));
+        s.push_str(&format!(
+            " A regression alerts after {} consecutive nights.",
+            v.nights_required
+        ));
     }
     s.push_str("\n\n");
     let list = |s: &mut String, title: &str, fs: &[Finding]| {
@@ -244,7 +266,10 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         })
         .collect();
     if !primary.is_empty() {
-        s.push_str(&format!("| config | metric | verdict | vs {} | seeds |\n|---|---|---|---|---|\n", cmp.baseline_config));
+        s.push_str(&format!(
+            "| config | metric | verdict | vs {} | seeds |\n|---|---|---|---|---|\n",
+            cmp.baseline_config
+        ));
         for l in primary {
             s.push_str(&l);
             s.push('\n');
@@ -252,10 +277,17 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         s.push('\n');
     }
     if !v.inconclusive.is_empty() {
-        s.push_str(&format!("{} metric verdict(s) inconclusive (see compare.json).\n", v.inconclusive.len()));
+        s.push_str(&format!(
+            "{} metric verdict(s) inconclusive (see compare.json).\n",
+            v.inconclusive.len()
+        ));
     }
     if !v.warnings.is_empty() {
-        s.push_str(&format!("{} warning(s): {}\n", v.warnings.len(), v.warnings[0]));
+        s.push_str(&format!(
+            "{} warning(s): {}\n",
+            v.warnings.len(),
+            v.warnings[0]
+        ));
     }
     s
 }
@@ -303,14 +335,27 @@ pub fn junit(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> String {
             let body = (!r.passed).then(|| {
                 format!(
                     "<failure message=\"{}\"/>",
-                    xml(&format!("{} of {} points outside tolerance {}", r.outside, r.compared, r.tolerance))
+                    xml(&format!(
+                        "{} of {} points outside tolerance {}",
+                        r.outside, r.compared, r.tolerance
+                    ))
                 )
             });
-            cases.push((format!("{}.{}", cmp.suite, r.config), format!("golden: {}", r.metric), body));
+            cases.push((
+                format!("{}.{}", cmp.suite, r.config),
+                format!("golden: {}", r.metric),
+                body,
+            ));
         }
     }
-    let failures = cases.iter().filter(|c| c.2.as_deref().is_some_and(|b| b.starts_with("<failure"))).count();
-    let skipped = cases.iter().filter(|c| c.2.as_deref().is_some_and(|b| b.starts_with("<skipped"))).count();
+    let failures = cases
+        .iter()
+        .filter(|c| c.2.as_deref().is_some_and(|b| b.starts_with("<failure")))
+        .count();
+    let skipped = cases
+        .iter()
+        .filter(|c| c.2.as_deref().is_some_and(|b| b.starts_with("<skipped")))
+        .count();
     let mut s = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     s.push_str(&format!(
         "<testsuites name=\"lockstep\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">\n  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">\n",
@@ -320,7 +365,11 @@ pub fn junit(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> String {
     ));
     for (class, name, body) in cases {
         match body {
-            None => s.push_str(&format!("    <testcase classname=\"{}\" name=\"{}\"/>\n", xml(&class), xml(&name))),
+            None => s.push_str(&format!(
+                "    <testcase classname=\"{}\" name=\"{}\"/>\n",
+                xml(&class),
+                xml(&name)
+            )),
             Some(b) => s.push_str(&format!(
                 "    <testcase classname=\"{}\" name=\"{}\">{b}</testcase>\n",
                 xml(&class),
@@ -365,7 +414,11 @@ mod tests {
                 name: "contract_violations == 0".into(),
             }],
             contract: vec![],
-            overall: if regressed { OverallVerdict::Regression } else { OverallVerdict::Pass },
+            overall: if regressed {
+                OverallVerdict::Regression
+            } else {
+                OverallVerdict::Pass
+            },
             warnings: vec![],
         }
     }
@@ -377,14 +430,24 @@ mod tests {
         assert_eq!((v.verdict.as_str(), v.exit_code), ("pending", 0));
         let v = verdict(&cmp(true), None, &mut st, "2026-12-02", 2, false);
         assert_eq!((v.verdict.as_str(), v.exit_code), ("regression", 1));
-        assert_eq!((v.regressions[0].since.as_str(), v.regressions[0].nights), ("2026-12-01", 2));
+        assert_eq!(
+            (v.regressions[0].since.as_str(), v.regressions[0].nights),
+            ("2026-12-01", 2)
+        );
         let v = verdict(&cmp(false), None, &mut st, "2026-12-03", 2, false);
         assert_eq!((v.verdict.as_str(), v.exit_code), ("pass", 0));
         let v = verdict(&cmp(true), None, &mut st, "2026-12-04", 2, false);
         assert_eq!(v.verdict, "pending", "a broken streak starts over");
         let v = verdict(&cmp(true), None, &mut st, "2026-12-04", 1, false);
-        assert_eq!(v.verdict, "regression", "one night is enough when nights = 1");
-        assert_eq!(st.nights.len(), 4, "a rerun on the same date replaces that night");
+        assert_eq!(
+            v.verdict, "regression",
+            "one night is enough when nights = 1"
+        );
+        assert_eq!(
+            st.nights.len(),
+            4,
+            "a rerun on the same date replaces that night"
+        );
         assert!(markdown(&v, &cmp(true)).contains("since 2026-12-04"));
     }
 

@@ -163,8 +163,8 @@ impl Default for SpikeRule {
             window: 20,
             z: 6.0,
             ratio: 10.0,
-            min_history: 5,
-            mad_floor: 0.05,
+            min_history: 10,
+            mad_floor: 0.1,
         }
     }
 }
@@ -232,7 +232,10 @@ impl Default for CompareSettings {
             inconclusive_fails: false,
             checks: Vec::new(),
             golden: GoldenSettings {
-                metrics: DEFAULT_GOLDEN_METRICS.iter().map(|s| s.to_string()).collect(),
+                metrics: DEFAULT_GOLDEN_METRICS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
                 tolerance: 0.0,
                 rel_tolerance: 0.0,
                 allowed_outside: 0.0,
@@ -286,7 +289,12 @@ pub struct SettingsError {
 pub fn from_spec(spec: &SuiteSpec) -> Result<CompareSettings, SettingsError> {
     let text = std::fs::read_to_string(&spec.path).unwrap_or_default();
     let configs: Vec<String> = spec.configs.iter().map(|c| c.name.clone()).collect();
-    from_table(&spec.checks, &configs, &spec.path.display().to_string(), &text)
+    from_table(
+        &spec.checks,
+        &configs,
+        &spec.path.display().to_string(),
+        &text,
+    )
 }
 
 /// Read a `[checks]` table; `file_text` (the suite file, may be empty) locates errors by line.
@@ -304,20 +312,23 @@ pub fn from_table(
             .unwrap_or_default(),
         msg,
     };
-    let t: ChecksToml = toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| {
-        let msg = e.message().to_string();
-        let field = msg
-            .split("unknown field `")
-            .nth(1)
-            .and_then(|r| r.split('`').next())
-            .map(str::to_string);
-        let hint = field
-            .as_deref()
-            .and_then(|f| crate::recipe::presets::suggest(f, &KEYS))
-            .map(|s| format!(" (did you mean `{s}`?)"))
-            .unwrap_or_default();
-        err(field.as_deref(), 0, format!("{msg}{hint}"))
-    })?;
+    let t: ChecksToml =
+        toml::Value::Table(table.clone())
+            .try_into()
+            .map_err(|e: toml::de::Error| {
+                let msg = e.message().to_string();
+                let field = msg
+                    .split("unknown field `")
+                    .nth(1)
+                    .and_then(|r| r.split('`').next())
+                    .map(str::to_string);
+                let hint = field
+                    .as_deref()
+                    .and_then(|f| crate::recipe::presets::suggest(f, &KEYS))
+                    .map(|s| format!(" (did you mean `{s}`?)"))
+                    .unwrap_or_default();
+                err(field.as_deref(), 0, format!("{msg}{hint}"))
+            })?;
     let mut s = CompareSettings::default();
     let d = CompareSettings::default();
     s.baseline = t.baseline.unwrap_or(d.baseline);
@@ -341,17 +352,29 @@ pub fn from_table(
     }
     for (k, m) in &s.margins {
         if !(m.is_finite() && *m > 0.0) {
-            return Err(err(Some(k), 0, format!("margin of `{k}` is {m}: use a positive number in the metric's units")));
+            return Err(err(
+                Some(k),
+                0,
+                format!("margin of `{k}` is {m}: use a positive number in the metric's units"),
+            ));
         }
     }
     s.higher_is_better = t.higher_is_better.unwrap_or_default();
     s.alpha = t.alpha.unwrap_or(d.alpha);
     if !(s.alpha > 0.0 && s.alpha < 0.5) {
-        return Err(err(Some("alpha"), 0, format!("alpha = {}: use a level in (0, 0.5), e.g. 0.05", s.alpha)));
+        return Err(err(
+            Some("alpha"),
+            0,
+            format!("alpha = {}: use a level in (0, 0.5), e.g. 0.05", s.alpha),
+        ));
     }
     s.power = t.power.unwrap_or(d.power);
     if !(s.power > 0.5 && s.power < 1.0) {
-        return Err(err(Some("power"), 0, format!("power = {}: use a value in (0.5, 1), e.g. 0.8", s.power)));
+        return Err(err(
+            Some("power"),
+            0,
+            format!("power = {}: use a value in (0.5, 1), e.g. 0.8", s.power),
+        ));
     }
     s.min_seeds = t.min_seeds.unwrap_or(d.min_seeds).max(2);
     s.final_window = t.final_window.unwrap_or(d.final_window).max(1);
@@ -370,7 +393,11 @@ pub fn from_table(
         None | Some("pass") => false,
         Some("fail") => true,
         Some(o) => {
-            return Err(err(Some("inconclusive"), 0, format!("inconclusive = \"{o}\": use \"pass\" or \"fail\"")));
+            return Err(err(
+                Some("inconclusive"),
+                0,
+                format!("inconclusive = \"{o}\": use \"pass\" or \"fail\""),
+            ));
         }
     };
     if let Some(g) = t.golden {
@@ -390,10 +417,15 @@ pub fn from_table(
     };
     let parse_one = |text: &str, name: Option<String>, globs: Vec<String>| {
         for g in &globs {
-            globset::Glob::new(g).map_err(|e| err(Some(g), 0, format!("configs pattern `{g}`: {e}")))?;
+            globset::Glob::new(g)
+                .map_err(|e| err(Some(g), 0, format!("configs pattern `{g}`: {e}")))?;
         }
         let check = expr::parse(text, &names).map_err(|e| {
-            err(Some(text), e.pos, format!("check `{text}`: {}", e.render(text)))
+            err(
+                Some(text),
+                e.pos,
+                format!("check `{text}`: {}", e.render(text)),
+            )
         })?;
         Ok::<CheckSpec, SettingsError>(CheckSpec {
             name: name.unwrap_or_else(|| text.to_string()),
@@ -435,7 +467,10 @@ mod tests {
         let s = from_table(&table("margin = 0.05"), &cfgs(), "s.toml", "").unwrap();
         assert_eq!(s.margin("rollout/raw_reward"), Some(0.05));
         assert_eq!(s.margin("train/train_rollout_kl"), None);
-        assert_eq!((s.bootstrap_reps, s.alpha, s.baseline.as_str()), (10_000, 0.05, "bf16"));
+        assert_eq!(
+            (s.bootstrap_reps, s.alpha, s.baseline.as_str()),
+            (10_000, 0.05, "bf16")
+        );
         assert!(s.higher_is_better("eval/accuracy") && !s.higher_is_better("train/grad_norm"));
     }
 
@@ -444,19 +479,30 @@ mod tests {
         let file = "name = \"x\"\n[checks]\nmargin = 0.05\nexpr = [\"max(train/kl) <\"]\n";
         let t: toml::Table = toml::from_str(file).unwrap();
         let checks = t["checks"].as_table().unwrap();
-        let e = from_table(checks, &cfgs(), "s.toml", file).unwrap_err().to_string();
+        let e = from_table(checks, &cfgs(), "s.toml", file)
+            .unwrap_err()
+            .to_string();
         // The expression starts at line 4, col 10 (after the quote); the error is at its byte 15.
-        assert!(e.starts_with("s.toml:4:25: [checks] check `max(train/kl) <`"), "{e}");
+        assert!(
+            e.starts_with("s.toml:4:25: [checks] check `max(train/kl) <`"),
+            "{e}"
+        );
         assert!(e.contains("expression ends too early"), "{e}");
     }
 
     #[test]
     fn unknown_keys_and_bad_values_say_how_to_fix_them() {
-        let e = from_table(&table("margn = 0.05"), &cfgs(), "s.toml", "").unwrap_err().to_string();
+        let e = from_table(&table("margn = 0.05"), &cfgs(), "s.toml", "")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("did you mean `margin`"), "{e}");
-        let e = from_table(&table("baseline = \"fp32\""), &cfgs(), "s.toml", "").unwrap_err().to_string();
+        let e = from_table(&table("baseline = \"fp32\""), &cfgs(), "s.toml", "")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a configuration"), "{e}");
-        let e = from_table(&table("alpha = 0.7"), &cfgs(), "s.toml", "").unwrap_err().to_string();
+        let e = from_table(&table("alpha = 0.7"), &cfgs(), "s.toml", "")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("alpha"), "{e}");
         let s = from_table(
             &table("[[rule]]\nexpr = \"spikes(site=\\\"*experts*\\\") <= 2\"\nconfigs = [\"nvfp4*\"]\n"),

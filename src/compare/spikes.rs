@@ -1,7 +1,8 @@
 //! Gradient spikes in one site's grad-norm series. Two rules, either one flags a step:
 //! - robust z: `(ln g_t - median(ln g)) / (1.4826 · MAD(ln g))` over the preceding `window` steps
 //!   (llm.c and OLMo 2 use a rolling z-score; median/MAD keeps an earlier spike from masking the
-//!   next one, and the log makes the rule scale-free);
+//!   next one, and the log makes the rule scale-free), for a step that is also a new high of the
+//!   window (early in a run the MAD is small and a step below the recent max is no spike);
 //! - ratio to the rolling max: `g_t / max(g over the window)` (Megatron's "10x the recent max").
 //!
 //! The window holds only earlier steps, so a spike never judges itself, and a step needs
@@ -27,7 +28,13 @@ pub fn find(g: &[f64], rule: &SpikeRule) -> Vec<Flag> {
     let mut out = Vec::new();
     let logs: Vec<f64> = g
         .iter()
-        .map(|v| if v.is_finite() && *v > 0.0 { v.ln() } else { f64::NAN })
+        .map(|v| {
+            if v.is_finite() && *v > 0.0 {
+                v.ln()
+            } else {
+                f64::NAN
+            }
+        })
         .collect();
     let mut win: Vec<f64> = Vec::with_capacity(rule.window + 1);
     let z_reach = rule.z * 1.4826 * rule.mad_floor;
@@ -58,7 +65,7 @@ pub fn find(g: &[f64], rule: &SpikeRule) -> Vec<Flag> {
         }
         let mad = sorted_mad(&win, med).max(rule.mad_floor);
         let z = (x - med) / (1.4826 * mad);
-        if z >= rule.z || ratio >= rule.ratio {
+        if (z >= rule.z && ratio > 1.0) || ratio >= rule.ratio {
             out.push(Flag { index: i, ratio, z });
         }
     }
@@ -67,7 +74,11 @@ pub fn find(g: &[f64], rule: &SpikeRule) -> Vec<Flag> {
 
 fn sorted_median(s: &[f64]) -> f64 {
     let n = s.len();
-    if n % 2 == 1 { s[n / 2] } else { 0.5 * (s[n / 2 - 1] + s[n / 2]) }
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
 }
 
 /// Median absolute deviation of sorted values from their median `med`: the distances below the
@@ -79,7 +90,11 @@ fn sorted_mad(s: &[f64], med: f64) -> f64 {
     let (mut l, mut r) = (split as isize - 1, split);
     let mut d = Vec::with_capacity(n);
     while d.len() < n {
-        let dl = if l >= 0 { med - s[l as usize] } else { f64::INFINITY };
+        let dl = if l >= 0 {
+            med - s[l as usize]
+        } else {
+            f64::INFINITY
+        };
         let dr = if r < n { s[r] - med } else { f64::INFINITY };
         if dl <= dr {
             d.push(dl);
@@ -98,7 +113,9 @@ mod tests {
 
     fn noisy(n: usize) -> Vec<f64> {
         // deterministic ±10 % wiggle around 1.0
-        (0..n).map(|i| 1.0 + 0.1 * ((i * 7919 % 13) as f64 / 6.0 - 1.0)).collect()
+        (0..n)
+            .map(|i| 1.0 + 0.1 * ((i * 7919 % 13) as f64 / 6.0 - 1.0))
+            .collect()
     }
 
     #[test]
@@ -137,9 +154,35 @@ mod tests {
     }
 
     #[test]
+    fn a_step_below_the_recent_max_is_not_a_z_spike() {
+        let rule = SpikeRule::default();
+        // Quiet series with one earlier high; a later step at 2x the median but below that high.
+        let mut g = vec![1.0; 40];
+        g[20] = 3.0;
+        g[30] = 2.5;
+        let f = find(&g, &rule);
+        assert_eq!(
+            f.iter().map(|f| f.index).collect::<Vec<_>>(),
+            vec![20],
+            "{f:?}"
+        );
+    }
+
+    #[test]
     fn early_steps_and_non_finite_values_are_not_judged() {
         let rule = SpikeRule::default();
-        let g = vec![1.0, 50.0, f64::NAN, 1.0, 1.0, 1.0, 1.0, 1.0, f64::INFINITY, 1.0];
+        let g = vec![
+            1.0,
+            50.0,
+            f64::NAN,
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            f64::INFINITY,
+            1.0,
+        ];
         assert!(find(&g, &rule).is_empty());
     }
 }

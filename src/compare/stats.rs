@@ -93,7 +93,9 @@ pub fn prob_improvement(x: &[f64], y: &[f64], higher_is_better: bool) -> f64 {
 pub fn t_quantile(p: f64, df: f64) -> f64 {
     use statrs::distribution::Normal;
     if !(df.is_finite() && df > 0.0) || df > 1e5 {
-        return Normal::new(0.0, 1.0).map(|n| n.inverse_cdf(p)).unwrap_or(f64::NAN);
+        return Normal::new(0.0, 1.0)
+            .map(|n| n.inverse_cdf(p))
+            .unwrap_or(f64::NAN);
     }
     StudentsT::new(0.0, 1.0, df)
         .map(|t| t.inverse_cdf(p))
@@ -113,7 +115,8 @@ pub fn welch(x: &[f64], y: &[f64]) -> (f64, f64, f64) {
         return (d, 0.0, (x.len() + y.len() - 2) as f64);
     }
     let df = se2 * se2
-        / (vx * vx / (x.len() as f64 - 1.0) + vy * vy / (y.len() as f64 - 1.0)).max(f64::MIN_POSITIVE);
+        / (vx * vx / (x.len() as f64 - 1.0) + vy * vy / (y.len() as f64 - 1.0))
+            .max(f64::MIN_POSITIVE);
     (d, se2.sqrt(), df)
 }
 
@@ -214,7 +217,11 @@ impl Resampler {
         }
         counts.iter_mut().for_each(|c| *c /= n as f64);
         let mut means = vec![0.0; t * reps]; // t x reps, row-major
-        assert!(curves.len() >= n * t, "band: {n} seeds x {t} steps need {} values", n * t);
+        assert!(
+            curves.len() >= n * t,
+            "band: {n} seeds x {t} steps need {} values",
+            n * t
+        );
         // SAFETY: dgemm reads A = curvesᵀ (t x n, element (j, i) at i·t + j < n·t <= curves.len()),
         // B = countsᵀ (n x reps, element (i, r) at r·n + i < reps·n) and writes C (t x reps,
         // element (j, r) at j·reps + r < t·reps = means.len()); the three buffers do not overlap.
@@ -398,7 +405,10 @@ mod tests {
         let b = Resampler::new(7).diff_interval(&x, &y, 2000, 0.05, mean);
         assert_eq!(a, b);
         assert_eq!(a.estimate, 1.0);
-        assert!(a.lo < 1.0 && a.hi > 1.0 && a.lo > -2.0 && a.hi < 4.0, "{a:?}");
+        assert!(
+            a.lo < 1.0 && a.hi > 1.0 && a.lo > -2.0 && a.hi < 4.0,
+            "{a:?}"
+        );
     }
 
     #[test]
@@ -417,19 +427,30 @@ mod tests {
             assert!(lo[j] <= m[j] && m[j] <= hi[j]);
         }
         // The bootstrap mean of 4 values from {1,2,3,4}: 5 % / 95 % points are near 1.75 / 3.25.
-        assert!((lo[0] - 1.75).abs() <= 0.25 && (hi[0] - 3.25).abs() <= 0.25, "{lo:?} {hi:?}");
+        assert!(
+            (lo[0] - 1.75).abs() <= 0.25 && (hi[0] - 3.25).abs() <= 0.25,
+            "{lo:?} {hi:?}"
+        );
     }
 
     #[test]
     fn percentiles_by_selection_match_sorting() {
-        let mut v: Vec<f64> = (0..1001).map(|i| ((i * 7919) % 1001) as f64 * 0.5).collect();
+        let mut v: Vec<f64> = (0..1001)
+            .map(|i| ((i * 7919) % 1001) as f64 * 0.5)
+            .collect();
         let sorted = {
             let mut s = v.clone();
             s.sort_by(f64::total_cmp);
             s
         };
         let (lo, hi) = percentile_pair(&mut v, 0.05);
-        assert_eq!((lo, hi), (quantile_sorted(&sorted, 0.05), quantile_sorted(&sorted, 0.95)));
+        assert_eq!(
+            (lo, hi),
+            (
+                quantile_sorted(&sorted, 0.05),
+                quantile_sorted(&sorted, 0.95)
+            )
+        );
         let mut w = vec![1.0, 4.0, 2.0, 3.0];
         assert_eq!(percentile_pair(&mut w, 0.1), (1.3, 3.7000000000000006));
     }
@@ -441,6 +462,9 @@ mod tests {
         // Normal approximation 2·(1.645+0.842)² ≈ 12.4; t quantiles add a seed.
         assert!((13..=15).contains(&n), "{n}");
         assert!(seeds_needed(1.0, 0.1, 0.05, 0.8).unwrap() > 1000);
-        assert!(sd_upper(1.0, 4.0, 0.05) > 2.0, "4 df: the upper bound is ~2.4x");
+        assert!(
+            sd_upper(1.0, 4.0, 0.05) > 2.0,
+            "4 df: the upper bound is ~2.4x"
+        );
     }
 }

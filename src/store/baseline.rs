@@ -79,23 +79,38 @@ fn table_csv(t: &GoldenTable) -> Result<String, csv::Error> {
     w.write_record(&head)?;
     for ((seed, step), vals) in &t.rows {
         let mut row = vec![seed.to_string(), step.to_string()];
-        row.extend(vals.iter().map(|v| if v.is_nan() { String::new() } else { format!("{v:?}") }));
+        row.extend(vals.iter().map(|v| {
+            if v.is_nan() {
+                String::new()
+            } else {
+                format!("{v:?}")
+            }
+        }));
         w.write_record(&row)?;
     }
     Ok(String::from_utf8_lossy(&w.into_inner().map_err(|e| e.into_error())?).into_owned())
 }
 
 /// Write a whole baseline folder atomically (a failure leaves the previous one in place).
-pub fn save(dir: &Path, meta: &BaselineMeta, tables: &BTreeMap<String, GoldenTable>) -> Result<(), IoError> {
+pub fn save(
+    dir: &Path,
+    meta: &BaselineMeta,
+    tables: &BTreeMap<String, GoldenTable>,
+) -> Result<(), IoError> {
     atomic::write_dir(dir, |tmp| {
         for (config, t) in tables {
-            let file = meta.configs.get(config).cloned().unwrap_or_else(|| format!("{}.csv", slug(config)));
+            let file = meta
+                .configs
+                .get(config)
+                .cloned()
+                .unwrap_or_else(|| format!("{}.csv", slug(config)));
             let p = tmp.join(&file);
             let text = table_csv(t).map_err(|e| IoError::invalid(&p, e.to_string()))?;
             atomic::write_file(&p, text.as_bytes())?;
         }
         let p = tmp.join("baseline.json");
-        let text = serde_json::to_string_pretty(meta).map_err(|e| IoError::invalid(&p, e.to_string()))?;
+        let text =
+            serde_json::to_string_pretty(meta).map_err(|e| IoError::invalid(&p, e.to_string()))?;
         atomic::write_file(&p, format!("{text}\n").as_bytes())
     })
 }
@@ -105,16 +120,20 @@ pub fn load(dir: &Path) -> Result<(BaselineMeta, BTreeMap<String, GoldenTable>),
     let p = dir.join("baseline.json");
     let text = std::fs::read_to_string(&p).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            IoError::invalid(&p, "no baseline here; record one with `lockstep baseline save --suite SUITE.toml`")
+            IoError::invalid(
+                &p,
+                "no baseline here; record one with `lockstep baseline save --suite SUITE.toml`",
+            )
         } else {
             IoError::io(&p, e)
         }
     })?;
-    let meta: BaselineMeta =
-        serde_json::from_str(&text).map_err(|e| IoError::invalid(&p, format!("not a lockstep baseline: {e}")))?;
+    let meta: BaselineMeta = serde_json::from_str(&text)
+        .map_err(|e| IoError::invalid(&p, format!("not a lockstep baseline: {e}")))?;
     let mut tables = BTreeMap::new();
     for (config, file) in &meta.configs {
-        crate::suite::runner::safe_component(file).map_err(|why| IoError::invalid(&p, format!("file `{file}`: {why}")))?;
+        crate::suite::runner::safe_component(file)
+            .map_err(|why| IoError::invalid(&p, format!("file `{file}`: {why}")))?;
         let p = dir.join(file);
         tables.insert(config.clone(), read_table(&p)?);
     }
@@ -124,9 +143,15 @@ pub fn load(dir: &Path) -> Result<(BaselineMeta, BTreeMap<String, GoldenTable>),
 fn read_table(p: &Path) -> Result<GoldenTable, IoError> {
     let text = std::fs::read_to_string(p).map_err(|e| IoError::io(p, e))?;
     let mut r = csv::Reader::from_reader(text.as_bytes());
-    let head = r.headers().map_err(|e| IoError::invalid(p, e.to_string()))?.clone();
+    let head = r
+        .headers()
+        .map_err(|e| IoError::invalid(p, e.to_string()))?
+        .clone();
     if head.get(0) != Some("seed") || head.get(1) != Some("step") {
-        return Err(IoError::invalid(p, "the first two columns must be `seed,step`"));
+        return Err(IoError::invalid(
+            p,
+            "the first two columns must be `seed,step`",
+        ));
     }
     let mut t = GoldenTable {
         metrics: head.iter().skip(2).map(str::to_string).collect(),
@@ -139,8 +164,12 @@ fn read_table(p: &Path) -> Result<GoldenTable, IoError> {
             if v.is_empty() {
                 return Ok(f64::NAN);
             }
-            v.parse()
-                .map_err(|_| IoError::invalid(p, format!("row {}: `{}` = `{v}` is not a number", i + 2, &head[j])))
+            v.parse().map_err(|_| {
+                IoError::invalid(
+                    p,
+                    format!("row {}: `{}` = `{v}` is not a number", i + 2, &head[j]),
+                )
+            })
         };
         let seed = num(0)? as u64;
         let step = num(1)? as usize;
