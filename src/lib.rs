@@ -3,7 +3,9 @@
 //!
 //! Module map: [`formats`] holds the one quantizer every path calls; [`recipe`] maps site names to
 //! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer; [`io`] reads
-//! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks).
+//! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks);
+//! [`compare`] judges configurations against BF16 across seeds (verdicts, checks, golden values,
+//! the nightly verdict).
 
 pub mod compare;
 pub mod engine;

@@ -185,7 +185,7 @@ pub fn diff(
                         } else {
                             row.max_abs_diff = f64::INFINITY;
                         }
-                        !(d <= tol.max(g.rel_tolerance * b.abs()))
+                        d.is_nan() || d > tol.max(g.rel_tolerance * b.abs())
                     }
                 };
                 if out {
