@@ -663,18 +663,30 @@ fn find_spikes(groups: &[Group<'_>], s: &CompareSettings) -> Vec<Spike> {
 struct Data<'a, 'b> {
     groups: &'a [Group<'b>],
     spikes: &'a [Spike],
+    /// Sweep values of the configuration under check: `bf16` in a check on
+    /// `nvfp4 [backward=dq]` means the bf16 group with the same sweep values, when there is one.
+    axes: &'a BTreeMap<String, String>,
 }
 
 impl Data<'_, '_> {
-    /// A configuration by its full name, or by base name when it has a single sweep point.
+    /// A configuration by its full name, or by base name (same sweep values as the configuration
+    /// under check, else its only sweep point).
     fn group(&self, config: &str) -> Option<&Group<'_>> {
-        self.groups.iter().find(|g| g.config == config).or_else(|| {
-            let mut it = self.groups.iter().filter(|g| g.base == config);
-            match (it.next(), it.next()) {
-                (Some(g), None) => Some(g),
-                _ => None,
-            }
-        })
+        self.groups
+            .iter()
+            .find(|g| g.config == config)
+            .or_else(|| {
+                self.groups
+                    .iter()
+                    .find(|g| g.base == config && &g.axes == self.axes)
+            })
+            .or_else(|| {
+                let mut it = self.groups.iter().filter(|g| g.base == config);
+                match (it.next(), it.next()) {
+                    (Some(g), None) => Some(g),
+                    _ => None,
+                }
+            })
     }
 }
 
@@ -744,7 +756,6 @@ impl Source for Data<'_, '_> {
 }
 
 fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Vec<CheckResult> {
-    let data = Data { groups, spikes };
     let constants = s.constants();
     let mut out = Vec::new();
     for c in &s.checks {
@@ -764,6 +775,11 @@ fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Ve
             if !applies {
                 continue;
             }
+            let data = Data {
+                groups,
+                spikes,
+                axes: &g.axes,
+            };
             let o = c.check.eval(&g.config, &data, &constants);
             out.push(CheckResult {
                 expr: c.check.text.clone(),

@@ -4,7 +4,7 @@
 
 use crate::engine::metrics::Event;
 use crate::io::IoError;
-use crate::store::{RunDir, RunStatus};
+use crate::store::{RunDir, RunStatus, columns};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -55,28 +55,33 @@ pub type Wanted<'a> = Option<&'a BTreeSet<String>>;
 pub fn load_run(dir: &Path, wanted: Wanted<'_>) -> Result<RunData, IoError> {
     let rd = RunDir::open(dir);
     let m = rd.read_manifest()?;
-    let scalars = rd.read_scalars().or_else(|e| match m.status {
-        RunStatus::Ok | RunStatus::Diverged => Err(e),
-        _ => Ok(Vec::new()), // a failed run may have no metrics at all
-    })?;
-    let mut metrics: BTreeMap<String, Vec<(usize, f64)>> = BTreeMap::new();
-    let (mut contract_steps, mut contract_violations) = (0, 0);
-    for r in &scalars {
-        if let Some(v) = r.get("contract/violations") {
-            contract_steps += 1;
-            contract_violations += v.max(0.0) as usize;
-        }
-        for (k, v) in &r.scalars {
-            if wanted.is_none_or(|w| w.contains(k)) {
-                metrics.entry(k.clone()).or_default().push((r.step, *v));
-            }
-        }
-    }
-    let layers = match rd.read_layers() {
-        Ok(rows) => group_layers(rows),
-        Err(_) if !dir.join("layers.csv").exists() => Vec::new(),
-        Err(e) => return Err(e),
+    const CONTRACT: &str = "contract/violations";
+    let with_contract: Option<BTreeSet<String>> = wanted.map(|w| {
+        let mut w = w.clone();
+        w.insert(CONTRACT.into());
+        w
+    });
+    let mut metrics = match columns::read_scalar_columns(dir, with_contract.as_ref()) {
+        Ok(c) => c,
+        Err(e) if matches!(m.status, RunStatus::Ok | RunStatus::Diverged) => return Err(e),
+        Err(_) => Default::default(), // a failed run may have no metrics at all
     };
+    let contract = if wanted.is_some_and(|w| !w.contains(CONTRACT)) {
+        metrics.remove(CONTRACT).unwrap_or_default()
+    } else {
+        metrics.get(CONTRACT).cloned().unwrap_or_default()
+    };
+    let contract_steps = contract.len();
+    let contract_violations = contract.iter().map(|p| p.1.max(0.0) as usize).sum();
+    let layers = columns::read_grad_norms(dir)?
+        .into_iter()
+        .map(|(site, layer, steps, grad_norm)| LayerSeries {
+            site,
+            layer,
+            steps,
+            grad_norm,
+        })
+        .collect();
     let events = rd.read_events()?;
     let extra = |k: &str| m.extra.get(k).and_then(|v| v.as_str()).map(str::to_string);
     let config = extra("config_name")
@@ -115,23 +120,6 @@ fn config_from_run_id(id: &str, seed: u64) -> String {
     let tag = format!("-s{seed}-");
     id.rfind(&tag)
         .map_or_else(|| id.to_string(), |i| id[..i].to_string())
-}
-
-fn group_layers(rows: Vec<crate::engine::metrics::LayerRecord>) -> Vec<LayerSeries> {
-    let mut by: BTreeMap<(String, i64), LayerSeries> = BTreeMap::new();
-    for r in rows {
-        let e = by
-            .entry((r.site.clone(), r.layer))
-            .or_insert_with(|| LayerSeries {
-                site: r.site.clone(),
-                layer: r.layer,
-                steps: Vec::new(),
-                grad_norm: Vec::new(),
-            });
-        e.steps.push(r.step);
-        e.grad_norm.push(r.grad_norm);
-    }
-    by.into_values().collect()
 }
 
 /// Read many run folders in parallel (order preserved). Unreadable folders come back as errors

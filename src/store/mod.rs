@@ -4,6 +4,7 @@
 //! `log.txt`. Every file is written atomically, so a reader never sees a half-written one.
 
 pub mod baseline;
+pub mod columns;
 pub mod run;
 
 pub use run::{Manifest, RunDir, RunStatus};
