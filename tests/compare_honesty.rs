@@ -119,6 +119,7 @@ fn identical_configurations_regress_at_most_at_alpha() {
     for (seeds, seed_sd, step_sd, sim) in [(5, 0.02, 0.05, 1), (3, 0.03, 0.03, 2)] {
         let v = simulate(k, seeds, 0.0, seed_sd, step_sd, sim);
         let r = rate(&v, Verdict::Regressed);
+        println!("{seeds} seeds: false regression rate {r} over {k} comparisons (alpha {alpha})");
         let slack = 2.33 * (alpha * (1.0 - alpha) / k as f64).sqrt();
         assert!(
             r <= alpha + slack,
@@ -155,6 +156,10 @@ fn a_regression_of_the_margins_size_is_caught_at_the_stated_power() {
     let k = 400;
     let v = simulate(k, seeds, -MARGIN, seed_sd, step_sd, 3);
     let caught = rate(&v, Verdict::Regressed);
+    println!(
+        "regression of the margin caught in {caught} of {k} comparisons with {seeds} seeds (stated power {})",
+        s.power
+    );
     let slack = 2.33 * (s.power * (1.0 - s.power) / k as f64).sqrt();
     assert!(
         caught >= s.power - slack,

@@ -846,7 +846,7 @@ fn method(s: &CompareSettings) -> Method {
                 s.alpha, s.min_seeds
             ),
             format!(
-                "Seeds needed: the smallest n per arm with margin / (sd·sqrt(2/n)) >= t(1-alpha) + t(power) at power {}, where sd is the {:.0} % upper confidence bound of the pooled per-seed standard deviation, so a quiet-looking small sample cannot claim equivalence.",
+                "Seeds needed: the smallest n per arm with margin / (sd·sqrt(2/n)) >= t(1-alpha) + t(power) (t with n-1 degrees of freedom) at power {}, where sd is the {:.0} % upper confidence bound of the pooled per-seed standard deviation, so a quiet-looking small sample cannot claim equivalence.",
                 s.power,
                 100.0 * (1.0 - SD_BOUND_LEVEL)
             ),

@@ -313,8 +313,11 @@ pub fn mean_interval(x: &[f64], alpha: f64) -> Interval {
 
 /// Seeds per arm needed so a true difference of `margin` is detected (one-sided level alpha) with
 /// probability `power`, for per-seed standard deviation `sd`: the smallest `n` with
-/// `margin / (sd·sqrt(2/n)) >= t(1-alpha, 2n-2) + t(power, 2n-2)` (equal arms, the usual
-/// two-sample power formula with t quantiles). `None` when `sd` is not finite.
+/// `margin / (sd·sqrt(2/n)) >= t(1-alpha, n-1) + t(power, n-1)` (equal arms, the usual
+/// two-sample power formula with t quantiles). The degrees of freedom are Welch's worst case
+/// (n - 1) rather than the pooled 2n - 2: with 2n - 2 the simulated power of the Welch procedure
+/// came out at 0.78 for a stated 0.8, so the conservative count keeps the stated power a floor.
+/// `None` when `sd` is not finite.
 pub fn seeds_needed(sd: f64, margin: f64, alpha: f64, power: f64) -> Option<usize> {
     if !sd.is_finite() || margin.is_nan() || margin <= 0.0 {
         return None;
@@ -326,7 +329,7 @@ pub fn seeds_needed(sd: f64, margin: f64, alpha: f64, power: f64) -> Option<usiz
     let z = t_quantile(1.0 - alpha, f64::INFINITY) + t_quantile(power, f64::INFINITY);
     let n0 = (2.0 * (z * sd / margin).powi(2)).floor().clamp(2.0, 1e9) as usize;
     (n0..n0 + 10_000).find(|&n| {
-        let df = (2 * n - 2) as f64;
+        let df = (n - 1) as f64;
         margin / (sd * (2.0 / n as f64).sqrt())
             >= t_quantile(1.0 - alpha, df) + t_quantile(power, df)
     })
