@@ -447,7 +447,15 @@ fn compare_metric(
         .intersection(&y.band.steps.iter().copied().collect())
         .copied()
         .collect();
+    let same_steps = x.band.steps == y.band.steps;
     let auc = |a: &Arm| -> Vec<f64> {
+        if same_steps && a.points.iter().all(|p| p.len() == a.band.steps.len()) {
+            return a
+                .points
+                .iter()
+                .map(|p| stats::mean(&p.iter().map(|q| q.1).collect::<Vec<_>>()))
+                .collect();
+        }
         a.points
             .iter()
             .map(|p| {

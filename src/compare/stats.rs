@@ -151,6 +151,21 @@ impl Resampler {
         ((self.rng.next_u64() as u128 * n as u128) >> 64) as usize
     }
 
+    /// Fill `out` with draws from `x`, two 32-bit multiply-shift indices per 64-bit random word
+    /// (seeds per arm are far below 2^32, so the bias stays below n / 2^32).
+    fn fill(&mut self, x: &[f64], out: &mut [f64]) {
+        let n = x.len() as u64;
+        let mut chunks = out.chunks_exact_mut(2);
+        for pair in &mut chunks {
+            let r = self.rng.next_u64();
+            pair[0] = x[(((r & 0xffff_ffff) * n) >> 32) as usize];
+            pair[1] = x[(((r >> 32) * n) >> 32) as usize];
+        }
+        for v in chunks.into_remainder() {
+            *v = x[self.index(x.len())];
+        }
+    }
+
     /// Resample counts: `counts[i]` is how often value `i` of `n` was drawn (sum `n`).
     pub fn counts(&mut self, n: usize, out: &mut [f64]) {
         out.iter_mut().for_each(|c| *c = 0.0);
@@ -180,12 +195,8 @@ impl Resampler {
         let (mut bx, mut by) = (vec![0.0; x.len()], vec![0.0; y.len()]);
         let mut d = Vec::with_capacity(reps);
         for _ in 0..reps {
-            for v in bx.iter_mut() {
-                *v = x[self.index(x.len())];
-            }
-            for v in by.iter_mut() {
-                *v = y[self.index(y.len())];
-            }
+            self.fill(x, &mut bx);
+            self.fill(y, &mut by);
             d.push(stat(&bx) - stat(&by));
         }
         let (lo, hi) = percentile_pair(&mut d, alpha);
