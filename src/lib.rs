@@ -5,6 +5,8 @@
 //! formats; [`engine`] is the built-in MoE policy, its rollout and its GRPO trainer; [`io`] reads
 //! and writes files atomically; [`tools`] backs the standalone commands (quantize, benchmarks);
 //! [`report`] draws a suite's comparison into one self-contained HTML page with PNG figures.
+//! [`compare`] judges configurations against BF16 across seeds (verdicts, checks, golden values,
+//! the nightly verdict).
 
 pub mod compare;
 pub mod engine;

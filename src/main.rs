@@ -32,6 +32,16 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Run(args) => cli::suite::run_cmd(args),
         Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
         Command::Ingest(args) => cli::suite::ingest_cmd(args),
+        Command::Compare(args) => cli::compare::compare_cmd(args),
+        Command::Baseline(cmd) => cli::compare::baseline_cmd(cmd),
+        Command::Nightly(args) => cli::compare::nightly_cmd(args),
+        Command::Bench(BenchCommand::Compare {
+            runs,
+            steps,
+            configs,
+            sites,
+            io,
+        }) => cli::compare::bench_compare(*runs, *steps, *configs, *sites, *io),
         Command::Bench(BenchCommand::Engine {
             steps,
             recipes,

@@ -2,6 +2,7 @@
 //! flags to validated library calls. Exit codes are defined once, in `main.rs`.
 
 pub mod bench;
+pub mod compare;
 pub mod engine;
 pub mod quantize;
 pub mod report;
@@ -39,6 +40,13 @@ pub enum Command {
     Recipe(engine::RecipeCommand),
     /// Write the suite's HTML report with a PNG of every figure (reports/<suite>/<timestamp>/).
     Report(report::ReportArgs),
+    /// Compare every configuration of a suite against BF16 across seeds; writes compare.json.
+    Compare(compare::CompareArgs),
+    /// Golden values: save a suite's runs under baselines/<suite>/, or diff against them.
+    #[command(subcommand)]
+    Baseline(compare::BaselineCommand),
+    /// Run + compare + report + verdict. Exit 0 pass, 1 regression, 2 error.
+    Nightly(compare::NightlyArgs),
     /// Benchmarks: ratios measured side by side in one run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -83,4 +91,20 @@ pub enum BenchCommand {
     Report(report::BenchReportArgs),
     /// Engine GRPO step time (median of --steps after one warm-up) on a device.
     Step(bench::StepArgs),
+    /// Compare synthetic runs (default 1,000 runs x 1,000 steps) and print the time.
+    Compare {
+        #[arg(long, default_value_t = 1000)]
+        runs: usize,
+        #[arg(long, default_value_t = 1000)]
+        steps: usize,
+        /// Configurations the runs are split over (the first is the bf16 baseline).
+        #[arg(long, default_value_t = 10)]
+        configs: usize,
+        /// Per-site grad-norm series per run (spike detection).
+        #[arg(long, default_value_t = 8)]
+        sites: usize,
+        /// Also write the runs as run folders and time reading them back.
+        #[arg(long)]
+        io: bool,
+    },
 }

@@ -63,8 +63,7 @@ pub fn run(args: &ReportArgs) -> Result<bool> {
         );
     }
     let t0 = Instant::now();
-    // MERGE: replace this line with `lockstep::compare::compare_suite(&spec, &dir, &Default::default())?`
-    let comparison = read_comparison(&dir)?;
+    let comparison = lockstep::compare::compare_suite(&spec, &dir, &Default::default())?;
     let runs = load_runs(&dir)?;
     let input = ReportInput {
         spec: &spec,

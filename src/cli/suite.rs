@@ -38,7 +38,13 @@ pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
         SuiteCommand::Check { file } => {
             let s = load(file)?;
             let runs = expand(&s)?;
-            println!("{}: ok ({} runs)", file.display(), runs.len());
+            let checks = lockstep::compare::settings::from_spec(&s)?;
+            println!(
+                "{}: ok ({} runs, {} checks)",
+                file.display(),
+                runs.len(),
+                checks.checks.len()
+            );
             Ok(true)
         }
     }

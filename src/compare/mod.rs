@@ -1,6 +1,21 @@
-//! Comparing a suite's configurations against BF16 across seeds (issue: compare). The result types
-//! live in [`result`]; the statistics that fill them come next.
+//! Comparing a suite's configurations against BF16 across seeds (issue 5). [`result`] holds the
+//! plain result types, [`stats`] the statistics over per-seed values, [`expr`] the check language,
+//! [`settings`] the suite's `[checks]` table, [`data`] the runs read into memory, [`spikes`] the
+//! gradient-spike rules, [`analyze`] the procedure that fills a [`SuiteComparison`], [`golden`]
+//! the golden-value diff, [`nightly`] the nightly verdict, Markdown and JUnit, and [`bench`] the
+//! timing of a large comparison.
 
+pub mod analyze;
+pub mod bench;
+pub mod data;
+pub mod expr;
+pub mod golden;
+pub mod nightly;
 pub mod result;
+pub mod settings;
+pub mod spikes;
+pub mod stats;
 
+pub use analyze::{CompareError, CompareOptions, compare_data, compare_runs, compare_suite};
 pub use result::*;
+pub use settings::CompareSettings;

@@ -19,6 +19,9 @@ pub struct SuiteComparison {
     /// Contract-check totals per configuration.
     pub contract: Vec<ContractRow>,
     pub overall: OverallVerdict,
+    /// Runs left out (failed, not run yet, unreadable, stale) and similar, one line each.
+    #[serde(default)]
+    pub warnings: Vec<String>,
 }
 
 /// How the numbers were computed, so a reader of the report can judge them.
@@ -33,6 +36,15 @@ pub struct Method {
     pub spike_window: usize,
     pub spike_z: f64,
     pub spike_ratio: f64,
+    /// Bootstrap resamples of the per-step bands.
+    #[serde(default)]
+    pub band_reps: usize,
+    /// Power at which `seeds_needed` is computed.
+    #[serde(default)]
+    pub power: f64,
+    /// Fewer seeds per arm than this: inconclusive.
+    #[serde(default)]
+    pub min_seeds: usize,
     /// One line per test used, in plain words.
     pub description: Vec<String>,
 }
@@ -43,6 +55,15 @@ pub struct ConfigComparison {
     pub config: String,
     pub seeds: Vec<u64>,
     pub metrics: Vec<MetricComparison>,
+    /// The baseline group it was compared with (same sweep values when the baseline has them).
+    #[serde(default)]
+    pub baseline: String,
+    /// Runs that diverged (their curves are included up to the divergence).
+    #[serde(default)]
+    pub diverged: usize,
+    /// Runs that failed or did not finish (left out).
+    #[serde(default)]
+    pub failed: usize,
 }
 
 /// A curve with its band across seeds.
@@ -58,7 +79,7 @@ pub struct Band {
 }
 
 /// A difference with its confidence interval.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Interval {
     pub estimate: f64,
     pub lo: f64,
@@ -83,12 +104,18 @@ pub struct MetricComparison {
     pub higher_is_better: bool,
     pub curve: Band,
     pub baseline: Band,
-    /// Final-window mean (config − baseline).
+    /// Final-window mean (config − baseline), Welch interval at 1 − 2·alpha (what the verdict uses).
     pub final_diff: Interval,
+    /// The same difference with a stratified percentile bootstrap interval over seeds.
+    #[serde(default)]
+    pub final_diff_bootstrap: Interval,
     /// Area under the curve (config − baseline), per step.
     pub auc_diff: Interval,
     /// Interquartile mean of the config's final-window values.
     pub iqm: f64,
+    /// Interquartile mean of the baseline's final-window values.
+    #[serde(default)]
+    pub baseline_iqm: f64,
     /// P(config run beats a baseline run), Mann-Whitney form.
     pub prob_improvement: f64,
     /// Equivalence margin used (absolute, in the metric's units); None: no margin set, no verdict.
@@ -96,6 +123,9 @@ pub struct MetricComparison {
     pub verdict: Verdict,
     /// Why, in words (e.g. "3 seeds cannot resolve a 0.05 margin: CI half-width 0.08").
     pub reason: String,
+    /// Seeds per arm the margin needs at the stated power (None without a margin).
+    #[serde(default)]
+    pub seeds_needed: Option<usize>,
     /// For KL-type metrics: level, step-0 offset and drift.
     pub kl: Option<KlSummary>,
 }
@@ -107,6 +137,16 @@ pub struct KlSummary {
     pub step0_offset: f64,
     /// Slope per step (least squares over steps), with its CI.
     pub drift: Interval,
+    /// The configuration's own first value (step0_offset is relative to the baseline's).
+    #[serde(default)]
+    pub step0: f64,
+    /// level − step0: growth over the run, separated from the constant offset.
+    #[serde(default)]
+    pub growth: f64,
+    #[serde(default)]
+    pub baseline_level: f64,
+    #[serde(default)]
+    pub baseline_drift: Interval,
 }
 
 /// A gradient spike found by the robust z-score or the ratio-to-rolling-max rule.
@@ -136,6 +176,9 @@ pub struct CheckResult {
     pub value: f64,
     pub threshold: f64,
     pub message: String,
+    /// The check's name (its expression unless the suite named it).
+    #[serde(default)]
+    pub name: String,
 }
 
 /// Contract-check totals for one configuration.

@@ -490,6 +490,10 @@ fn compare(
                     lo: 5e-5,
                     hi: 1.5e-4,
                 },
+                step0: curve.mean.first().copied().unwrap_or(0.0),
+                growth: 0.0,
+                baseline_level: tail_mean(&base, 10),
+                baseline_drift: Interval::default(),
             });
             let (verdict, reason) = match margin {
                 Some(m) if d.abs() + 0.02 < m => (
@@ -523,12 +527,18 @@ fn compare(
                 verdict,
                 reason,
                 kl,
+                final_diff_bootstrap: Interval::default(),
+                baseline_iqm: 0.5,
+                seeds_needed: None,
             });
         }
         configs.push(ConfigComparison {
             config: label.clone(),
             seeds: (0..shape.seeds as u64).collect(),
             metrics: ms,
+            baseline: baseline.clone(),
+            diverged: 0,
+            failed: 0,
         });
         checks.push(CheckResult {
             expr: format!("mean(rollout/raw_reward, last=10) >= {baseline} - 0.05"),
@@ -537,6 +547,7 @@ fn compare(
             value: 0.7,
             threshold: 0.66,
             message: "ok".into(),
+            name: String::new(),
         });
     }
     SuiteComparison {
@@ -554,18 +565,22 @@ fn compare(
                 "Bands: percentile bootstrap over seeds (10,000 resamples, seed 0).".into(),
                 "Equivalence: two one-sided tests at alpha 0.05 against the suite margin.".into(),
             ],
+            band_reps: 1000,
+            power: 0.8,
+            min_seeds: 3,
         },
         configs,
         spikes,
         checks,
+        warnings: Vec::new(),
         contract,
         overall: OverallVerdict::Pass,
     }
 }
 
 impl Fixture {
-    /// Write the runs into `suite_dir` as the run store would (`manifest.json`, `scalars.csv`,
-    /// `layers.csv`, `events.jsonl`).
+    /// Write the runs into `suite_dir` as the run store would (`manifest.json`, `scalars.parquet`,
+    /// `layers.parquet`, `events.jsonl`).
     pub fn write_store(&self, suite_dir: &Path) -> Result<(), crate::io::IoError> {
         for (m, recs) in &self.records {
             let d = RunDir::create(&suite_dir.join(&m.run_id))?;

@@ -61,7 +61,7 @@ impl RunData {
 }
 
 /// Read every run folder under `suite_dir` (folders without a manifest, e.g. half-written ones, and
-/// lock files are skipped). A run without `layers.csv` or `scalars.csv` yet (still running, failed
+/// lock files are skipped). A run without `layers.parquet` or `scalars.parquet` yet (still running, failed
 /// early) is kept with empty series, so the metadata still lists it.
 pub fn load_runs(suite_dir: &Path) -> Result<Vec<RunData>, IoError> {
     let rd = std::fs::read_dir(suite_dir).map_err(|e| IoError::io(suite_dir, e))?;
@@ -79,13 +79,13 @@ pub fn load_run(dir: &Path) -> Result<RunData, IoError> {
     let run = RunDir::open(dir);
     let manifest = run.read_manifest()?;
     let (config, base, axes) = RunData::names(&manifest);
-    let layers = if dir.join("layers.csv").is_file() {
+    let layers = if dir.join("layers.parquet").is_file() {
         run.read_layers()?
     } else {
         Vec::new()
     };
     let mut perf: BTreeMap<String, Vec<(usize, f64)>> = BTreeMap::new();
-    if dir.join("scalars.csv").is_file() {
+    if dir.join("scalars.parquet").is_file() {
         for rec in run.read_scalars()? {
             for (k, v) in rec.scalars.range("perf/".to_string()..) {
                 if !k.starts_with("perf/") {

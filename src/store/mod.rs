@@ -3,6 +3,8 @@
 //! step, one column per metric key), `layers.parquet` (per site and layer), `events.jsonl` and
 //! `log.txt`. Every file is written atomically, so a reader never sees a half-written one.
 
+pub mod baseline;
+pub mod columns;
 pub mod run;
 pub mod table;
 
