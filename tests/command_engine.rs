@@ -147,9 +147,8 @@ fn a_launcher_that_succeeds_fails_or_hangs_is_recorded_as_such() {
     assert_eq!(m["status"], "timeout", "{m}");
     assert!(m["error"].as_str().unwrap().contains("timed out"));
     let pid = std::fs::read_to_string(dir.join("out/child.pid")).unwrap();
-    let alive = Path::new(&format!("/proc/{}", pid.trim())).exists();
     assert!(
-        !alive,
+        gone_within(pid.trim(), std::time::Duration::from_secs(5)),
         "the hung launcher's child process survived the timeout"
     );
 
@@ -169,4 +168,23 @@ fn a_launcher_that_succeeds_fails_or_hangs_is_recorded_as_such() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("skip ok seed 0"), "{stdout}");
+}
+
+/// True once the process is gone or a zombie (killed, waiting for init to reap it).
+fn gone_within(pid: &str, limit: std::time::Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next());
+        if matches!(state, None | Some("Z") | Some("X")) {
+            return true;
+        }
+        if t0.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }

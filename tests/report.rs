@@ -266,12 +266,11 @@ fn write_suite(dir: &Path) -> PathBuf {
 }
 
 #[test]
-fn report_command_reads_the_store_and_explains_a_missing_comparison() {
+fn report_command_compares_the_store_and_explains_a_missing_one() {
     let tmp = tempfile::tempdir().unwrap();
     let suite = write_suite(tmp.path());
     let f = fixture::synthetic(&Shape::small());
     let store = tmp.path().join("store");
-    f.write_store(&store.join("synthetic")).unwrap();
     let run = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
             .args(["report", "--suite"])
@@ -286,16 +285,22 @@ fn report_command_reads_the_store_and_explains_a_missing_comparison() {
     let out = run();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("compare.json") && err.contains("lockstep compare"),
-        "{err}"
-    );
-    std::fs::write(
-        store.join("synthetic/compare.json"),
-        serde_json::to_string(&f.comparison).unwrap(),
-    )
-    .unwrap();
-    let out = run();
+    assert!(err.contains("lockstep run"), "{err}");
+    f.write_store(&store.join("synthetic")).unwrap();
+    // The fixture's runs are not this suite's planned runs, so draw its saved comparison.
+    let saved = tmp.path().join("compare.json");
+    std::fs::write(&saved, serde_json::to_string(&f.comparison).unwrap()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["report", "--suite"])
+        .arg(&suite)
+        .arg("--store")
+        .arg(&store)
+        .arg("--out")
+        .arg(tmp.path().join("reports"))
+        .arg("--comparison")
+        .arg(&saved)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         out.status.code(),

@@ -2,7 +2,6 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use lockstep::compare::SuiteComparison;
 use lockstep::report::{ReportInput, fixture, load_runs, write_report};
 use lockstep::suite::runner::suite_dir;
 use std::path::{Path, PathBuf};
@@ -19,6 +18,9 @@ pub struct ReportArgs {
     /// Reports root: the report is written to `<out>/<suite>/<UTC timestamp>/index.html`.
     #[arg(long, default_value = "reports")]
     pub out: PathBuf,
+    /// Draw a comparison saved by `lockstep compare` (its compare.json) instead of computing one.
+    #[arg(long)]
+    pub comparison: Option<PathBuf>,
 }
 
 /// Find the suite file: the path as given, else `suites/<name>.toml`.
@@ -37,17 +39,16 @@ pub fn suite_file(s: &str) -> Result<PathBuf> {
     )
 }
 
-/// Read `compare.json` from the suite folder (what `lockstep compare` writes).
-fn read_comparison(dir: &Path) -> Result<SuiteComparison> {
-    let p = dir.join("compare.json");
-    let text = std::fs::read_to_string(&p).with_context(|| {
+/// Read a `compare.json` written by `lockstep compare`.
+fn read_comparison(p: &Path) -> Result<lockstep::compare::SuiteComparison> {
+    let text = std::fs::read_to_string(p)
+        .with_context(|| format!("{}: cannot read the comparison", p.display()))?;
+    serde_json::from_str(&text).with_context(|| {
         format!(
-            "{}: no comparison to draw; run `lockstep compare --suite ...` first",
+            "{}: not a lockstep comparison (write one with `lockstep compare`)",
             p.display()
         )
-    })?;
-    serde_json::from_str(&text)
-        .with_context(|| format!("{}: not a lockstep comparison", p.display()))
+    })
 }
 
 pub fn run(args: &ReportArgs) -> Result<bool> {
@@ -63,7 +64,10 @@ pub fn run(args: &ReportArgs) -> Result<bool> {
         );
     }
     let t0 = Instant::now();
-    let comparison = lockstep::compare::compare_suite(&spec, &dir, &Default::default())?;
+    let comparison = match &args.comparison {
+        Some(p) => read_comparison(p)?,
+        None => lockstep::compare::compare_suite(&spec, &dir, &Default::default())?,
+    };
     let runs = load_runs(&dir)?;
     let input = ReportInput {
         spec: &spec,

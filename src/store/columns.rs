@@ -122,6 +122,7 @@ pub fn read_grad_norms(dir: &Path) -> Result<Vec<GradSeries>, IoError> {
 mod tests {
     use super::*;
     use crate::engine::metrics::{LayerRecord, StepRecord};
+    use crate::store::RunDir;
 
     #[test]
     fn column_readers_agree_with_the_general_readers() {
