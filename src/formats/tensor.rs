@@ -525,10 +525,13 @@ fn quantize_nvfp4_with(
         .zip(x.par_chunks(bc))
         .enumerate()
         .with_min_len((16 * 1024 / bc).max(1))
-        .map(|(r, ((prow, srow), xrow))| {
-            let g = &globals[global_index(second, shards, r, 0)..];
-            nvfp4_row(xrow, g, per_shard, srow, prow)
-        })
+        .map_init(
+            nvfp4::RowScratch::default,
+            |scratch, (r, ((prow, srow), xrow))| {
+                let g = &globals[global_index(second, shards, r, 0)..];
+                nvfp4_row(xrow, g, per_shard, srow, prow, scratch)
+            },
+        )
         .reduce(QuantStats::default, QuantStats::merge);
     let mut q = empty(QuantFormat::Nvfp4 { second, shards });
     q.codes = packed;
@@ -548,13 +551,14 @@ fn nvfp4_row(
     per_shard: usize,
     srow: &mut [u8],
     prow: &mut [u8],
+    scratch: &mut nvfp4::RowScratch,
 ) -> QuantStats {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { nvfp4_row_avx2(xrow, globals, per_shard, srow, prow) };
+        return unsafe { nvfp4_row_avx2(xrow, globals, per_shard, srow, prow, scratch) };
     }
-    nvfp4_row_portable(xrow, globals, per_shard, srow, prow)
+    nvfp4_row_portable(xrow, globals, per_shard, srow, prow, scratch)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -565,8 +569,9 @@ fn nvfp4_row_avx2(
     per_shard: usize,
     srow: &mut [u8],
     prow: &mut [u8],
+    scratch: &mut nvfp4::RowScratch,
 ) -> QuantStats {
-    nvfp4_row_portable(xrow, globals, per_shard, srow, prow)
+    nvfp4_row_portable(xrow, globals, per_shard, srow, prow, scratch)
 }
 
 #[inline(always)]
@@ -576,8 +581,9 @@ fn nvfp4_row_portable(
     per_shard: usize,
     srow: &mut [u8],
     prow: &mut [u8],
+    scratch: &mut nvfp4::RowScratch,
 ) -> QuantStats {
-    nvfp4::quantize_row(xrow, globals, per_shard, srow, prow)
+    nvfp4::quantize_row(xrow, globals, per_shard, srow, prow, scratch)
 }
 
 fn quantize_fp8_block(
