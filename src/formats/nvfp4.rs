@@ -201,7 +201,7 @@ mod tests {
             let block: Vec<f32> = (0..16)
                 .map(|_| {
                     state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    if state % 5 == 0 {
+                    if state.is_multiple_of(5) {
                         specials[(state >> 8) as usize % specials.len()]
                     } else {
                         f32::from_bits(state)
