@@ -484,7 +484,7 @@ pub fn bench_compare(
     );
     if let Some(t) = r.load_s {
         println!(
-            "  load from the store (CSV, {} threads): {t:.2} s",
+            "  load from the store (Parquet, {} threads): {t:.2} s",
             rayon::current_num_threads()
         );
     }

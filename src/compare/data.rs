@@ -125,7 +125,15 @@ fn config_from_run_id(id: &str, seed: u64) -> String {
 /// Read many run folders in parallel (order preserved). Unreadable folders come back as errors
 /// in `skipped`, each naming its path, so one broken run never hides the rest.
 pub fn load_runs(dirs: &[PathBuf], wanted: Wanted<'_>) -> (Vec<RunData>, Vec<String>) {
-    let res: Vec<Result<RunData, IoError>> = dirs.par_iter().map(|d| load_run(d, wanted)).collect();
+    // Parquet decoding (polars, built unoptimised in dev) needs deep stacks: rayon's default
+    // 2 MiB worker stacks overflowed on 1,000 runs, so the readers get their own pool.
+    let read = || -> Vec<Result<RunData, IoError>> {
+        dirs.par_iter().map(|d| load_run(d, wanted)).collect()
+    };
+    let res = match rayon::ThreadPoolBuilder::new().stack_size(64 << 20).build() {
+        Ok(pool) => pool.install(read),
+        Err(_) => dirs.iter().map(|d| load_run(d, wanted)).collect(),
+    };
     let mut runs = Vec::new();
     let mut skipped = Vec::new();
     for r in res {
