@@ -13,18 +13,7 @@ impl Backend for CpuBackend {
     }
 
     fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool) {
-        let (m, k) = a.shape();
-        let (kb, n) = b.shape();
-        assert_eq!(
-            k, kb,
-            "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}"
-        );
-        assert_eq!(
-            c.len(),
-            m * n,
-            "gemm output has {} values, expected {m}x{n}",
-            c.len()
-        );
+        let (m, k, n) = super::gemm_dims(a, b, c.len());
         if m == 0 || n == 0 {
             return;
         }

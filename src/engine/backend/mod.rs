@@ -100,6 +100,23 @@ impl<'a> MatRef<'a> {
     }
 }
 
+/// `(m, k, n)` of `c[m×n] = a[m×k] · b[k×n]`, checking that the operands fit; every backend's
+/// `gemm` starts here so they refuse the same mismatches with the same message.
+pub fn gemm_dims(a: MatRef<'_>, b: MatRef<'_>, c_len: usize) -> (usize, usize, usize) {
+    let (m, k) = a.shape();
+    let (kb, n) = b.shape();
+    assert_eq!(
+        k, kb,
+        "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}"
+    );
+    assert_eq!(
+        c_len,
+        m * n,
+        "gemm output has {c_len} values, expected {m}x{n}"
+    );
+    (m, k, n)
+}
+
 /// Compute devices. Every method takes explicit shapes and FP32 buffers; operands have already been
 /// quantized-dequantized by `engine::linear`, so a backend only ever does FP32-accumulated math.
 pub trait Backend: Send + Sync {

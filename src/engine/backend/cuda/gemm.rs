@@ -102,18 +102,7 @@ impl CudaBackend {
         c: &mut [f32],
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let (m, k) = a.shape();
-        let (kb, n) = b.shape();
-        assert_eq!(
-            k, kb,
-            "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}"
-        );
-        assert_eq!(
-            c.len(),
-            m * n,
-            "gemm output has {} values, expected {m}x{n}",
-            c.len()
-        );
+        let (m, k, n) = crate::engine::backend::gemm_dims(a, b, c.len());
         if m == 0 || n == 0 {
             return Ok(());
         }
