@@ -164,12 +164,16 @@ pub fn forward(
             stats: QuantStats::default(),
         };
     };
-    let x_hp = bf16_vec(x);
+    // A BF16 site's operand is its BF16 rounding, so it is rounded once (and its saturation is
+    // counted against the FP32 input); other formats quantize the BF16 values.
+    let bf16_site = matches!(fmt, QuantFormat::Bf16);
+    let x_hp = if bf16_site { Vec::new() } else { bf16_vec(x) };
+    let src = if bf16_site { x } else { &x_hp };
     let mut x_q = vec![0.0f32; n * k];
     let stats = if n == 0 {
         QuantStats::default()
     } else {
-        fake_quantize(&x_hp, n, k, &fmt, Axis::Row, &mut x_q)
+        fake_quantize(src, n, k, &fmt, Axis::Row, &mut x_q)
             .expect("site shape checked by check_site")
     };
     be.gemm(
@@ -178,6 +182,13 @@ pub fn forward(
         y,
         false,
     );
+    if bf16_site {
+        return LinearCache {
+            x_bwd: x_q,
+            n,
+            stats,
+        };
+    }
     let x_bwd = match (plan.precision, plan.backward) {
         (Precision::Bf16, _) | (_, BackwardMode::HighPrecision) => x_hp,
         (_, BackwardMode::Dequantized) => bf16_vec(&x_q),
