@@ -45,6 +45,28 @@ impl Default for WarmStartConfig {
     }
 }
 
+impl WarmStartConfig {
+    /// Reject settings that cannot train, naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(format!(
+                "lr = {}: use a positive learning rate, e.g. 1e-3",
+                self.lr
+            ));
+        }
+        if self.batch == 0 || self.eval_prompts == 0 {
+            return Err("batch and eval_prompts must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.target_accuracy) {
+            return Err(format!(
+                "target_accuracy = {}: use a fraction in [0, 1], e.g. 0.3",
+                self.target_accuracy
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// How the warm start was obtained.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WarmStartInfo {
@@ -74,6 +96,11 @@ pub fn warm_start(
     cache_dir: Option<&Path>,
     mut log: impl FnMut(&str),
 ) -> Result<(Params, WarmStartInfo), IoError> {
+    // One warm start at a time in this process: a sweep's workers all start by asking for the same
+    // checkpoint, and without this each would train it (N times the work); the later ones now wait
+    // and load the cached file.
+    static TRAINING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = TRAINING.lock().unwrap_or_else(|p| p.into_inner());
     let key = key(cfg, task, ws);
     let path =
         cache_dir.map(|d| d.join(format!("warmstart-{task}-{key}.safetensors").replace(':', "")));

@@ -358,6 +358,7 @@ fn spec(shape: &Shape, labels: &[(String, String, BTreeMap<String, String>)]) ->
             lr: None,
             routing_replay: None,
             eval_every: Some(10),
+            warm_start: None,
         },
         configs: bases
             .iter()

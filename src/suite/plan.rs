@@ -6,7 +6,6 @@ use crate::engine::model::ModelConfig;
 use crate::engine::run::RunConfig;
 use crate::engine::task::Task;
 use crate::engine::trainer::{ContractBreak, GrpoConfig};
-use crate::engine::warmstart::WarmStartConfig;
 use crate::recipe::{BackwardMode, LayerCount, Precision, Recipe, Rule};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -215,6 +214,10 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     grpo.lr = w.lr.unwrap_or(grpo.lr);
     grpo.routing_replay = w.routing_replay.unwrap_or(grpo.routing_replay);
     grpo.eval_every = w.eval_every.unwrap_or(grpo.eval_every);
+    if let Some(ws) = &w.warm_start {
+        ws.validate()
+            .map_err(|e| invalid(s, format!("workload.warm_start: {e}")))?;
+    }
     let mut out = Vec::new();
     for c in &s.configs {
         for axes in combinations(s) {
@@ -229,7 +232,7 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                     task,
                     recipe: recipe.clone(),
                     grpo: grpo.clone(),
-                    warm_start: WarmStartConfig::default(),
+                    warm_start: w.warm_start.clone().unwrap_or_default(),
                     contract_break: brk,
                     seed,
                     steps: w.steps,
@@ -301,6 +304,7 @@ pub fn format_run_id(config: &str, seed: u64, identity: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::warmstart::WarmStartConfig;
     use crate::suite::spec::parse;
     use std::path::Path;
 
@@ -326,6 +330,51 @@ mod tests {
         assert!(
             runs.iter()
                 .all(|r| crate::suite::runner::safe_component(&r.run_id).is_ok())
+        );
+    }
+
+    #[test]
+    fn the_warm_start_table_reaches_every_run_and_is_checked() {
+        let base = "name = \"t\"\nseeds = [0, 1]\n[workload]\nsteps = 3\n[workload.warm_start]\n";
+        let tail = "\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n";
+        let s = parse(
+            &format!("{base}lr = 1e-3\nmax_steps = 50{tail}"),
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let runs = expand(&s).unwrap();
+        assert!(
+            runs.iter()
+                .all(|r| r.run.warm_start.lr == 1e-3 && r.run.warm_start.max_steps == 50)
+        );
+        assert_eq!(
+            runs[0].run.warm_start.batch,
+            WarmStartConfig::default().batch
+        );
+        // Without the table, the defaults; with another lr, another run id (the warm start differs).
+        let plain = parse("name = \"t\"\nseeds = [0, 1]\n[workload]\nsteps = 3\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n", Path::new("t.toml")).unwrap();
+        let d = expand(&plain).unwrap();
+        assert_eq!(d[0].run.warm_start, WarmStartConfig::default());
+        assert_ne!(d[0].run_id, runs[0].run_id);
+        let e = parse(&format!("{base}lrr = 1e-3{tail}"), Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 6") && e.contains("did you mean `lr`"),
+            "{e}"
+        );
+        let e = expand(
+            &parse(
+                &format!("{base}target_accuracy = 30{tail}"),
+                Path::new("t.toml"),
+            )
+            .unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("warm_start") && e.contains("target_accuracy"),
+            "{e}"
         );
     }
 

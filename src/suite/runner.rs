@@ -36,6 +36,8 @@ pub enum Progress<'a> {
     },
     Started {
         run: &'a RunSpec,
+        /// The device the run's worker computes on (`cpu`, `cuda:1`).
+        device: &'a str,
     },
     Step {
         run: &'a RunSpec,
@@ -142,9 +144,11 @@ impl Drop for RunLock {
     }
 }
 
-/// Run every unfinished run of `runs` with `opts.jobs` workers.
+/// Run every unfinished run of `runs` with `opts.jobs` workers. Worker `w` computes on
+/// `backends[w % backends.len()]`, so a sweep spreads over every device it is given (one backend
+/// per GPU; with more workers than GPUs, several workers share a GPU).
 pub fn run_suite(
-    be: &dyn Backend,
+    backends: &[&dyn Backend],
     suite: &SuiteSpec,
     runs: &[RunSpec],
     opts: &RunnerOptions,
@@ -159,13 +163,16 @@ pub fn run_suite(
             f(&mut s);
         }
     };
+    assert!(!backends.is_empty(), "run_suite needs at least one backend");
     std::thread::scope(|scope| {
-        for _ in 0..opts.jobs.max(1) {
-            scope.spawn(|| {
+        for w in 0..opts.jobs.max(1) {
+            let be = backends[w % backends.len()];
+            let (queue, bump, root) = (&queue, &bump, &root);
+            scope.spawn(move || {
                 loop {
                     let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                     let Some(run) = next else { break };
-                    match run_planned(be, suite, run, &root, opts, progress) {
+                    match run_planned(be, suite, run, root, opts, progress) {
                         Outcome::Skipped => bump(&|s| s.skipped += 1),
                         Outcome::Busy => bump(&|s| s.busy += 1),
                         Outcome::Finished(status) => bump(&|s| match status {
@@ -217,7 +224,11 @@ pub fn run_planned(
         return Outcome::Skipped;
     }
     let _ = std::fs::remove_dir_all(&dir); // a half-written run is redone from scratch
-    progress(Progress::Started { run });
+    let device = be.name();
+    progress(Progress::Started {
+        run,
+        device: &device,
+    });
     let (status, error) = match execute(be, suite, run, &dir, opts, progress) {
         Ok(m) => (m.status, m.error),
         Err(e) => (RunStatus::Failed, Some(e.to_string())),
@@ -264,6 +275,64 @@ mod tests {
         }
         assert!(safe_component("smoke-2.v1_x").is_ok());
         assert!(suite_dir(Path::new("runs"), "../etc").is_err());
+    }
+
+    /// The CPU backend under another name, standing in for one GPU of several.
+    struct Named(&'static str);
+
+    impl Backend for Named {
+        fn name(&self) -> String {
+            self.0.to_string()
+        }
+        fn gemm(
+            &self,
+            a: crate::engine::backend::MatRef<'_>,
+            b: crate::engine::backend::MatRef<'_>,
+            c: &mut [f32],
+            accumulate: bool,
+        ) {
+            crate::engine::backend::CpuBackend.gemm(a, b, c, accumulate)
+        }
+    }
+
+    #[test]
+    fn workers_spread_runs_over_every_device() {
+        let d = tempfile::tempdir().unwrap();
+        let text = "name = \"spread\"\nseeds = [0, 1]\n[workload]\nsteps = 1\nprompts_per_step = 2\n\
+                    [workload.warm_start]\nmax_steps = 2\neval_prompts = 8\n\
+                    [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n";
+        let suite = crate::suite::spec::parse(text, Path::new("spread.toml")).unwrap();
+        let runs = crate::suite::plan::expand(&suite).unwrap();
+        let opts = RunnerOptions {
+            store: d.path().join("runs"),
+            jobs: 2,
+            force: false,
+            cache: d.path().join("cache"),
+        };
+        let started = Mutex::new(Vec::new());
+        let progress = |p: Progress<'_>| {
+            if let Progress::Started { device, .. } = p {
+                started.lock().unwrap().push(device.to_string());
+            }
+        };
+        let (a, b) = (Named("gpu-a"), Named("gpu-b"));
+        let sum = run_suite(&[&a, &b], &suite, &runs, &opts, &progress).unwrap();
+        assert_eq!(sum.ok, 2, "{sum:?}");
+        // Each worker takes its first run before any work starts, so the two runs land on the two devices.
+        let mut seen = started.into_inner().unwrap();
+        seen.sort();
+        assert_eq!(seen, ["gpu-a", "gpu-b"]);
+        let mut recorded: Vec<String> = runs
+            .iter()
+            .map(|r| {
+                RunDir::open(&opts.store.join("spread").join(&r.run_id))
+                    .read_manifest()
+                    .unwrap()
+                    .device
+            })
+            .collect();
+        recorded.sort();
+        assert_eq!(recorded, ["gpu-a", "gpu-b"], "manifests record the device");
     }
 
     #[test]
