@@ -286,8 +286,8 @@ pub fn run_task(
             "busy {} seed {} (another process holds its lock)",
             run.config, run.seed
         ),
-        Progress::Started { run } => println!(
-            "start {} seed {} ({}) on {}",
+        Progress::Started { run, device } => println!(
+            "start {} seed {} ({}) on {} {device}",
             run.config,
             run.seed,
             run.run_id,

@@ -63,7 +63,8 @@ pub struct RunArgs {
     /// Redo finished runs too.
     #[arg(long)]
     pub force: bool,
-    /// Where the GEMMs run: cpu, cuda or cuda:N (all workers share that device).
+    /// Where the GEMMs run: cpu; cuda (spread over every visible GPU, workers take them in
+    /// turn); cuda:N; or a list, cuda:0,cuda:2.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Where runs execute: `local` (this machine, --jobs workers) or `slurm` (one job array,
@@ -90,13 +91,14 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     if let Some(flag) = args.slurm.first_set() {
         bail!("{flag} only applies with --executor slurm");
     }
-    let be = lockstep::engine::backend::open(args.device.parse()?)?;
-    let device = be.name();
-    let jobs = args.jobs.unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    });
+    let backends = lockstep::engine::backend::sweep_devices(&args.device)?
+        .into_iter()
+        .map(lockstep::engine::backend::open)
+        .collect::<Result<Vec<_>, _>>()?;
+    let on_gpu = backends.iter().any(|b| b.name().starts_with("cuda"));
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| default_jobs(on_gpu, backends.len(), &s.workload.model));
     let opts = RunnerOptions {
         store: args.store.clone(),
         jobs,
@@ -108,8 +110,13 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     let state = Mutex::new((0usize, 0usize)); // (done, failed)
     let tty = std::io::stdout().is_terminal();
     println!(
-        "suite {}: {total} runs, {jobs} workers, store {}",
+        "suite {}: {total} runs, {jobs} workers on {}, store {}",
         s.name,
+        backends
+            .iter()
+            .map(|b| b.name())
+            .collect::<Vec<_>>()
+            .join(", "),
         args.store.display()
     );
     let progress = |p: Progress<'_>| {
@@ -136,7 +143,7 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
                 "[{}/{total}] busy {} seed {} (another process holds it)",
                 st.0, run.config, run.seed
             ),
-            Progress::Started { run } => println!(
+            Progress::Started { run, device } => println!(
                 "[{}/{total}] start {} seed {} on {device}",
                 st.0, run.config, run.seed
             ),
@@ -172,7 +179,9 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
             }
         }
     };
-    let sum = run_suite(be.as_ref(), &s, &runs, &opts, &progress)?;
+    let refs: Vec<&dyn lockstep::engine::backend::Backend> =
+        backends.iter().map(|b| b.as_ref()).collect();
+    let sum = run_suite(&refs, &s, &runs, &opts, &progress)?;
     println!(
         "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged, {} busy",
         start.elapsed().as_secs_f64(),
@@ -183,6 +192,18 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
         sum.busy
     );
     Ok(sum.failed == 0)
+}
+
+/// Workers when `--jobs` is not given: one per core on the CPU; on GPUs one per GPU, two for the
+/// `tiny` model (too small to keep a GPU busy alone: its element-wise ops run on the host).
+fn default_jobs(on_gpu: bool, devices: usize, model: &str) -> usize {
+    if on_gpu {
+        devices * if model == "tiny" { 2 } else { 1 }
+    } else {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    }
 }
 
 #[derive(Debug, Subcommand)]

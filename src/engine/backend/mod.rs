@@ -54,6 +54,29 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// The devices a sweep's workers compute on, from `lockstep run --device`: `cpu`; `cuda`, every
+/// visible GPU (`CUDA_VISIBLE_DEVICES` narrows it); or one or more ordinals, `cuda:1` or
+/// `cuda:0,cuda:2`. Without a usable GPU, `cuda` is the same one-line error as [`open`]'s.
+pub fn sweep_devices(spec: &str) -> Result<Vec<Device>, DeviceError> {
+    if spec.trim() == "cuda" {
+        let err = |err| DeviceError::Cuda {
+            device: Device::Cuda(0),
+            err,
+        };
+        // With none visible, `cuda:0` is returned so that opening it gives the usual error.
+        let n = cuda::device_count().map_err(err)?;
+        return Ok((0..n.max(1)).map(Device::Cuda).collect());
+    }
+    let mut out: Vec<Device> = Vec::new();
+    for part in spec.split(',') {
+        let d: Device = part.trim().parse()?;
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    Ok(out)
+}
+
 /// The backend for `device` (the CUDA one checks libraries and device count first).
 pub fn open(device: Device) -> Result<Box<dyn Backend>, DeviceError> {
     match device {
