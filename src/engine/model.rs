@@ -592,6 +592,24 @@ pub struct Routing {
 }
 
 impl Routing {
+    /// Each token's record repeated `times` times in a row (the routing of copied sequences).
+    pub fn repeat_each(&self, times: usize) -> Routing {
+        let k = self.top_k.max(1);
+        Routing {
+            top_k: self.top_k,
+            n_tokens: self.n_tokens * times,
+            layers: self
+                .layers
+                .iter()
+                .map(|ids| {
+                    ids.chunks(k)
+                        .flat_map(|tok| std::iter::repeat_n(tok, times).flatten().copied())
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
     /// Assembles the per-position records of [`decode_step`] (each over the same B sequences) into one
     /// record in the full forward's sequence-major order, ready for replay in the trainer.
     pub fn from_steps(steps: &[Routing]) -> Result<Routing, ModelError> {
@@ -1348,6 +1366,28 @@ impl KvCache {
     /// Positions left before the cache (and the position embedding) is full.
     pub fn remaining(&self) -> usize {
         self.capacity - self.len
+    }
+
+    /// The cache with every sequence repeated `times` times in a row (sequence `i` becomes
+    /// `i·times .. (i+1)·times`): after decoding each distinct prompt once, its samples continue
+    /// from copies of its cache. Every position's K/V is per sequence, so the copies hold exactly
+    /// what decoding each sample's prompt separately would have written.
+    pub fn repeat_each(&self, times: usize) -> KvCache {
+        let per_seq = self.k.first().map_or(0, |k| k.len() / self.b.max(1));
+        let rep = |layer: &Vec<f32>| -> Vec<f32> {
+            layer
+                .chunks(per_seq.max(1))
+                .flat_map(|seq| std::iter::repeat_n(seq, times).flatten().copied())
+                .collect()
+        };
+        KvCache {
+            b: self.b * times,
+            capacity: self.capacity,
+            len: self.len,
+            round_bf16: self.round_bf16,
+            k: self.k.iter().map(rep).collect(),
+            v: self.v.iter().map(rep).collect(),
+        }
     }
 
     /// Writes this step's K and V ([B, 3D] qkv rows) of layer `l` at position `len`.

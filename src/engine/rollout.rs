@@ -83,6 +83,10 @@ fn sample(logp: &[f32], u: f32) -> usize {
 /// Generate `samples` responses for each prompt (all prompts the same length). `temperature` 0 is
 /// greedy decoding (evaluation); otherwise tokens are drawn from the tempered softmax with an RNG
 /// seeded by `seed`. Deterministic: one RNG, sequences drawn in a fixed order.
+///
+/// The prompt is decoded once per distinct prompt, then its KV cache is copied to its samples:
+/// every op is per sequence and per token (per-token scales), so this gives the same bytes as
+/// decoding all `prompts x samples` sequences from the start, at 1/`samples` of the prompt cost.
 pub fn generate(
     be: &dyn Backend,
     prep: &PreparedModel,
@@ -91,6 +95,20 @@ pub fn generate(
     max_new: usize,
     temperature: f32,
     seed: u64,
+) -> Rollout {
+    generate_with(be, prep, prompts, samples, max_new, temperature, seed, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate_with(
+    be: &dyn Backend,
+    prep: &PreparedModel,
+    prompts: &[Vec<u32>],
+    samples: usize,
+    max_new: usize,
+    temperature: f32,
+    seed: u64,
+    share_prompts: bool,
 ) -> Rollout {
     let cfg = &prep.config;
     let prompt_len = prompts.first().map_or(0, |p| p.len());
@@ -109,10 +127,24 @@ pub fn generate(
     let mut response_len = vec![0usize; b];
     let mut done = vec![false; b];
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut cache = KvCache::new(cfg, b);
     let mut steps = Vec::with_capacity(t.saturating_sub(1));
     let mut row = vec![0.0f32; v];
-    for pos in 0..t.saturating_sub(1) {
+    // Prompt positions but the last, once per distinct prompt (or per sequence without sharing).
+    let shared = if share_prompts && samples > 1 && prompt_len > 1 {
+        prompt_len - 1
+    } else {
+        0
+    };
+    let mut cache = KvCache::new(cfg, if shared > 0 { prompts.len() } else { b });
+    for pos in 0..shared {
+        let input: Vec<u32> = prompts.iter().map(|p| p[pos]).collect();
+        let (_, routing) = model::decode_step(be, prep, &mut cache, &input, None);
+        steps.push(routing.repeat_each(samples));
+    }
+    if shared > 0 {
+        cache = cache.repeat_each(samples);
+    }
+    for pos in shared..t.saturating_sub(1) {
         let input: Vec<u32> = (0..b).map(|s| tokens[s * t + pos]).collect();
         let (logits, routing) = model::decode_step(be, prep, &mut cache, &input, None);
         steps.push(routing);
@@ -180,6 +212,35 @@ mod tests {
     use crate::engine::backend::CpuBackend;
     use crate::engine::model::{ModelConfig, Params};
     use crate::recipe::{ModelPlan, SitePlan};
+
+    #[test]
+    fn decoding_each_prompt_once_gives_the_same_bytes_as_decoding_every_sample() {
+        let cfg = ModelConfig::tiny();
+        let params = Params::init(&cfg, 5).unwrap();
+        let prompts = vec![
+            vec![1, 2, 10, 3, 4, 11],
+            vec![5, 6, 10, 7, 8, 11],
+            vec![1, 2, 10, 3, 4, 11],
+        ];
+        let mut plans = vec![
+            ModelPlan::uniform(cfg.n_layers, SitePlan::FP32),
+            ModelPlan::uniform(cfg.n_layers, SitePlan::BF16),
+        ];
+        for preset in ["nvfp4-dq", "mxfp8", "fp8-block"] {
+            let recipe = crate::recipe::presets::preset(preset).unwrap();
+            plans.push(recipe.resolve(cfg.n_layers).unwrap());
+        }
+        for plan in &plans {
+            let prep = PreparedModel::new(&params, plan).unwrap();
+            let shared = generate_with(&CpuBackend, &prep, &prompts, 4, 5, 1.0, 9, true);
+            let each = generate_with(&CpuBackend, &prep, &prompts, 4, 5, 1.0, 9, false);
+            assert_eq!(shared.tokens, each.tokens);
+            let bits = |r: &Rollout| r.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&shared), bits(&each));
+            assert_eq!(shared.routing, each.routing);
+            assert_eq!(shared.response_len, each.response_len);
+        }
+    }
 
     #[test]
     fn sampling_is_seeded_and_logprobs_match_a_full_forward() {
