@@ -1,8 +1,11 @@
 //! CPU reference backend: `matrixmultiply`'s SGEMM (packing + SIMD micro-kernels, well kept, no
-//! BLAS system dependency). Its threading splits over output blocks only, so results are identical
-//! whatever the thread count — lockstep's determinism rule.
+//! BLAS system dependency). Large products are split over row blocks of the output and run on
+//! rayon's pool (which the model's other parallel loops share, so nothing is oversubscribed); an
+//! output element's sum does not depend on which rows it is computed with, so results are
+//! identical whatever the thread count — lockstep's determinism rule (tested).
 
 use super::{Backend, MatRef};
+use rayon::prelude::*;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
@@ -35,27 +38,64 @@ impl Backend for CpuBackend {
             (b.cols as isize, 1)
         };
         let beta = if accumulate { 1.0 } else { 0.0 };
-        // SAFETY-free: matrixmultiply's sgemm is an unsafe fn over raw pointers; the shape asserts above
-        // guarantee every index it touches is inside the three slices.
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.data.as_ptr(),
-                rsa,
-                csa,
-                b.data.as_ptr(),
-                rsb,
-                csb,
-                beta,
-                c.as_mut_ptr(),
-                n as isize,
-                1,
-            );
+        let rows = rows_per_task(m, k, n, rayon::current_num_threads());
+        let a_ptr = SendPtr(a.data.as_ptr());
+        let run = |(i, c_rows): (usize, &mut [f32])| {
+            let r0 = i * rows;
+            let mr = c_rows.len() / n;
+            // SAFETY: matrixmultiply's sgemm is an unsafe fn over raw pointers. The shape asserts
+            // above guarantee every index of the full product is inside the three slices; this task
+            // computes rows r0..r0+mr of it (A's rows start at r0·rsa, inside A since r0+mr <= m)
+            // into its own disjoint chunk of C.
+            unsafe {
+                matrixmultiply::sgemm(
+                    mr,
+                    k,
+                    n,
+                    1.0,
+                    a_ptr.get().offset(r0 as isize * rsa),
+                    rsa,
+                    csa,
+                    b.data.as_ptr(),
+                    rsb,
+                    csb,
+                    beta,
+                    c_rows.as_mut_ptr(),
+                    n as isize,
+                    1,
+                );
+            }
+        };
+        if rows >= m {
+            run((0, c));
+        } else {
+            c.par_chunks_mut(rows * n).enumerate().for_each(run);
         }
     }
+}
+
+/// A's base pointer, shared read-only by the row-block tasks.
+#[derive(Clone, Copy)]
+struct SendPtr(*const f32);
+// SAFETY: the pointee (A's data) is only read, and outlives the tasks (they end inside `gemm`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// Through a method, so closures capture the wrapper (Send) rather than the raw field.
+    fn get(self) -> *const f32 {
+        self.0
+    }
+}
+
+/// Output rows per task: the whole product when it is small (a split would cost more than it
+/// saves), else blocks of at least 64 rows, about two per thread so a busy thread can be helped.
+fn rows_per_task(m: usize, k: usize, n: usize, threads: usize) -> usize {
+    const MIN_FLOPS: usize = 1 << 22;
+    if threads <= 1 || 2 * m * k * n < MIN_FLOPS || m < 128 {
+        return m.max(1);
+    }
+    m.div_ceil(2 * threads).max(64)
 }
 
 #[cfg(test)]
@@ -90,6 +130,38 @@ mod tests {
             }
         }
         c
+    }
+
+    #[test]
+    fn row_blocks_on_any_thread_count_give_the_same_bits() {
+        let (m, k, n) = (1000, 96, 130);
+        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+        assert!(rows_per_task(m, k, n, 2) < m, "this product must be split");
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let ar = if ta {
+                MatRef::new(&a, k, m).t()
+            } else {
+                MatRef::new(&a, m, k)
+            };
+            let br = if tb {
+                MatRef::new(&b, n, k).t()
+            } else {
+                MatRef::new(&b, k, n)
+            };
+            let on = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut c = vec![0.5f32; m * n];
+                pool.install(|| CpuBackend.gemm(ar, br, &mut c, true));
+                c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            let one = on(1);
+            assert_eq!(one, on(2), "{ta} {tb}");
+            assert_eq!(one, on(5), "{ta} {tb}");
+        }
     }
 
     #[test]
