@@ -56,8 +56,9 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
             steps,
             configs,
             sites,
-            io,
-        }) => cli::compare::bench_compare(*runs, *steps, *configs, *sites, *io),
+            no_io,
+            io: _,
+        }) => cli::compare::bench_compare(*runs, *steps, *configs, *sites, !*no_io),
         Command::Bench(BenchCommand::Engine {
             steps,
             recipes,

@@ -469,6 +469,9 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
     Ok(v.exit_code == nightly::EXIT_PASS)
 }
 
+/// Issue 5's target for comparing 1,000 runs x 1,000 steps, loading included.
+const BENCH_COMPARE_TARGET_S: f64 = 5.0;
+
 /// `lockstep bench compare`.
 pub fn bench_compare(
     runs: usize,
@@ -497,6 +500,27 @@ pub fn bench_compare(
         r.json_s,
         r.json_bytes as f64 / 1e6
     );
-    println!("  total: {:.2} s", r.load_s.unwrap_or(0.0) + r.compare_s);
+    let total = r.load_s.unwrap_or(0.0) + r.compare_s;
+    let verdict = |t: f64| {
+        if t < BENCH_COMPARE_TARGET_S {
+            "under"
+        } else {
+            "OVER"
+        }
+    };
+    println!(
+        "  total{}: {total:.2} s ({} the {BENCH_COMPARE_TARGET_S:.0} s target)",
+        if r.load_s.is_some() {
+            " (load + statistics)"
+        } else {
+            " (statistics only: --no-io)"
+        },
+        verdict(total)
+    );
+    println!(
+        "  total with compare.json: {:.2} s ({} the {BENCH_COMPARE_TARGET_S:.0} s target)",
+        total + r.json_s,
+        verdict(total + r.json_s)
+    );
     Ok(true)
 }

@@ -347,16 +347,16 @@ impl Arm {
             .iter()
             .map(|p| final_mean(p, s.final_window))
             .collect();
-        // The band is over the steps every seed has.
-        let mut common: Option<BTreeSet<usize>> = None;
+        // The band is over the steps every seed has (sorted, distinct).
+        let mut common: Option<Vec<usize>> = None;
         for p in &points {
-            let st: BTreeSet<usize> = p.iter().map(|x| x.0).collect();
+            let st = sorted_steps(p);
             common = Some(match common {
                 None => st,
-                Some(c) => c.intersection(&st).copied().collect(),
+                Some(c) => intersect_sorted(&c, &st),
             });
         }
-        let steps: Vec<usize> = common.unwrap_or_default().into_iter().collect();
+        let steps: Vec<usize> = common.unwrap_or_default();
         let per_seed: Vec<(u64, Vec<f64>)> = seeds
             .iter()
             .zip(&points)
@@ -381,6 +381,38 @@ impl Arm {
             },
         }
     }
+}
+
+/// The distinct steps of a series in ascending order (already so for a step-ordered series, which
+/// then costs one pass).
+fn sorted_steps(p: &[(usize, f64)]) -> Vec<usize> {
+    let mut st: Vec<usize> = p.iter().map(|x| x.0).collect();
+    if !st.windows(2).all(|w| w[0] < w[1]) {
+        st.sort_unstable();
+        st.dedup();
+    }
+    st
+}
+
+/// Intersection of two ascending, distinct step lists.
+fn intersect_sorted(a: &[usize], b: &[usize]) -> Vec<usize> {
+    if a == b {
+        return a.to_vec();
+    }
+    let mut out = Vec::with_capacity(a.len().min(b.len()));
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                out.push(a[i]);
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Values of a step-ordered series at the given (sorted) steps, which it is known to contain.

@@ -67,15 +67,90 @@ pub struct ConfigComparison {
 }
 
 /// A curve with its band across seeds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// In memory every step is kept. Written to `compare.json` (a band is only drawn from there, every
+/// statistic and verdict is computed at full resolution before), a band is thinned and rounded:
+/// longer than [`BAND_JSON_POINTS`] steps, it keeps that many evenly spaced steps (the first and
+/// the last included), and its values keep [`BAND_JSON_DIGITS`] significant digits. At 1,000 runs
+/// x 1,000 steps (`lockstep bench compare`) this took compare.json from 200 MB to 51 MB.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct Band {
+    /// Steps of the curve (in compare.json: at most [`BAND_JSON_POINTS`] of them, evenly spaced).
     pub steps: Vec<usize>,
+    /// Mean over seeds at each step (in compare.json: [`BAND_JSON_DIGITS`] significant digits).
     pub mean: Vec<f64>,
-    /// Bootstrap confidence band over seeds (lower, upper), same length as `steps`.
+    /// Bootstrap confidence band over seeds (lower, upper), same length as `steps` (in
+    /// compare.json: thinned and rounded like `mean`).
     pub lo: Vec<f64>,
     pub hi: Vec<f64>,
-    /// The raw per-seed curves `(seed, values)`, so plots never hide the data.
+    /// The raw per-seed curves `(seed, values)`, so plots never hide the data (in compare.json:
+    /// the seed's raw values at the kept steps, rounded like `mean`).
     pub per_seed: Vec<(u64, Vec<f64>)>,
+}
+
+/// Most steps a band keeps in compare.json (a figure is at most about 1,000 pixels wide).
+pub const BAND_JSON_POINTS: usize = 500;
+
+/// Significant digits of band values in compare.json (relative error at most 5e-6).
+pub const BAND_JSON_DIGITS: i32 = 6;
+
+/// `n` indices thinned to at most `max` evenly spaced ones, the first and the last included.
+pub fn thin_indices(n: usize, max: usize) -> Vec<usize> {
+    if n <= max || max < 2 {
+        return (0..n).collect();
+    }
+    (0..max).map(|i| i * (n - 1) / (max - 1)).collect()
+}
+
+/// `x` rounded to `digits` significant digits (exactly representable powers of ten only, so the
+/// result is the double nearest the rounded decimal and prints as it); others are left as they are.
+pub fn round_sig(x: f64, digits: i32) -> f64 {
+    if !x.is_finite() || x == 0.0 {
+        return x;
+    }
+    let k = digits - 1 - x.abs().log10().floor() as i32;
+    let r = if (0..=22).contains(&k) {
+        let p = 10f64.powi(k);
+        (x * p).round() / p
+    } else if (-22..0).contains(&k) {
+        let p = 10f64.powi(-k);
+        (x / p).round() * p
+    } else {
+        x
+    };
+    if r.is_finite() { r } else { x }
+}
+
+impl Serialize for Band {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Thinned {
+            steps: Vec<usize>,
+            mean: Vec<f64>,
+            lo: Vec<f64>,
+            hi: Vec<f64>,
+            per_seed: Vec<(u64, Vec<f64>)>,
+        }
+        let idx = thin_indices(self.steps.len(), BAND_JSON_POINTS);
+        let thin = |v: &[f64]| -> Vec<f64> {
+            if v.len() == self.steps.len() {
+                idx.iter()
+                    .map(|&i| round_sig(v[i], BAND_JSON_DIGITS))
+                    .collect()
+            } else {
+                // Not aligned with the steps (never written so): rounded, not thinned.
+                v.iter().map(|&x| round_sig(x, BAND_JSON_DIGITS)).collect()
+            }
+        };
+        Thinned {
+            steps: idx.iter().map(|&i| self.steps[i]).collect(),
+            mean: thin(&self.mean),
+            lo: thin(&self.lo),
+            hi: thin(&self.hi),
+            per_seed: self.per_seed.iter().map(|(s, v)| (*s, thin(v))).collect(),
+        }
+        .serialize(ser)
+    }
 }
 
 /// A difference with its confidence interval.
@@ -196,4 +271,52 @@ pub enum OverallVerdict {
     Pass,
     Regression,
     Inconclusive,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_keeps_six_significant_digits() {
+        assert_eq!(round_sig(0.123_456_789, 6), 0.123457);
+        assert_eq!(round_sig(-1_234.567_89, 6), -1234.57);
+        assert_eq!(round_sig(1.234_567_89e-3, 6), 0.00123457);
+        assert_eq!(round_sig(123_456_789.0, 6), 123_457_000.0);
+        assert_eq!(round_sig(0.5, 6), 0.5);
+        assert!(round_sig(f64::NAN, 6).is_nan());
+        assert_eq!(round_sig(f64::INFINITY, 6), f64::INFINITY);
+        assert_eq!(round_sig(0.0, 6), 0.0);
+        assert_eq!(
+            serde_json::to_string(&round_sig(0.8123456789, 6)).unwrap(),
+            "0.812346"
+        );
+    }
+
+    #[test]
+    fn long_bands_are_thinned_in_json_and_short_ones_are_not() {
+        let band = |n: usize| Band {
+            steps: (0..n).collect(),
+            mean: (0..n).map(|i| i as f64 / 3.0).collect(),
+            lo: vec![0.0; n],
+            hi: vec![1.0; n],
+            per_seed: vec![(7, (0..n).map(|i| i as f64).collect())],
+        };
+        let short = band(12);
+        let back: Band = serde_json::from_str(&serde_json::to_string(&short).unwrap()).unwrap();
+        assert_eq!(back.steps, short.steps);
+        assert_eq!(back.mean[1], round_sig(1.0 / 3.0, BAND_JSON_DIGITS));
+        let long = band(1000);
+        let back: Band = serde_json::from_str(&serde_json::to_string(&long).unwrap()).unwrap();
+        assert_eq!(back.steps.len(), BAND_JSON_POINTS);
+        assert_eq!((back.steps[0], back.steps[BAND_JSON_POINTS - 1]), (0, 999));
+        assert!(back.steps.windows(2).all(|w| w[0] < w[1]));
+        for v in [&back.mean, &back.lo, &back.hi, &back.per_seed[0].1] {
+            assert_eq!(v.len(), BAND_JSON_POINTS);
+        }
+        assert_eq!(
+            back.per_seed[0].1[17], back.steps[17] as f64,
+            "raw values at kept steps"
+        );
+    }
 }

@@ -13,15 +13,30 @@ pub type Columns = BTreeMap<String, Vec<(usize, f64)>>;
 /// One site's gradient norms: `(site, layer, steps, grad_norms)`.
 pub type GradSeries = (String, i64, Vec<usize>, Vec<f64>);
 
-fn frame(p: &Path) -> Result<Option<DataFrame>, IoError> {
+/// Read only `columns` of a Parquet file (projection pushdown: the other column chunks are never
+/// decoded). `pick` chooses from the file's column names; `None` when the file does not exist.
+fn frame(p: &Path, pick: impl Fn(&str) -> bool) -> Result<Option<DataFrame>, IoError> {
     let bytes = match std::fs::read(p) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(IoError::io(p, e)),
     };
-    super::table::read_frame(&bytes)
+    let not_parquet = |e: PolarsError| IoError::invalid(p, format!("not a Parquet file: {e}"));
+    let mut reader = ParquetReader::new(std::io::Cursor::new(&bytes[..]));
+    let schema = reader.schema().map_err(not_parquet)?;
+    let columns: Vec<String> = schema
+        .iter_names()
+        .map(|n| n.as_str())
+        .filter(|n| pick(n))
+        .map(str::to_string)
+        .collect();
+    reader
+        .with_columns(Some(columns))
+        // Runs are already read in parallel, one per thread.
+        .read_parallel(ParallelStrategy::None)
+        .finish()
         .map(Some)
-        .map_err(|e| IoError::invalid(p, format!("not a Parquet file: {e}")))
+        .map_err(not_parquet)
 }
 
 fn bad(p: &Path, e: PolarsError) -> IoError {
@@ -34,7 +49,7 @@ pub fn read_scalar_columns(
     wanted: Option<&BTreeSet<String>>,
 ) -> Result<Columns, IoError> {
     let p = dir.join("scalars.parquet");
-    let Some(df) = frame(&p)? else {
+    let Some(df) = frame(&p, |n| n == "step" || wanted.is_none_or(|w| w.contains(n)))? else {
         return Err(IoError::io(
             &p,
             std::io::Error::from(std::io::ErrorKind::NotFound),
@@ -83,7 +98,7 @@ fn general_scalars(dir: &Path, wanted: Option<&BTreeSet<String>>) -> Result<Colu
 /// file is an empty list (command-engine runs have none).
 pub fn read_grad_norms(dir: &Path) -> Result<Vec<GradSeries>, IoError> {
     let p = dir.join("layers.parquet");
-    let Some(df) = frame(&p)? else {
+    let Some(df) = frame(&p, |n| matches!(n, "step" | "site" | "layer" | "grad_norm"))? else {
         return Ok(Vec::new());
     };
     let get = |name: &str, dt: DataType| {
@@ -103,17 +118,27 @@ pub fn read_grad_norms(dir: &Path) -> Result<Vec<GradSeries>, IoError> {
         layer.i64().map_err(|e| bad(&p, e))?,
         grad.f64().map_err(|e| bad(&p, e))?,
     );
-    let mut index: HashMap<(String, i64), usize> = HashMap::new();
+    // Rows come step by step, a site after the other: remember the last row's series so most rows
+    // skip the lookup, and look up by the borrowed name (one String per series, not per row).
+    let mut index: HashMap<(&str, i64), usize> = HashMap::new();
     let mut out: Vec<GradSeries> = Vec::new();
-    for i in 0..df.height() {
-        let s = site.get(i).unwrap_or_default();
-        let l = layer.get(i).unwrap_or(-1);
-        let k = *index.entry((s.to_string(), l)).or_insert_with(|| {
-            out.push((s.to_string(), l, Vec::new(), Vec::new()));
-            out.len() - 1
-        });
-        out[k].2.push(step.get(i).unwrap_or(0) as usize);
-        out[k].3.push(grad.get(i).unwrap_or(f64::NAN));
+    let mut last: Option<(&str, i64, usize)> = None;
+    for ((s, l), (st, g)) in site
+        .iter()
+        .zip(layer.iter())
+        .zip(step.iter().zip(grad.iter()))
+    {
+        let (s, l) = (s.unwrap_or_default(), l.unwrap_or(-1));
+        let k = match last {
+            Some((ls, ll, k)) if ll == l && ls == s => k,
+            _ => *index.entry((s, l)).or_insert_with(|| {
+                out.push((s.to_string(), l, Vec::new(), Vec::new()));
+                out.len() - 1
+            }),
+        };
+        last = Some((s, l, k));
+        out[k].2.push(st.unwrap_or(0) as usize);
+        out[k].3.push(g.unwrap_or(f64::NAN));
     }
     out.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
     Ok(out)
