@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod compare;
 pub mod engine;
+pub mod progress;
 pub mod quantize;
 pub mod report;
 pub mod slurm;

@@ -107,7 +107,6 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     };
     let total = runs.len();
     let start = Instant::now();
-    let state = Mutex::new((0usize, 0usize)); // (done, failed)
     let tty = std::io::stdout().is_terminal();
     println!(
         "suite {}: {total} runs, {jobs} workers on {}, store {}",
@@ -119,69 +118,18 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
             .join(", "),
         args.store.display()
     );
+    let board = Mutex::new(super::progress::Board::new(total, tty));
     let progress = |p: Progress<'_>| {
-        let Ok(mut st) = state.lock() else { return };
-        let eta = |done: usize| {
-            if done == 0 {
-                "?".to_string()
-            } else {
-                format!(
-                    "{:.0}s",
-                    start.elapsed().as_secs_f64() / done as f64 * (total - done) as f64
-                )
-            }
-        };
-        match p {
-            Progress::Skipped { run } => {
-                st.0 += 1;
-                println!(
-                    "[{}/{total}] skip {} seed {} (finished)",
-                    st.0, run.config, run.seed
-                );
-            }
-            Progress::Busy { run } => println!(
-                "[{}/{total}] busy {} seed {} (another process holds it)",
-                st.0, run.config, run.seed
-            ),
-            Progress::Started { run, device } => println!(
-                "[{}/{total}] start {} seed {} on {device}",
-                st.0, run.config, run.seed
-            ),
-            Progress::Step { run, record } => {
-                if tty || record.step % 10 == 0 {
-                    println!(
-                        "  {} s{} step {}/{} reward {:.3} (done {}/{total}, failed {}, ETA {})",
-                        run.config,
-                        run.seed,
-                        record.step + 1,
-                        run.run.steps,
-                        record.get("rollout/raw_reward").unwrap_or(f64::NAN),
-                        st.0,
-                        st.1,
-                        eta(st.0)
-                    );
-                }
-            }
-            Progress::Finished { run, status, error } => {
-                st.0 += 1;
-                if !matches!(status, lockstep::store::RunStatus::Ok) {
-                    st.1 += 1;
-                }
-                println!(
-                    "[{}/{total}] {:?} {} seed {}{} (ETA {})",
-                    st.0,
-                    status,
-                    run.config,
-                    run.seed,
-                    error.map(|e| format!(": {e}")).unwrap_or_default(),
-                    eta(st.0)
-                );
-            }
+        if let Ok(mut b) = board.lock() {
+            super::progress::print(&b.event(p), tty);
         }
     };
     let refs: Vec<&dyn lockstep::engine::backend::Backend> =
         backends.iter().map(|b| b.as_ref()).collect();
     let sum = run_suite(&refs, &s, &runs, &opts, &progress)?;
+    if tty {
+        print!("\r\x1b[2K"); // the status line
+    }
     println!(
         "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged, {} busy",
         start.elapsed().as_secs_f64(),
