@@ -106,17 +106,23 @@ fn pow2_ceil(s: f32) -> f32 {
     f32::from_bits(e.min(254) << 23)
 }
 
-/// Encode one value of a tile (saturating E4M3).
-#[inline]
-pub fn encode(v: f32, t: &TileScale, stats: &mut QuantStats) -> u8 {
-    let s = match t.apply {
-        Apply::Mul(m) => v * m,
-        Apply::Div(d) => v / d,
-    };
-    stats.note(v, s.abs() > E4M3_MAX);
-    let c = e4m3_from_f32_sat(s);
-    stats.note_underflow(v, c & 0x7F == 0);
-    c
+/// Encode the values of one tile (or a row's part of it) into `out`: scale each value (the tile's
+/// multiply or divide, chosen once per tile so the loop can vectorise), then saturating E4M3.
+pub fn encode_tile(xs: &[f32], t: &TileScale, out: &mut [u8], stats: &mut QuantStats) {
+    match t.apply {
+        Apply::Mul(m) => encode_with(xs, out, stats, |v| v * m),
+        Apply::Div(d) => encode_with(xs, out, stats, |v| v / d),
+    }
+}
+
+#[inline(always)]
+fn encode_with(xs: &[f32], out: &mut [u8], stats: &mut QuantStats, scale: impl Fn(f32) -> f32) {
+    for (c, &v) in out.iter_mut().zip(xs) {
+        let s = scale(v);
+        stats.note(v, s.abs() > E4M3_MAX);
+        *c = e4m3_from_f32_sat(s);
+        stats.note_underflow(v, *c & 0x7F == 0);
+    }
 }
 
 /// Decode one value.

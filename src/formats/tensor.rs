@@ -669,8 +669,8 @@ fn quantize_fp8_block(
                 Fp8Tile::Weight128x128 => r / TILE,
             };
             let mut st = QuantStats::default();
-            for (j, (c, v)) in crow.iter_mut().zip(xrow).enumerate() {
-                *c = fp8_block::encode(*v, &tiles[tr * tc + j / TILE], &mut st);
+            for (t, (c, v)) in crow.chunks_mut(TILE).zip(xrow.chunks(TILE)).enumerate() {
+                fp8_block::encode_tile(v, &tiles[tr * tc + t], c, &mut st);
             }
             st
         })
