@@ -132,6 +132,27 @@ mod tests {
         c
     }
 
+    /// `a` as an `m x k` operand and `b` as `k x n`, each stored as is or transposed.
+    fn operands<'a>(
+        a: &'a [f32],
+        b: &'a [f32],
+        (m, k, n): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+    ) -> (MatRef<'a>, MatRef<'a>) {
+        let ar = if ta {
+            MatRef::new(a, k, m).t()
+        } else {
+            MatRef::new(a, m, k)
+        };
+        let br = if tb {
+            MatRef::new(b, n, k).t()
+        } else {
+            MatRef::new(b, k, n)
+        };
+        (ar, br)
+    }
+
     #[test]
     fn row_blocks_on_any_thread_count_give_the_same_bits() {
         let (m, k, n) = (1000, 96, 130);
@@ -139,16 +160,7 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
         assert!(rows_per_task(m, k, n, 2) < m, "this product must be split");
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            let ar = if ta {
-                MatRef::new(&a, k, m).t()
-            } else {
-                MatRef::new(&a, m, k)
-            };
-            let br = if tb {
-                MatRef::new(&b, n, k).t()
-            } else {
-                MatRef::new(&b, k, n)
-            };
+            let (ar, br) = operands(&a, &b, (m, k, n), ta, tb);
             let on = |threads: usize| {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
@@ -170,16 +182,7 @@ mod tests {
         let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            let ar = if ta {
-                MatRef::new(&a, k, m).t()
-            } else {
-                MatRef::new(&a, m, k)
-            };
-            let br = if tb {
-                MatRef::new(&b, n, k).t()
-            } else {
-                MatRef::new(&b, k, n)
-            };
+            let (ar, br) = operands(&a, &b, (m, k, n), ta, tb);
             let mut c = vec![1.0f32; m * n];
             CpuBackend.gemm(ar, br, &mut c, false);
             let want = naive(ar, br);
