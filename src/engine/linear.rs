@@ -182,18 +182,12 @@ pub fn forward(
         y,
         false,
     );
-    if bf16_site {
-        return LinearCache {
-            x_bwd: x_q,
-            n,
-            stats,
-        };
-    }
-    let x_bwd = match (plan.precision, plan.backward) {
-        (Precision::Bf16, _) | (_, BackwardMode::HighPrecision) => x_hp,
-        (_, BackwardMode::Dequantized) => bf16_vec(&x_q),
-        (_, BackwardMode::Quantized) if n == 0 => x_hp,
-        (_, BackwardMode::Quantized) => fake_quantize_col_padded(&x_hp, n, k, &fmt),
+    let x_bwd = match plan.backward {
+        _ if bf16_site => x_q, // already the BF16 operand, whatever the backward mode
+        BackwardMode::HighPrecision => x_hp,
+        BackwardMode::Dequantized => bf16_vec(&x_q),
+        BackwardMode::Quantized if n == 0 => x_hp,
+        BackwardMode::Quantized => fake_quantize_col_padded(&x_hp, n, k, &fmt),
     };
     LinearCache { x_bwd, n, stats }
 }
