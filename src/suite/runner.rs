@@ -111,30 +111,31 @@ struct RunLock(PathBuf);
 
 impl RunLock {
     fn acquire(path: &Path) -> Option<RunLock> {
-        for _ in 0..2 {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(path)
-            {
-                Ok(mut f) => {
-                    use std::io::Write;
-                    let _ = write!(f, "{}", std::process::id());
-                    return Some(RunLock(path.to_path_buf()));
-                }
-                Err(_) => {
-                    let pid: Option<u32> = std::fs::read_to_string(path)
-                        .ok()
-                        .and_then(|s| s.trim().parse().ok());
-                    let alive = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
-                    if alive {
-                        return None;
-                    }
-                    let _ = std::fs::remove_file(path); // stale: its owner is gone
-                }
-            }
+        // The lock appears with its pid already in it: the pid is written to a private file that
+        // is then hard-linked into place (atomic, fails if the lock exists). Creating the lock and
+        // then writing the pid let another process read an empty lock in between, take it for
+        // stale, delete it and run the same run a second time.
+        let mine = path.with_extension(format!("lock.{}", std::process::id()));
+        if std::fs::write(&mine, std::process::id().to_string()).is_err() {
+            return None;
         }
-        None
+        let mut taken = None;
+        for _ in 0..2 {
+            if std::fs::hard_link(&mine, path).is_ok() {
+                taken = Some(RunLock(path.to_path_buf()));
+                break;
+            }
+            let pid: Option<u32> = std::fs::read_to_string(path)
+                .ok()
+                .and_then(|s| s.trim().parse().ok());
+            let alive = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
+            if alive {
+                break;
+            }
+            let _ = std::fs::remove_file(path); // stale: its owner is gone
+        }
+        let _ = std::fs::remove_file(&mine);
+        taken
     }
 }
 
