@@ -18,6 +18,7 @@
 //! Left out on purpose: dropout, biases, rotary embeddings, load-balancing losses, MLA.
 
 use super::backend::Backend;
+use super::layout::Layout;
 use super::linear::{self, LinearCache, PreparedWeight};
 use super::ops;
 use crate::formats::QuantStats;
@@ -82,8 +83,13 @@ pub enum ModelError {
         got: usize,
         want: usize,
     },
-    #[error("forward input: {got} tokens, expected B·T = {b}·{t}")]
-    Tokens { got: usize, b: usize, t: usize },
+    #[error("forward input: {got} tokens, expected {expected} for B = {b} sequences of T = {t}")]
+    Tokens {
+        got: usize,
+        expected: usize,
+        b: usize,
+        t: usize,
+    },
     #[error(
         "forward input: sequence length {t} exceeds `max_seq` = {max_seq}; raise max_seq or shorten prompt + response"
     )]
@@ -693,10 +699,30 @@ pub fn check_inputs(
     if tokens.len() != b * t {
         return Err(ModelError::Tokens {
             got: tokens.len(),
+            expected: b * t,
             b,
             t,
         });
     }
+    check_layout_inputs(cfg, tokens, &Layout::plain(b, t), replay)
+}
+
+/// Validates the inputs of [`forward_rows`] without running it.
+pub fn check_layout_inputs(
+    cfg: &ModelConfig,
+    tokens: &[u32],
+    layout: &Layout,
+    replay: Option<&Routing>,
+) -> Result<(), ModelError> {
+    if tokens.len() != layout.rows() {
+        return Err(ModelError::Tokens {
+            got: tokens.len(),
+            expected: layout.rows(),
+            b: layout.sequences(),
+            t: layout.seq_len(),
+        });
+    }
+    let t = layout.seq_len();
     if t > cfg.max_seq {
         return Err(ModelError::SeqTooLong {
             t,
@@ -704,7 +730,7 @@ pub fn check_inputs(
         });
     }
     check_tokens(cfg, tokens)?;
-    replay.map_or(Ok(()), |r| r.check(cfg, b * t))
+    replay.map_or(Ok(()), |r| r.check(cfg, layout.rows()))
 }
 
 fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ModelError> {
@@ -731,7 +757,7 @@ struct AttnCache {
     qkv_lin: LinearCache,
     /// [N, 3D]
     qkv: Vec<f32>,
-    /// [B, H, T, T] softmax weights.
+    /// [G, H, R, S] softmax weights (see `ops::attention_forward`).
     probs: Vec<f32>,
     proj_lin: LinearCache,
 }
@@ -780,8 +806,7 @@ struct LayerCache {
 /// Everything [`backward`] needs from one [`forward`].
 #[derive(Debug, Clone)]
 pub struct ForwardCache {
-    b: usize,
-    t: usize,
+    layout: Layout,
     tokens: Vec<u32>,
     layers: Vec<LayerCache>,
     /// [N, D] input of the final RMSNorm.
@@ -792,9 +817,9 @@ pub struct ForwardCache {
 }
 
 impl ForwardCache {
-    /// (B, T) of the forward that made it.
-    pub fn shape(&self) -> (usize, usize) {
-        (self.b, self.t)
+    /// The row layout of the forward that made it.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// Activation-quantization counts of this forward, one entry per matmul site and layer, named as
@@ -843,15 +868,15 @@ fn attn_forward(
     p: &LayerPlan,
     cfg: &ModelConfig,
     x: Vec<f32>,
-    b: usize,
-    t: usize,
+    layout: &Layout,
 ) -> (Vec<f32>, AttnCache) {
-    let (n, d, h) = (b * t, cfg.d_model, cfg.n_heads);
+    let (n, d, h) = (layout.rows(), cfg.d_model, cfg.n_heads);
     let (xn, rstd) = rmsnorm(&x, &w.attn_norm, n, d);
     let mut qkv = vec![0.0f32; n * 3 * d];
     let qkv_lin = linear::forward(be, &p.linear_qkv, &xn, n, &w.linear_qkv, &mut qkv);
-    let (mut att, mut probs) = (vec![0.0f32; n * d], vec![0.0f32; b * h * t * t]);
-    ops::attention_forward(&mut att, &mut probs, &qkv, b, t, h, d);
+    let probs_len = layout.groups * h * layout.group_rows() * layout.seq_len();
+    let (mut att, mut probs) = (vec![0.0f32; n * d], vec![0.0f32; probs_len]);
+    ops::attention_forward(&mut att, &mut probs, &qkv, layout, h, d);
     let mut out = vec![0.0f32; n * d];
     let proj_lin = linear::forward(be, &p.linear_proj, &att, n, &w.linear_proj, &mut out);
     add_into(&mut out, &x);
@@ -878,10 +903,9 @@ fn attn_backward(
     c: &AttnCache,
     dh: &mut [f32],
     g: &mut LayerParams,
-    b: usize,
-    t: usize,
+    layout: &Layout,
 ) {
-    let (n, d, h) = (b * t, cfg.d_model, cfg.n_heads);
+    let (n, d, h) = (layout.rows(), cfg.d_model, cfg.n_heads);
     let mut datt = vec![0.0f32; n * d];
     linear::backward(
         be,
@@ -893,7 +917,7 @@ fn attn_backward(
         &mut g.linear_proj,
     );
     let mut dqkv = vec![0.0f32; n * 3 * d];
-    ops::attention_backward(&mut dqkv, &datt, &c.qkv, &c.probs, b, t, h, d);
+    ops::attention_backward(&mut dqkv, &datt, &c.qkv, &c.probs, layout, h, d);
     let mut dxn = vec![0.0f32; n * d];
     linear::backward(
         be,
@@ -1224,13 +1248,35 @@ pub fn forward(
     t: usize,
     replay: Option<&Routing>,
 ) -> (Vec<f32>, ForwardCache, Routing) {
+    forward_rows(be, prep, tokens, &Layout::plain(b, t), replay)
+}
+
+/// [`forward`] over the rows of `layout` (`tokens`, logits, routing and replay all in layout row
+/// order): sequences that share a prompt compute it once.
+///
+/// # Panics
+/// As [`forward`], on inputs [`check_layout_inputs`] rejects.
+pub fn forward_rows(
+    be: &dyn Backend,
+    prep: &PreparedModel,
+    tokens: &[u32],
+    layout: &Layout,
+    replay: Option<&Routing>,
+) -> (Vec<f32>, ForwardCache, Routing) {
     let cfg = &prep.config;
-    if let Err(err) = check_inputs(cfg, tokens, b, t, replay) {
+    if let Err(err) = check_layout_inputs(cfg, tokens, layout, replay) {
         panic!("model::forward: {err}");
     }
-    let (n, d) = (b * t, cfg.d_model);
+    let (n, d) = (layout.rows(), cfg.d_model);
     let mut h = vec![0.0f32; n * d];
-    ops::embedding_forward(&mut h, tokens, &prep.wte, &prep.wpe, t, 0, d);
+    ops::embedding_forward(
+        &mut h,
+        tokens,
+        &prep.wte,
+        &prep.wpe,
+        |r| layout.position(r),
+        d,
+    );
     let mut layers = Vec::with_capacity(cfg.n_layers);
     let mut routing = Routing {
         top_k: cfg.top_k,
@@ -1238,7 +1284,7 @@ pub fn forward(
         layers: Vec::with_capacity(cfg.n_layers),
     };
     for (l, (w, p)) in prep.layers.iter().zip(&prep.plan.layers).enumerate() {
-        let (h_mid, attn) = attn_forward(be, w, p, cfg, h, b, t);
+        let (h_mid, attn) = attn_forward(be, w, p, cfg, h, layout);
         let (h_out, moe) = moe_forward(
             be,
             w,
@@ -1254,8 +1300,7 @@ pub fn forward(
     }
     let (logits, final_rstd, out_lin) = head_forward(be, prep, &h, n);
     let cache = ForwardCache {
-        b,
-        t,
+        layout: *layout,
         tokens: tokens.to_vec(),
         layers,
         h_final: h,
@@ -1265,8 +1310,8 @@ pub fn forward(
     (logits, cache, routing)
 }
 
-/// Gradients of the loss w.r.t. the FP32 master weights, given dL/dlogits [B·T, V] for the forward
-/// that produced `cache` (on the same `prep`).
+/// Gradients of the loss w.r.t. the FP32 master weights, given dL/dlogits [N, V] (in the row order
+/// of the forward that produced `cache`, on the same `prep`).
 pub fn backward(
     be: &dyn Backend,
     prep: &PreparedModel,
@@ -1274,12 +1319,12 @@ pub fn backward(
     dlogits: &[f32],
 ) -> Params {
     let cfg = &prep.config;
-    let (b, t) = (cache.b, cache.t);
-    let (n, d) = (b * t, cfg.d_model);
+    let layout = cache.layout;
+    let (n, d) = (layout.rows(), cfg.d_model);
     assert_eq!(
         dlogits.len(),
         n * cfg.vocab,
-        "backward: dlogits must be [B·T, V] = [{n}, {}]",
+        "backward: dlogits must be [N, V] = [{n}, {}]",
         cfg.vocab
     );
     let mut g = Params::zeros(cfg);
@@ -1313,9 +1358,16 @@ pub fn backward(
             &mut g.layers[l],
         );
         moe_backward(be, w, p, cfg, &c.moe, &mut dh, gl);
-        attn_backward(be, w, p, cfg, &c.attn, &mut dh, gl, b, t);
+        attn_backward(be, w, p, cfg, &c.attn, &mut dh, gl, &layout);
     }
-    ops::embedding_backward(&mut g.wte, &mut g.wpe, &dh, &cache.tokens, t, 0, d);
+    ops::embedding_backward(
+        &mut g.wte,
+        &mut g.wpe,
+        &dh,
+        &cache.tokens,
+        |r| layout.position(r),
+        d,
+    );
     g
 }
 
@@ -1491,7 +1543,7 @@ pub fn decode_step(
     }
     let (b, d) = (cache.b, cfg.d_model);
     let mut h = vec![0.0f32; b * d];
-    ops::embedding_forward(&mut h, tokens, &prep.wte, &prep.wpe, 1, cache.len, d);
+    ops::embedding_forward(&mut h, tokens, &prep.wte, &prep.wpe, |_| cache.len, d);
     let mut routing = Routing {
         top_k: cfg.top_k,
         n_tokens: b,
@@ -1699,11 +1751,10 @@ mod tests {
     fn weighted_logits(
         prep: &PreparedModel,
         tokens: &[u32],
-        b: usize,
-        t: usize,
+        layout: &Layout,
         r: &[f32],
     ) -> (f64, Routing) {
-        let (logits, _, routing) = forward(&CpuBackend, prep, tokens, b, t, None);
+        let (logits, _, routing) = forward_rows(&CpuBackend, prep, tokens, layout, None);
         (
             logits
                 .iter()
@@ -1718,11 +1769,22 @@ mod tests {
     /// where the backward says the gradient is nonzero, half uniform). A coordinate whose ±ε evaluation
     /// changes any routing decision is skipped (top-k is not differentiable); the test fails if more
     /// than 10 % are skipped. Per-coordinate tolerance 2 % + 1e-3, per-tensor relative error 1 %: a
-    /// missing factor 2, a transposed or misplaced gradient fails both.
+    /// missing factor 2, a transposed or misplaced gradient fails both. Run on a plain batch and on
+    /// a shared-prefix layout (two groups of a 3-token prompt and three 2-token continuations).
     #[test]
     fn backward_matches_finite_differences_for_every_tensor() {
+        check_model_gradients(&Layout::plain(2, 5));
+        check_model_gradients(&Layout {
+            groups: 2,
+            prefix: 3,
+            branches: 3,
+            tail: 2,
+        });
+    }
+
+    fn check_model_gradients(layout: &Layout) {
         let cfg = small_test_config();
-        let (b, t) = (2, 5);
+        let n = layout.rows();
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let mut params = Params::init(&cfg, 7).unwrap();
         for (name, w) in params.named_tensors_mut() {
@@ -1731,13 +1793,13 @@ mod tests {
                     .for_each(|g| *g = 1.0 + (rng.random::<f32>() - 0.5) * 0.6);
             }
         }
-        let tokens = random_tokens(&mut rng, b * t, cfg.vocab);
-        let r: Vec<f32> = (0..b * t * cfg.vocab)
+        let tokens = random_tokens(&mut rng, n, cfg.vocab);
+        let r: Vec<f32> = (0..n * cfg.vocab)
             .map(|_| rng.random::<f32>() * 2.0 - 1.0)
             .collect();
         let plan = fp32_plan(&cfg);
         let prep = PreparedModel::new(&params, &plan).unwrap();
-        let (_, cache, base_routing) = forward(&CpuBackend, &prep, &tokens, b, t, None);
+        let (_, cache, base_routing) = forward_rows(&CpuBackend, &prep, &tokens, layout, None);
         let grads = backward(&CpuBackend, &prep, &cache, &r);
         let grads = grads.named_tensors();
         let eps = 5e-3f32;
@@ -1759,8 +1821,12 @@ mod tests {
                     let mut p = params.clone();
                     p.named_tensors_mut()[ti].1[i] += delta;
                     let moved = p.named_tensors()[ti].1[i] as f64;
-                    let (l, routing) =
-                        weighted_logits(&PreparedModel::new(&p, &plan).unwrap(), &tokens, b, t, &r);
+                    let (l, routing) = weighted_logits(
+                        &PreparedModel::new(&p, &plan).unwrap(),
+                        &tokens,
+                        layout,
+                        &r,
+                    );
                     (l, routing, moved)
                 };
                 let ((lp, rp, hi), (lm, rm, lo)) = (eval(eps), eval(-eps));
@@ -1791,9 +1857,77 @@ mod tests {
             "{skipped} of {checked} coordinates flipped the routing; lower eps"
         );
         eprintln!(
-            "checked {checked}, skipped {skipped}\n{}",
+            "{layout:?}: checked {checked}, skipped {skipped}\n{}",
             report.join("\n")
         );
+    }
+
+    /// The trainer's shared-prefix forward gives every sequence position the bits of the plain
+    /// batch's forward, under a quantized recipe with per-token NVFP4 scales too; its gradients equal
+    /// the plain batch's up to the order of the sums over rows.
+    #[test]
+    fn shared_prefix_rows_match_the_plain_batch() {
+        let cfg = ModelConfig::tiny();
+        let (groups, n, prompt, t) = (3, 4, 4, 7);
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        let mut tokens = Vec::new();
+        for _ in 0..groups {
+            let head = random_tokens(&mut rng, prompt, cfg.vocab);
+            for _ in 0..n {
+                tokens.extend(&head);
+                tokens.extend(random_tokens(&mut rng, t - prompt, cfg.vocab));
+            }
+        }
+        let b = groups * n;
+        let layout = Layout::shared_prefix(&tokens, b, t, n, prompt);
+        assert_eq!(layout.rows(), groups * (prompt + n * (t - prompt)));
+        let params = Params::init(&cfg, 3).unwrap();
+        let preset = |name| {
+            crate::recipe::presets::preset(name)
+                .unwrap()
+                .resolve(cfg.n_layers)
+                .unwrap()
+        };
+        // FP32 operands: only the association of the sums over rows differs. Recipes that round the
+        // output gradient to BF16 round a shared row's summed gradient once instead of each
+        // sequence's share: differences of the order of BF16's precision.
+        let cases = [
+            ("fp32", fp32_plan(&cfg), 1e-5),
+            ("bf16", preset("bf16"), 1e-2),
+            ("nvfp4-dq", preset("nvfp4-dq"), 1e-2),
+        ];
+        for (recipe, plan, tol) in cases {
+            let prep = PreparedModel::new(&params, &plan).unwrap();
+            let (full, full_cache, _) = forward(&CpuBackend, &prep, &tokens, b, t, None);
+            let (rows, row_cache, _) =
+                forward_rows(&CpuBackend, &prep, &layout.pack(&tokens, 1), &layout, None);
+            let unpacked = layout.unpack(&rows, cfg.vocab);
+            let same = unpacked
+                .iter()
+                .zip(&full)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{recipe}: shared-prefix logits differ from the plain batch"
+            );
+            let r: Vec<f32> = (0..b * t * cfg.vocab)
+                .map(|_| rng.random::<f32>() - 0.5)
+                .collect();
+            let g_full = backward(&CpuBackend, &prep, &full_cache, &r);
+            let g_rows = backward(&CpuBackend, &prep, &row_cache, &layout.fold(&r, cfg.vocab));
+            for ((name, a), (_, b)) in g_full.named_tensors().iter().zip(g_rows.named_tensors()) {
+                let (mut err, mut norm) = (0.0f64, 0.0f64);
+                for (&x, &y) in a.iter().zip(b) {
+                    err += ((x - y) as f64).powi(2);
+                    norm += (x as f64).powi(2);
+                }
+                let rel = (err / norm.max(1e-30)).sqrt();
+                assert!(
+                    norm > 0.0 && rel < tol,
+                    "{recipe} {name}: relative difference {rel}"
+                );
+            }
+        }
     }
 
     #[test]

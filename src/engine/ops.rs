@@ -12,6 +12,7 @@
 //! whole sequences), and every reduction over rows (gain and embedding gradients) runs
 //! sequentially in row order, so results are bit-identical whatever rayon's thread count.
 
+use super::layout::Layout;
 use rayon::prelude::*;
 
 /// Rows per rayon task for row-wise ops: below this the fork/join costs more than the arithmetic.
@@ -166,101 +167,106 @@ fn attend_row<'a>(
     }
 }
 
-/// out [N, D] (written), probs [B, H, T, T] (written: the softmax weights, kept for the backward, zero
-/// above the diagonal), qkv [N, 3D]. P = softmax(Q·Kᵀ/√Dh) with causal mask, O = P·V; one rayon task per
-/// sequence (its rows of `out` and `probs` are contiguous, so tasks never share an output).
+/// out [N, D] (written), probs [G, H, R, S] (written: for each group's R rows, the softmax weights over
+/// its S = prefix + tail positions, kept for the backward, zero past the row's context), qkv [N, 3D].
+/// P = softmax(Q·Kᵀ/√Dh) over each row's context (causal, and within its group's branch: see
+/// [`Layout::context`]), O = P·V. One rayon task per group (its rows of `out` and `probs` are
+/// contiguous, so tasks never share an output).
 pub fn attention_forward(
     out: &mut [f32],
     probs: &mut [f32],
     qkv: &[f32],
-    b: usize,
-    t: usize,
+    layout: &Layout,
     h: usize,
     d: usize,
 ) {
     let dh = d / h;
     assert_eq!(dh * h, d, "attention: D={d} not divisible by H={h}");
+    let (gr, s) = (layout.group_rows(), layout.seq_len());
+    let n = layout.rows();
     assert_eq!(
         (qkv.len(), out.len(), probs.len()),
-        (b * t * 3 * d, b * t * d, b * h * t * t),
+        (n * 3 * d, n * d, layout.groups * h * gr * s),
         "attention"
     );
     let scale = 1.0 / (dh as f32).sqrt();
-    out.par_chunks_mut(t * d)
-        .zip(probs.par_chunks_mut(h * t * t))
+    out.par_chunks_mut(gr * d)
+        .zip(probs.par_chunks_mut(h * gr * s))
         .enumerate()
-        .for_each(|(bi, (out_s, probs_s))| {
-            let row = |i: usize| &qkv[(bi * t + i) * 3 * d..][..3 * d];
+        .for_each(|(g, (out_g, probs_g))| {
+            let row = |i: usize| &qkv[(g * gr + i) * 3 * d..][..3 * d];
             for hi in 0..h {
-                let kv = |j: usize| {
-                    (
-                        &row(j)[d + hi * dh..][..dh],
-                        &row(j)[2 * d + hi * dh..][..dh],
-                    )
-                };
-                for i in 0..t {
-                    let p = &mut probs_s[(hi * t + i) * t..][..t];
-                    let o = &mut out_s[i * d + hi * dh..][..dh];
-                    attend_row(o, p, &row(i)[hi * dh..][..dh], i + 1, scale, kv);
-                    p[i + 1..].fill(0.0);
+                for i in 0..gr {
+                    let (len, key) = layout.context(i);
+                    let kv = |j: usize| {
+                        let r = row(key(j));
+                        (&r[d + hi * dh..][..dh], &r[2 * d + hi * dh..][..dh])
+                    };
+                    let p = &mut probs_g[(hi * gr + i) * s..][..s];
+                    let o = &mut out_g[i * d + hi * dh..][..dh];
+                    attend_row(o, p, &row(i)[hi * dh..][..dh], len, scale, kv);
+                    p[len..].fill(0.0);
                 }
             }
         });
 }
 
 /// dqkv [N, 3D] +=, from dout [N, D]; qkv and probs as in the forward.
-/// dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP))/√Dh, dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO. One task per sequence;
-/// within it the sums over query rows run in row order.
-#[allow(clippy::too_many_arguments)]
+/// dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP))/√Dh, dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO. One task per group
+/// (a shared prefix row gathers the key/value gradients of every branch); within it the sums over
+/// query rows run in row order.
 pub fn attention_backward(
     dqkv: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
     probs: &[f32],
-    b: usize,
-    t: usize,
+    layout: &Layout,
     h: usize,
     d: usize,
 ) {
     let dh = d / h;
+    let (gr, s) = (layout.group_rows(), layout.seq_len());
+    let n = layout.rows();
     assert_eq!(
         (dqkv.len(), dout.len(), probs.len()),
-        (b * t * 3 * d, b * t * d, b * h * t * t),
+        (n * 3 * d, n * d, layout.groups * h * gr * s),
         "attention backward"
     );
     let scale = 1.0 / (dh as f32).sqrt();
-    dqkv.par_chunks_mut(t * 3 * d)
-        .zip(probs.par_chunks(h * t * t))
+    dqkv.par_chunks_mut(gr * 3 * d)
+        .zip(probs.par_chunks(h * gr * s))
         .enumerate()
         .for_each_init(
-            || vec![0.0f32; t],
-            |ds, (bi, (dqkv_s, probs_s))| {
-                let row = |i: usize| &qkv[(bi * t + i) * 3 * d..][..3 * d];
+            || vec![0.0f32; s],
+            |ds, (g, (dqkv_g, probs_g))| {
+                let row = |i: usize| &qkv[(g * gr + i) * 3 * d..][..3 * d];
                 for hi in 0..h {
                     let (qc, kc, vc) = (hi * dh, d + hi * dh, 2 * d + hi * dh);
-                    for i in 0..t {
-                        let p = &probs_s[(hi * t + i) * t..][..i + 1];
-                        let d_o = &dout[(bi * t + i) * d + hi * dh..][..dh];
-                        let ds = &mut ds[..i + 1];
+                    for i in 0..gr {
+                        let (len, key) = layout.context(i);
+                        let p = &probs_g[(hi * gr + i) * s..][..len];
+                        let d_o = &dout[(g * gr + i) * d + hi * dh..][..dh];
+                        let ds = &mut ds[..len];
                         for (j, x) in ds.iter_mut().enumerate() {
-                            *x = dot(d_o, &row(j)[vc..][..dh]); // dP
+                            *x = dot(d_o, &row(key(j))[vc..][..dh]); // dP
                         }
-                        let s = dot(p, ds);
+                        let sum = dot(p, ds);
                         ds.iter_mut()
                             .zip(p)
-                            .for_each(|(x, &pv)| *x = pv * (*x - s) * scale); // dS
+                            .for_each(|(x, &pv)| *x = pv * (*x - sum) * scale); // dS
                         for (j, (&dsj, &pj)) in ds.iter().zip(p).enumerate() {
+                            let kj = key(j);
                             axpy(
-                                &mut dqkv_s[i * 3 * d + qc..][..dh],
+                                &mut dqkv_g[i * 3 * d + qc..][..dh],
                                 dsj,
-                                &row(j)[kc..][..dh],
+                                &row(kj)[kc..][..dh],
                             );
                             axpy(
-                                &mut dqkv_s[j * 3 * d + kc..][..dh],
+                                &mut dqkv_g[kj * 3 * d + kc..][..dh],
                                 dsj,
                                 &row(i)[qc..][..dh],
                             );
-                            axpy(&mut dqkv_s[j * 3 * d + vc..][..dh], pj, d_o);
+                            axpy(&mut dqkv_g[kj * 3 * d + vc..][..dh], pj, d_o);
                         }
                     }
                 }
@@ -547,17 +553,15 @@ pub fn cross_entropy_backward(
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Embeddings: token row plus learned position row. Token n sits at position pos0 + n mod T.
+// Embeddings: token row plus learned position row. Row n sits at position `pos(n)`.
 
-/// out [N, D] (written) = wte[tokens[n]] + wpe[pos0 + n mod T]; wte [V, D], wpe [S, D].
-#[allow(clippy::too_many_arguments)]
+/// out [N, D] (written) = wte[tokens[n]] + wpe[pos(n)]; wte [V, D], wpe [S, D].
 pub fn embedding_forward(
     out: &mut [f32],
     tokens: &[u32],
     wte: &[f32],
     wpe: &[f32],
-    t: usize,
-    pos0: usize,
+    pos: impl Fn(usize) -> usize + Sync,
     d: usize,
 ) {
     assert_eq!(out.len(), tokens.len() * d, "embedding output");
@@ -567,28 +571,27 @@ pub fn embedding_forward(
         .with_min_len(ROWS_PER_TASK)
         .for_each(|(i, (o, &tok))| {
             let te = &wte[tok as usize * d..][..d];
-            let pe = &wpe[(pos0 + i % t) * d..][..d];
+            let pe = &wpe[pos(i) * d..][..d];
             for ((o, &a), &b) in o.iter_mut().zip(te).zip(pe) {
                 *o = a + b;
             }
         });
 }
 
-/// dwte [V, D] +=, dwpe [S, D] +=, from dout [N, D]: a scatter-add, sequential in token order.
+/// dwte [V, D] +=, dwpe [S, D] +=, from dout [N, D]: a scatter-add, sequential in row order.
 pub fn embedding_backward(
     dwte: &mut [f32],
     dwpe: &mut [f32],
     dout: &[f32],
     tokens: &[u32],
-    t: usize,
-    pos0: usize,
+    pos: impl Fn(usize) -> usize,
     d: usize,
 ) {
     assert_eq!(dout.len(), tokens.len() * d, "embedding backward");
     for (i, (dr, &tok)) in dout.chunks(d).zip(tokens).enumerate() {
         let te = &mut dwte[tok as usize * d..][..d];
         te.iter_mut().zip(dr).for_each(|(a, &b)| *a += b);
-        let pe = &mut dwpe[(pos0 + i % t) * d..][..d];
+        let pe = &mut dwpe[pos(i) * d..][..d];
         pe.iter_mut().zip(dr).for_each(|(a, &b)| *a += b);
     }
 }
@@ -677,25 +680,72 @@ mod tests {
         assert!(dx.iter().zip(&dx1).all(|(a, b)| (a - 2.0 * b).abs() < 1e-6));
     }
 
+    fn attention_probs_len(l: &Layout, h: usize) -> usize {
+        l.groups * h * l.group_rows() * l.seq_len()
+    }
+
     #[test]
     fn attention_gradients_match_finite_differences() {
-        let (b, t, h, d) = (2, 5, 2, 8);
-        let mut rng = ChaCha8Rng::seed_from_u64(2);
-        let (mut qkv, r) = (
-            randn(&mut rng, b * t * 3 * d, 1.0),
-            randn(&mut rng, b * t * d, 1.0),
-        );
-        let fwd = |qkv: &[f32]| {
-            let (mut out, mut probs) = (vec![0.0; b * t * d], vec![0.0; b * h * t * t]);
-            attention_forward(&mut out, &mut probs, qkv, b, t, h, d);
-            (out, probs)
+        let (h, d) = (2, 8);
+        let shared = Layout {
+            groups: 2,
+            prefix: 3,
+            branches: 3,
+            tail: 2,
         };
-        let (_, probs) = fwd(&qkv);
-        let mut dqkv = vec![0.0; qkv.len()];
-        attention_backward(&mut dqkv, &r, &qkv, &probs, b, t, h, d);
-        check_grad("attention dqkv", &mut qkv, &dqkv, 1e-2, |q| {
-            dot64(&fwd(q).0, &r)
-        });
+        for layout in [Layout::plain(2, 5), shared] {
+            let n = layout.rows();
+            let mut rng = ChaCha8Rng::seed_from_u64(2);
+            let (mut qkv, r) = (randn(&mut rng, n * 3 * d, 1.0), randn(&mut rng, n * d, 1.0));
+            let fwd = |qkv: &[f32]| {
+                let mut out = vec![0.0; n * d];
+                let mut probs = vec![0.0; attention_probs_len(&layout, h)];
+                attention_forward(&mut out, &mut probs, qkv, &layout, h, d);
+                (out, probs)
+            };
+            let (_, probs) = fwd(&qkv);
+            let mut dqkv = vec![0.0; qkv.len()];
+            attention_backward(&mut dqkv, &r, &qkv, &probs, &layout, h, d);
+            check_grad(
+                &format!("attention dqkv {layout:?}"),
+                &mut qkv,
+                &dqkv,
+                1e-2,
+                |q| dot64(&fwd(q).0, &r),
+            );
+        }
+    }
+
+    /// A shared-prefix layout computes, row for row, the bits the plain batch computes for the same
+    /// positions of the same sequences.
+    #[test]
+    fn shared_prefix_attention_matches_the_plain_batch_bit_for_bit() {
+        let (h, d) = (2, 8);
+        let l = Layout {
+            groups: 2,
+            prefix: 3,
+            branches: 3,
+            tail: 2,
+        };
+        let (b, t) = (l.sequences(), l.seq_len());
+        let plain = Layout::plain(b, t);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let packed_qkv = randn(&mut rng, l.rows() * 3 * d, 1.0);
+        let full_qkv = l.unpack(&packed_qkv, 3 * d);
+        let run = |lay: &Layout, qkv: &[f32]| {
+            let mut out = vec![0.0; lay.rows() * d];
+            let mut probs = vec![0.0; attention_probs_len(lay, h)];
+            attention_forward(&mut out, &mut probs, qkv, lay, h, d);
+            out
+        };
+        let packed = run(&l, &packed_qkv);
+        let full = run(&plain, &full_qkv);
+        let same = l
+            .unpack(&packed, d)
+            .iter()
+            .zip(&full)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "shared-prefix attention differs from the plain batch");
     }
 
     #[test]
@@ -705,7 +755,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let qkv = randn(&mut rng, b * t * 3 * d, 1.0);
         let (mut out, mut probs) = (vec![0.0; b * t * d], vec![0.0; b * h * t * t]);
-        attention_forward(&mut out, &mut probs, &qkv, b, t, h, d);
+        attention_forward(&mut out, &mut probs, &qkv, &Layout::plain(b, t), h, d);
         // Changing the last position's K/V must not change earlier outputs.
         let mut qkv2 = qkv.clone();
         for bi in 0..b {
@@ -714,7 +764,7 @@ mod tests {
                 .for_each(|x| *x += 1.0);
         }
         let mut out2 = vec![0.0; b * t * d];
-        attention_forward(&mut out2, &mut probs, &qkv2, b, t, h, d);
+        attention_forward(&mut out2, &mut probs, &qkv2, &Layout::plain(b, t), h, d);
         for bi in 0..b {
             let rows = bi * t * d..(bi * t + t - 1) * d;
             assert_eq!(out[rows.clone()], out2[rows]);
@@ -866,11 +916,11 @@ mod tests {
         );
         let fwd = |wte: &[f32], wpe: &[f32]| {
             let mut out = vec![0.0; 6 * d];
-            embedding_forward(&mut out, &tokens, wte, wpe, t, 1, d);
+            embedding_forward(&mut out, &tokens, wte, wpe, |i| 1 + i % t, d);
             out
         };
         let (mut dwte, mut dwpe) = (vec![0.0; v * d], vec![0.0; s * d]);
-        embedding_backward(&mut dwte, &mut dwpe, &r, &tokens, t, 1, d);
+        embedding_backward(&mut dwte, &mut dwpe, &r, &tokens, |i| 1 + i % t, d);
         let (wte0, wpe0) = (wte.clone(), wpe.clone());
         check_grad("embedding dwte", &mut wte, &dwte, 1e-2, |w| {
             dot64(&fwd(w, &wpe0), &r)
@@ -880,7 +930,7 @@ mod tests {
         });
         assert!(
             dwpe[..d].iter().all(|&x| x == 0.0),
-            "position 0 is unused with pos0 = 1"
+            "position 0 is unused when positions start at 1"
         );
     }
 }

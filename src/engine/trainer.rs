@@ -11,8 +11,9 @@
 
 use super::backend::Backend;
 use super::contract;
+use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
-use super::model::{self, ModelConfig, Params, PreparedModel};
+use super::model::{self, ModelConfig, Params, PreparedModel, Routing};
 use super::optim::AdamW;
 use super::rollout::{self, Rollout};
 use super::task::{Split, Task};
@@ -362,14 +363,23 @@ impl Trainer {
         let cfg = self.params.config.clone();
         let (b, t_in, v) = (ro.b, ro.t - 1, cfg.vocab);
         let inputs = ro.tokens_inputs();
+        // The samples of a group share their prompt: its rows are computed once (see `layout`).
+        let layout = Layout::shared_prefix(&inputs, b, t_in, c.samples_per_prompt, ro.prompt_len);
+        let rows = layout.pack(&inputs, 1);
         let replay = if c.routing_replay && ro.routing.n_tokens == b * t_in {
-            Some(&ro.routing)
+            Some(pack_routing(&layout, &ro.routing))
         } else {
             None
         };
+        let replay = replay.as_ref();
+        // Logits of every sequence position, [B·T, V] sequence-major, and the cache of the forward.
+        let forward = |prep: &PreparedModel| {
+            let (logits, cache, _) = model::forward_rows(be, prep, &rows, &layout, replay);
+            (layout.unpack(&logits, v), cache)
+        };
 
         // Old policy logprobs (and the first minibatch's forward, reused below).
-        let (logits0, cache0, _) = model::forward(be, prep0, &inputs, b, t_in, replay);
+        let (logits0, cache0) = forward(prep0);
         let lp0 = token_logprobs(&logits0, ro, v);
         let mask: Vec<bool> = (0..b * t_in)
             .map(|r| ro.is_response(r / t_in, r % t_in + 1))
@@ -392,7 +402,7 @@ impl Trainer {
         rec.set("train/entropy", entropy(&logits0, &mask, v) / n_tok);
 
         // KL to the BF16 reference (k3 with r = logp_ref - logp_train, samples ~ policy).
-        let (ref_logits, _, _) = model::forward(be, &self.reference, &inputs, b, t_in, replay);
+        let (ref_logits, _) = forward(&self.reference);
         let lp_ref = token_logprobs(&ref_logits, ro, v);
         let kl_ref = (0..b * t_in)
             .filter(|r| mask[*r])
@@ -434,7 +444,7 @@ impl Trainer {
                 None => {
                     fresh = PreparedModel::new(&self.params, &self.plan)
                         .expect("plan checked at construction");
-                    let (l, ca, _) = model::forward(be, &fresh, &inputs, b, t_in, replay);
+                    let (l, ca) = forward(&fresh);
                     (&fresh, l, ca)
                 }
             };
@@ -494,7 +504,7 @@ impl Trainer {
             let logp_full = log_softmax(&logits, b * t_in, v);
             let mut dlogits = vec![0.0f32; b * t_in * v];
             super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp_full, b * t_in, v);
-            let grads = model::backward(be, prep, &cache, &dlogits);
+            let grads = model::backward(be, prep, &cache, &layout.fold(&dlogits, v));
             // Norms per site and layer, global norm (before clipping).
             let mut sq_total = 0.0f64;
             let mut finite = true;
@@ -606,6 +616,19 @@ impl Trainer {
         self.adam.update(&mut self.params, grads, scale, |name| {
             decay.get(name).copied().unwrap_or(0.0)
         })
+    }
+}
+
+/// The rollout's routing record (sequence-major) in the rows of `layout`.
+fn pack_routing(layout: &Layout, routing: &Routing) -> Routing {
+    Routing {
+        top_k: routing.top_k,
+        n_tokens: layout.rows(),
+        layers: routing
+            .layers
+            .iter()
+            .map(|ids| layout.pack(ids, routing.top_k))
+            .collect(),
     }
 }
 
