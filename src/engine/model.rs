@@ -757,7 +757,7 @@ struct AttnCache {
     qkv_lin: LinearCache,
     /// [N, 3D]
     qkv: Vec<f32>,
-    /// [G, H, R, S] softmax weights (see `ops::attention_forward`).
+    /// [N, H, S] softmax weights (see `ops::attention_forward`).
     probs: Vec<f32>,
     proj_lin: LinearCache,
 }
@@ -818,8 +818,8 @@ pub struct ForwardCache {
 
 impl ForwardCache {
     /// The row layout of the forward that made it.
-    pub fn layout(&self) -> Layout {
-        self.layout
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     /// Activation-quantization counts of this forward, one entry per matmul site and layer, named as
@@ -874,7 +874,7 @@ fn attn_forward(
     let (xn, rstd) = rmsnorm(&x, &w.attn_norm, n, d);
     let mut qkv = vec![0.0f32; n * 3 * d];
     let qkv_lin = linear::forward(be, &p.linear_qkv, &xn, n, &w.linear_qkv, &mut qkv);
-    let probs_len = layout.groups * h * layout.group_rows() * layout.seq_len();
+    let probs_len = n * h * layout.max_context();
     let (mut att, mut probs) = (vec![0.0f32; n * d], vec![0.0f32; probs_len]);
     ops::attention_forward(&mut att, &mut probs, &qkv, layout, h, d);
     let mut out = vec![0.0f32; n * d];
@@ -1268,15 +1268,9 @@ pub fn forward_rows(
         panic!("model::forward: {err}");
     }
     let (n, d) = (layout.rows(), cfg.d_model);
+    let positions = layout.positions();
     let mut h = vec![0.0f32; n * d];
-    ops::embedding_forward(
-        &mut h,
-        tokens,
-        &prep.wte,
-        &prep.wpe,
-        |r| layout.position(r),
-        d,
-    );
+    ops::embedding_forward(&mut h, tokens, &prep.wte, &prep.wpe, |r| positions[r], d);
     let mut layers = Vec::with_capacity(cfg.n_layers);
     let mut routing = Routing {
         top_k: cfg.top_k,
@@ -1300,7 +1294,7 @@ pub fn forward_rows(
     }
     let (logits, final_rstd, out_lin) = head_forward(be, prep, &h, n);
     let cache = ForwardCache {
-        layout: *layout,
+        layout: layout.clone(),
         tokens: tokens.to_vec(),
         layers,
         h_final: h,
@@ -1319,7 +1313,8 @@ pub fn backward(
     dlogits: &[f32],
 ) -> Params {
     let cfg = &prep.config;
-    let layout = cache.layout;
+    let layout = &cache.layout;
+    let positions = layout.positions();
     let (n, d) = (layout.rows(), cfg.d_model);
     assert_eq!(
         dlogits.len(),
@@ -1358,14 +1353,14 @@ pub fn backward(
             &mut g.layers[l],
         );
         moe_backward(be, w, p, cfg, &c.moe, &mut dh, gl);
-        attn_backward(be, w, p, cfg, &c.attn, &mut dh, gl, &layout);
+        attn_backward(be, w, p, cfg, &c.attn, &mut dh, gl, layout);
     }
     ops::embedding_backward(
         &mut g.wte,
         &mut g.wpe,
         &dh,
         &cache.tokens,
-        |r| layout.position(r),
+        |r| positions[r],
         d,
     );
     g
@@ -1770,16 +1765,20 @@ mod tests {
     /// changes any routing decision is skipped (top-k is not differentiable); the test fails if more
     /// than 10 % are skipped. Per-coordinate tolerance 2 % + 1e-3, per-tensor relative error 1 %: a
     /// missing factor 2, a transposed or misplaced gradient fails both. Run on a plain batch and on
-    /// a shared-prefix layout (two groups of a 3-token prompt and three 2-token continuations).
+    /// a shared-prefix layout whose continuations end at different positions.
     #[test]
     fn backward_matches_finite_differences_for_every_tensor() {
         check_model_gradients(&Layout::plain(2, 5));
-        check_model_gradients(&Layout {
-            groups: 2,
-            prefix: 3,
-            branches: 3,
-            tail: 2,
-        });
+        // Two groups of a 3-token prompt; continuations of 2, 0, 1 and 2, 2, 1 rows.
+        let toks: Vec<u32> = (0..6).flat_map(|s| [1, 2, 3 + s / 3, s, s]).collect();
+        check_model_gradients(&Layout::shared_prefix(
+            &toks,
+            6,
+            5,
+            3,
+            3,
+            Some(&[5, 3, 4, 5, 5, 4]),
+        ));
     }
 
     fn check_model_gradients(layout: &Layout) {
@@ -1879,8 +1878,11 @@ mod tests {
             }
         }
         let b = groups * n;
-        let layout = Layout::shared_prefix(&tokens, b, t, n, prompt);
-        assert_eq!(layout.rows(), groups * (prompt + n * (t - prompt)));
+        // Sequences end at different positions (a finished response keeps no rows past its end).
+        let used: Vec<usize> = (0..b).map(|s| t - s % 3).collect();
+        let layout = Layout::shared_prefix(&tokens, b, t, n, prompt, Some(&used));
+        let kept: usize = used.iter().map(|u| u - prompt).sum();
+        assert_eq!(layout.rows(), groups * prompt + kept);
         let params = Params::init(&cfg, 3).unwrap();
         let preset = |name| {
             crate::recipe::presets::preset(name)
@@ -1901,17 +1903,25 @@ mod tests {
             let (full, full_cache, _) = forward(&CpuBackend, &prep, &tokens, b, t, None);
             let (rows, row_cache, _) =
                 forward_rows(&CpuBackend, &prep, &layout.pack(&tokens, 1), &layout, None);
-            let unpacked = layout.unpack(&rows, cfg.vocab);
-            let same = unpacked
-                .iter()
-                .zip(&full)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "{recipe}: shared-prefix logits differ from the plain batch"
-            );
-            let r: Vec<f32> = (0..b * t * cfg.vocab)
-                .map(|_| rng.random::<f32>() - 0.5)
+            let v = cfg.vocab;
+            for (s, p) in (0..b).flat_map(|s| (0..used[s]).map(move |p| (s, p))) {
+                let r = layout.row(s, p).expect("kept position");
+                let (x, y) = (&rows[r * v..][..v], &full[(s * t + p) * v..][..v]);
+                assert!(
+                    x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{recipe}: sequence {s} position {p} differs from the plain batch"
+                );
+            }
+            // The loss reads only kept positions.
+            let r: Vec<f32> = (0..b * t * v)
+                .map(|i| {
+                    let (s, p) = (i / v / t, i / v % t);
+                    if p < used[s] {
+                        rng.random::<f32>() - 0.5
+                    } else {
+                        0.0
+                    }
+                })
                 .collect();
             let g_full = backward(&CpuBackend, &prep, &full_cache, &r);
             let g_rows = backward(&CpuBackend, &prep, &row_cache, &layout.fold(&r, cfg.vocab));

@@ -167,11 +167,11 @@ fn attend_row<'a>(
     }
 }
 
-/// out [N, D] (written), probs [G, H, R, S] (written: for each group's R rows, the softmax weights over
-/// its S = prefix + tail positions, kept for the backward, zero past the row's context), qkv [N, 3D].
-/// P = softmax(Q·Kᵀ/√Dh) over each row's context (causal, and within its group's branch: see
-/// [`Layout::context`]), O = P·V. One rayon task per group (its rows of `out` and `probs` are
-/// contiguous, so tasks never share an output).
+/// out [N, D] (written), probs [N, H, S] (written: each row's softmax weights over its context, at
+/// most S = `layout.max_context()` positions, kept for the backward, zero past the context), qkv [N, 3D].
+/// P = softmax(Q·Kᵀ/√Dh) over each row's context (causal, within its sequence: see
+/// [`Layout::context`]), O = P·V. One rayon task per group of the layout (attention never crosses
+/// groups, and a group's rows of `out` and `probs` are contiguous, so tasks never share an output).
 pub fn attention_forward(
     out: &mut [f32],
     probs: &mut [f32],
@@ -182,28 +182,30 @@ pub fn attention_forward(
 ) {
     let dh = d / h;
     assert_eq!(dh * h, d, "attention: D={d} not divisible by H={h}");
-    let (gr, s) = (layout.group_rows(), layout.seq_len());
-    let n = layout.rows();
+    let (n, s) = (layout.rows(), layout.max_context());
     assert_eq!(
         (qkv.len(), out.len(), probs.len()),
-        (n * 3 * d, n * d, layout.groups * h * gr * s),
+        (n * 3 * d, n * d, n * h * s),
         "attention"
     );
     let scale = 1.0 / (dh as f32).sqrt();
-    out.par_chunks_mut(gr * d)
-        .zip(probs.par_chunks_mut(h * gr * s))
+    let row = |i: usize| &qkv[i * 3 * d..][..3 * d];
+    layout
+        .split_groups(out, d)
+        .into_par_iter()
+        .zip(layout.split_groups(probs, h * s))
         .enumerate()
         .for_each(|(g, (out_g, probs_g))| {
-            let row = |i: usize| &qkv[(g * gr + i) * 3 * d..][..3 * d];
-            for hi in 0..h {
-                for i in 0..gr {
-                    let (len, key) = layout.context(i);
+            let rows = layout.group_rows(g);
+            for (li, i) in rows.clone().enumerate() {
+                let (len, key) = layout.context(i);
+                for hi in 0..h {
                     let kv = |j: usize| {
                         let r = row(key(j));
                         (&r[d + hi * dh..][..dh], &r[2 * d + hi * dh..][..dh])
                     };
-                    let p = &mut probs_g[(hi * gr + i) * s..][..s];
-                    let o = &mut out_g[i * d + hi * dh..][..dh];
+                    let p = &mut probs_g[(li * h + hi) * s..][..s];
+                    let o = &mut out_g[li * d + hi * dh..][..dh];
                     attend_row(o, p, &row(i)[hi * dh..][..dh], len, scale, kv);
                     p[len..].fill(0.0);
                 }
@@ -213,8 +215,8 @@ pub fn attention_forward(
 
 /// dqkv [N, 3D] +=, from dout [N, D]; qkv and probs as in the forward.
 /// dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP))/√Dh, dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO. One task per group
-/// (a shared prefix row gathers the key/value gradients of every branch); within it the sums over
-/// query rows run in row order.
+/// (a shared prefix row gathers the key/value gradients of every sequence of its group); within it
+/// the sums over query rows run in row order.
 pub fn attention_backward(
     dqkv: &mut [f32],
     dout: &[f32],
@@ -225,27 +227,29 @@ pub fn attention_backward(
     d: usize,
 ) {
     let dh = d / h;
-    let (gr, s) = (layout.group_rows(), layout.seq_len());
-    let n = layout.rows();
+    let (n, s) = (layout.rows(), layout.max_context());
     assert_eq!(
         (dqkv.len(), dout.len(), probs.len()),
-        (n * 3 * d, n * d, layout.groups * h * gr * s),
+        (n * 3 * d, n * d, n * h * s),
         "attention backward"
     );
     let scale = 1.0 / (dh as f32).sqrt();
-    dqkv.par_chunks_mut(gr * 3 * d)
-        .zip(probs.par_chunks(h * gr * s))
+    let row = |i: usize| &qkv[i * 3 * d..][..3 * d];
+    layout
+        .split_groups(dqkv, 3 * d)
+        .into_par_iter()
         .enumerate()
         .for_each_init(
             || vec![0.0f32; s],
-            |ds, (g, (dqkv_g, probs_g))| {
-                let row = |i: usize| &qkv[(g * gr + i) * 3 * d..][..3 * d];
-                for hi in 0..h {
-                    let (qc, kc, vc) = (hi * dh, d + hi * dh, 2 * d + hi * dh);
-                    for i in 0..gr {
-                        let (len, key) = layout.context(i);
-                        let p = &probs_g[(hi * gr + i) * s..][..len];
-                        let d_o = &dout[(g * gr + i) * d + hi * dh..][..dh];
+            |ds, (g, dqkv_g)| {
+                let g0 = layout.group_rows(g).start;
+                for i in layout.group_rows(g) {
+                    let (len, key) = layout.context(i);
+                    let li = i - g0;
+                    for hi in 0..h {
+                        let (qc, kc, vc) = (hi * dh, d + hi * dh, 2 * d + hi * dh);
+                        let p = &probs[(i * h + hi) * s..][..len];
+                        let d_o = &dout[i * d + hi * dh..][..dh];
                         let ds = &mut ds[..len];
                         for (j, x) in ds.iter_mut().enumerate() {
                             *x = dot(d_o, &row(key(j))[vc..][..dh]); // dP
@@ -255,18 +259,18 @@ pub fn attention_backward(
                             .zip(p)
                             .for_each(|(x, &pv)| *x = pv * (*x - sum) * scale); // dS
                         for (j, (&dsj, &pj)) in ds.iter().zip(p).enumerate() {
-                            let kj = key(j);
+                            let lk = key(j) - g0;
                             axpy(
-                                &mut dqkv_g[i * 3 * d + qc..][..dh],
+                                &mut dqkv_g[li * 3 * d + qc..][..dh],
                                 dsj,
-                                &row(kj)[kc..][..dh],
+                                &row(key(j))[kc..][..dh],
                             );
                             axpy(
-                                &mut dqkv_g[kj * 3 * d + kc..][..dh],
+                                &mut dqkv_g[lk * 3 * d + kc..][..dh],
                                 dsj,
                                 &row(i)[qc..][..dh],
                             );
-                            axpy(&mut dqkv_g[kj * 3 * d + vc..][..dh], pj, d_o);
+                            axpy(&mut dqkv_g[lk * 3 * d + vc..][..dh], pj, d_o);
                         }
                     }
                 }
@@ -681,19 +685,19 @@ mod tests {
     }
 
     fn attention_probs_len(l: &Layout, h: usize) -> usize {
-        l.groups * h * l.group_rows() * l.seq_len()
+        l.rows() * h * l.max_context()
+    }
+
+    /// Two groups of a 3-token prompt, three continuations each (2, 0, 1 and 2, 2, 1 rows).
+    fn ragged_layout() -> Layout {
+        let toks: Vec<u32> = (0..6).flat_map(|s| [1, 2, 3 + s / 3, s, s]).collect();
+        Layout::shared_prefix(&toks, 6, 5, 3, 3, Some(&[5, 3, 4, 5, 5, 4]))
     }
 
     #[test]
     fn attention_gradients_match_finite_differences() {
         let (h, d) = (2, 8);
-        let shared = Layout {
-            groups: 2,
-            prefix: 3,
-            branches: 3,
-            tail: 2,
-        };
-        for layout in [Layout::plain(2, 5), shared] {
+        for layout in [Layout::plain(2, 5), ragged_layout()] {
             let n = layout.rows();
             let mut rng = ChaCha8Rng::seed_from_u64(2);
             let (mut qkv, r) = (randn(&mut rng, n * 3 * d, 1.0), randn(&mut rng, n * d, 1.0));
@@ -721,12 +725,7 @@ mod tests {
     #[test]
     fn shared_prefix_attention_matches_the_plain_batch_bit_for_bit() {
         let (h, d) = (2, 8);
-        let l = Layout {
-            groups: 2,
-            prefix: 3,
-            branches: 3,
-            tail: 2,
-        };
+        let l = ragged_layout();
         let (b, t) = (l.sequences(), l.seq_len());
         let plain = Layout::plain(b, t);
         let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -740,12 +739,17 @@ mod tests {
         };
         let packed = run(&l, &packed_qkv);
         let full = run(&plain, &full_qkv);
-        let same = l
-            .unpack(&packed, d)
-            .iter()
-            .zip(&full)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "shared-prefix attention differs from the plain batch");
+        for s in 0..b {
+            for p in 0..t {
+                if let Some(r) = l.row(s, p) {
+                    let (a, b) = (&packed[r * d..][..d], &full[(s * t + p) * d..][..d]);
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "sequence {s} position {p}: shared-prefix attention differs"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

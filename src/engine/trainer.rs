@@ -363,8 +363,23 @@ impl Trainer {
         let cfg = self.params.config.clone();
         let (b, t_in, v) = (ro.b, ro.t - 1, cfg.vocab);
         let inputs = ro.tokens_inputs();
-        // The samples of a group share their prompt: its rows are computed once (see `layout`).
-        let layout = Layout::shared_prefix(&inputs, b, t_in, c.samples_per_prompt, ro.prompt_len);
+        // The samples of a group share their prompt: its rows are computed once; a sample keeps no
+        // row past the one that predicts its last token (see `layout`).
+        let used: Vec<usize> = (0..b)
+            .map(|s| {
+                (ro.prompt_len + ro.response_len[s])
+                    .saturating_sub(1)
+                    .min(t_in)
+            })
+            .collect();
+        let layout = Layout::shared_prefix(
+            &inputs,
+            b,
+            t_in,
+            c.samples_per_prompt,
+            ro.prompt_len,
+            Some(&used),
+        );
         let rows = layout.pack(&inputs, 1);
         let replay = if c.routing_replay && ro.routing.n_tokens == b * t_in {
             Some(pack_routing(&layout, &ro.routing))
