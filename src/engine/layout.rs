@@ -88,9 +88,9 @@ impl Layout {
         for g in 0..groups {
             group_start.push(row);
             row += prefix;
-            for s in g * n..(g + 1) * n {
+            for tail in &tails[g * n..(g + 1) * n] {
                 tail_start.push(row);
-                row += tails[s];
+                row += tail;
             }
         }
         group_start.push(row);
