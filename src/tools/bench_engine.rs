@@ -3,8 +3,9 @@
 //!
 //! Shape (issue 3): the `small` model (6 layers, d_model 128, 4 heads, 8 experts top-2, FFN 256,
 //! vocab 32), 32 prompts x 8 samples, at most 8 response tokens, 3-digit addition, from a seeded
-//! random initialisation (a warm start would only change response lengths, and it would cost a
-//! minute). FLOPs are the GEMM FLOPs the backend actually ran (2·m·n·k per call), counted by a
+//! random initialisation: a warm start would cost a minute and end responses earlier, and the
+//! trainer skips the rows past a response's end, so random initialisation (almost every response
+//! runs to the 8-token limit) is the slower case. FLOPs are the GEMM FLOPs the backend actually ran (2·m·n·k per call), counted by a
 //! wrapper; attention score/value products and element-wise ops are not counted, so the GFLOP/s
 //! figures are a lower bound.
 
