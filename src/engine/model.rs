@@ -1376,6 +1376,7 @@ pub fn backward(
 pub struct KvCache {
     b: usize,
     capacity: usize,
+    head_dim: usize,
     len: usize,
     pub round_bf16: bool,
     k: Vec<Vec<f32>>,
@@ -1385,15 +1386,29 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for `b` sequences of up to `max_seq` positions, BF16 rounding on.
     pub fn new(cfg: &ModelConfig, b: usize) -> KvCache {
-        let per_layer = b * cfg.max_seq * cfg.d_model;
+        KvCache::with_capacity(cfg, b, cfg.max_seq)
+    }
+
+    /// An empty cache for `b` sequences of up to `positions` (at most `max_seq`) positions: a
+    /// rollout sizes it to its prompt plus response, since every copy and allocation of the cache
+    /// scales with it.
+    pub fn with_capacity(cfg: &ModelConfig, b: usize, positions: usize) -> KvCache {
+        let per_layer = b * positions * cfg.d_model;
+        let zeros = |_| vec![0.0; per_layer]; // one allocation each, zeroed lazily by the OS
         KvCache {
             b,
-            capacity: cfg.max_seq,
+            capacity: positions,
+            head_dim: cfg.head_dim(),
             len: 0,
             round_bf16: true,
-            k: vec![vec![0.0; per_layer]; cfg.n_layers],
-            v: vec![vec![0.0; per_layer]; cfg.n_layers],
+            k: (0..cfg.n_layers).map(zeros).collect(),
+            v: (0..cfg.n_layers).map(zeros).collect(),
         }
+    }
+
+    /// Values per sequence in one layer's K (or V): H·S·Dh.
+    fn per_seq(&self) -> usize {
+        self.k.first().map_or(0, |k| k.len() / self.b.max(1))
     }
 
     /// Positions filled so far (the position the next step writes).
@@ -1420,16 +1435,23 @@ impl KvCache {
     /// from copies of its cache. Every position's K/V is per sequence, so the copies hold exactly
     /// what decoding each sample's prompt separately would have written.
     pub fn repeat_each(&self, times: usize) -> KvCache {
-        let per_seq = self.k.first().map_or(0, |k| k.len() / self.b.max(1));
+        // [B, H, S, Dh] per layer: copy each (sequence, head)'s filled positions only.
+        let (per_seq, per_head) = (self.per_seq(), self.capacity * self.head_dim);
+        let filled = self.len * self.head_dim;
         let rep = |layer: &Vec<f32>| -> Vec<f32> {
-            layer
-                .chunks(per_seq.max(1))
-                .flat_map(|seq| std::iter::repeat_n(seq, times).flatten().copied())
-                .collect()
+            let mut out = vec![0.0f32; layer.len() * times];
+            for (seq, dst) in out.chunks_mut(per_seq.max(1)).enumerate() {
+                let src = &layer[(seq / times) * per_seq..][..per_seq];
+                for (d, s) in dst.chunks_mut(per_head).zip(src.chunks(per_head)) {
+                    d[..filled].copy_from_slice(&s[..filled]);
+                }
+            }
+            out
         };
         KvCache {
             b: self.b * times,
             capacity: self.capacity,
+            head_dim: self.head_dim,
             len: self.len,
             round_bf16: self.round_bf16,
             k: self.k.iter().map(rep).collect(),
@@ -1510,7 +1532,11 @@ pub fn check_step(
             cache.capacity
         )));
     }
-    if cache.k.len() != cfg.n_layers || cache.capacity != cfg.max_seq {
+    if cache.k.len() != cfg.n_layers
+        || cache.capacity > cfg.max_seq
+        || cache.head_dim != cfg.head_dim()
+        || cache.per_seq() != cache.capacity * cfg.d_model
+    {
         return Err(ModelError::Cache(
             "cache was made for a different model config".into(),
         ));

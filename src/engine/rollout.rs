@@ -135,7 +135,10 @@ fn generate_with(
     } else {
         0
     };
-    let mut cache = KvCache::new(cfg, if shared > 0 { prompts.len() } else { b });
+    // Positions 0..T-1 are decoded (the last token is sampled, never read back).
+    let positions = t.saturating_sub(1).max(1);
+    let seqs = if shared > 0 { prompts.len() } else { b };
+    let mut cache = KvCache::with_capacity(cfg, seqs, positions);
     for pos in 0..shared {
         let input: Vec<u32> = prompts.iter().map(|p| p[pos]).collect();
         let (_, routing) = model::decode_step(be, prep, &mut cache, &input, None);
