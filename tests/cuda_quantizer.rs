@@ -242,12 +242,16 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     };
     let mut failures = Vec::new();
     // (rows, cols, specials): a large finite tensor, one with NaN/Inf sprinkled in (most blocks
-    // then hold a special), and an odd shape (partial FP8 tiles, BF16 with no vector width).
+    // then hold a special), an odd shape (partial FP8 tiles, BF16 with no vector width), and rows
+    // of 16448 = 64·257 columns: longer than the 16384 elements an NVFP4 per-token thread block
+    // holds (its two-pass path) and, with 4 shards, 257-block segments that straddle warps.
     let shapes = [
         (1024, 2048, false),
         (512, 768, true),
         (257, 384, false),
         (301, 777, true),
+        (32, 16448, false),
+        (16, 16448, true),
     ];
     for (i, &(r, c, specials)) in shapes.iter().enumerate() {
         let x = nasty(r * c, i as u64 + 7, specials);

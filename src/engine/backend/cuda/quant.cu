@@ -1,7 +1,9 @@
 // lockstep's quantizers as CUDA kernels, compiled at run time by NVRTC.
 //
-// Every function here is a line-for-line port of `src/formats/` (the one quantizer), and the test
-// `cuda_quantizer_matches_cpu` checks the bytes against it. The arithmetic must stay IEEE FP32:
+// Every function here ports `src/formats/` (the one quantizer), line for line where the CPU's
+// instruction sequence is also good on the GPU and otherwise by an exact equivalent (the E2M1
+// rounding, `rcp.rn` for 1/y), and the tests in `tests/cuda_quantizer.rs` check the bytes against
+// it. The arithmetic must stay IEEE FP32:
 // the module is compiled with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true (no
 // fast-math, no approximate reciprocals), and every constant that Rust computes in FP32 (1/448,
 // 1/6, ...) is passed in from the host rather than folded here.
@@ -80,19 +82,6 @@ __device__ __forceinline__ float e4m3_decode(u32 c) {
     if (e == 0u) mag = (float)m * (1.0f / 512.0f);
     else mag = bitsf(((e + 120u) << 23) | (m << 20));
     return (c & 0x80u) ? -mag : mag;
-}
-
-// e2m1::e2m1_from_f32 with the TE reference convention (-0.0 and NaN -> code 0).
-__device__ __forceinline__ u32 e2m1_te(float x) {
-    u32 u = fbits(x);
-    float a = fminf(bitsf(u & 0x7FFFFFFFu), 6.0f);
-    u32 ab = fbits(a);
-    u32 normal = (ab - (126u << 23) + (0x1FFFFFu + ((ab >> 22) & 1u))) >> 22;
-    u32 sub = fbits(a * 2.0f + 8388608.0f) - 0x4B000000u;
-    u32 mag = ab < (127u << 23) ? sub : normal;
-    u32 code = ((u >> 28) & 8u) | (mag & 0xFFu);
-    if (is_nan(x) || u == 0x80000000u) return 0;
-    return code;
 }
 
 // bf16::bf16_from_f32.
@@ -401,41 +390,6 @@ __device__ __forceinline__ float nv_s_enc(float amax) {
     return s;
 }
 
-// One 16-element block over four lanes (one float4 each; call from whole warps): returns the
-// packed codes of this lane's four elements and sets the block's E4M3 scale byte.
-// `mult` is S_enc·fp32(1/6) (TE's association order) and `s_dec` 1/S_enc, both per second-level
-// scale, computed by the caller once per row or tensor.
-__device__ __forceinline__ u32 nv_encode4(float4 v, float mult, float s_dec, u32 *scale, u32 *sat,
-                                          u32 *under) {
-    float vs[4] = {v.x, v.y, v.z, v.w};
-    u32 k = 0;
-    for (int j = 0; j < 4; j++) k = max(k, amax_key(vs[j]));
-    for (int o = 2; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
-    float vec_max = key_f(k);
-    float ds = vec_max * mult;
-    if (!is_nan(ds)) ds = fminf(fmaxf(fminf(ds, FLT_MAX_F), -448.0f), 448.0f);
-    *scale = e4m3x4(ds, ds, ds, ds) & 0xFFu;
-    float enc = 1.0f / (e4m3_decode(*scale) * s_dec);
-    if (!is_nan(enc)) enc = fminf(enc, FLT_MAX_F);
-    float sc[4];
-    u32 packed = 0;
-    for (int j = 0; j < 4; j++) {
-        sc[j] = vs[j] * enc;
-        packed |= e2m1_te(sc[j]) << (4 * j);
-    }
-    // Saturation needs a per-element look only when the block's largest value clips (or holds an
-    // Inf); underflow is zero-magnitude codes from finite non-zero inputs (NaN also encodes as 0).
-    if (vec_max * enc > 6.0f) {
-        for (int j = 0; j < 4; j++)
-            *sat += (fabsf(sc[j]) > 6.0f && fabsf(vs[j]) < __int_as_float(0x7F800000)) ? 1u : 0u;
-    }
-    if (__popc(((packed & 0x7777u) + 0x7777u) & 0x8888u) < 4) {
-        for (int j = 0; j < 4; j++)
-            *under += (((packed >> (4 * j)) & 7u) == 0 && vs[j] != 0.0f && is_finite(vs[j])) ? 1u : 0u;
-    }
-    return packed;
-}
-
 // Block-wide max of a key (every thread gets it). Uses `s_k` (32 entries) and two barriers.
 __device__ __forceinline__ u32 block_max(u32 k, u32 *s_k) {
     for (int o = 16; o > 0; o >>= 1) k = max(k, __shfl_xor_sync(0xFFFFFFFFu, k, o));
@@ -447,8 +401,8 @@ __device__ __forceinline__ u32 block_max(u32 k, u32 *s_k) {
     return r;
 }
 
-// Per (row, shard) amax keys: one thread block per segment. With `tensor_keys` set, also folds
-// each into a per-shard tensor amax (zero-initialised keys): the per-tensor second-level scale.
+// Per (row, shard) amax keys: one thread block per segment, each folded into a per-shard tensor
+// amax (zero-initialised keys): the per-tensor second-level scale with more than one shard.
 extern "C" __global__ void nvfp4_amax(const float4 *__restrict__ x, u32 *__restrict__ row_keys,
                                       u32 *tensor_keys, u64 rows, u64 cols, u32 shards) {
     __shared__ u32 s_k[32];
@@ -469,114 +423,284 @@ extern "C" __global__ void nvfp4_amax(const float4 *__restrict__ x, u32 *__restr
     }
 }
 
-// Per-tensor scales: every 16-element block under the precomputed `[shards]` amax keys. A warp
-// per row at a time (four lanes per block, U float4s in flight per lane); `c4` (float4s per row)
-// is a multiple of 4 and of `shards`.
-extern "C" __global__ void nvfp4_quantize(const float4 *__restrict__ x, u16 *__restrict__ codes,
-                                          u8 *__restrict__ scales, const u32 *__restrict__ amax_keys,
-                                          u64 rows, u64 cols, u32 shards, float rcp6, u64 *stats) {
-    u32 lane = threadIdx.x & 31;
-    u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
-    u32 c4 = (u32)(cols / 4), w4 = c4 / shards;
+// ---- NVFP4, a thread per 16-element block ------------------------------------------------------------
+// Each thread owns whole blocks: four 16-byte loads of one block's 64 contiguous bytes (the warp's
+// four loads cover the same 2 KiB, so L1 merges them), the block amax without shuffles, one scale
+// computation per block instead of one per lane, and one 8-byte code store per block (a warp's
+// stores are contiguous).
+
+// max(|a|, |b|) propagating NaN (max.NaN): the block amax of `amax_nan_propagating` for non-NaN
+// blocks, and a NaN for any block with one.
+__device__ __forceinline__ float absmax_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(fabsf(a)), "f"(fabsf(b)));
+    return r;
+}
+__device__ __forceinline__ float maxnan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float amax16(const float4 *v) {
+    float m0 = maxnan(absmax_nan(v[0].x, v[0].y), absmax_nan(v[0].z, v[0].w));
+    float m1 = maxnan(absmax_nan(v[1].x, v[1].y), absmax_nan(v[1].z, v[1].w));
+    float m2 = maxnan(absmax_nan(v[2].x, v[2].y), absmax_nan(v[2].z, v[2].w));
+    float m3 = maxnan(absmax_nan(v[3].x, v[3].y), absmax_nan(v[3].z, v[3].w));
+    return maxnan(maxnan(m0, m1), maxnan(m2, m3));
+}
+// The amax key (|x| bits, NaN above Inf) of a block amax from `amax16` (non-negative or NaN).
+__device__ __forceinline__ u32 amax16_key(float m) { return fbits(m) & 0x7FFFFFFFu; }
+
+// Number of non-zero 3-bit magnitudes among the eight 4-bit codes of `p`.
+__device__ __forceinline__ u32 nz_nibbles(u32 p) { return __popc(((p & 0x77777777u) + 0x77777777u) & 0x88888888u); }
+
+// e2m1_te for a non-NaN x, by the magic-number rounding of FP32 addition (about 10 instructions
+// against the CPU's ~17-instruction bit trick; equal on all 2^32 inputs, and the element sweep
+// test checks it on the GPU). With a = min(|x|, 6), adding M = 2^22, 2^23 or 2^24 (for a below 2,
+// in [2, 4), in [4, 6]) rounds a to a multiple of ulp(M) = 0.5, 1 or 2, the E2M1 spacing there,
+// ties to even, in one IEEE addition (a < M/2 keeps a + M in M's binade). k = bits(a + M) -
+// bits(M) is a / spacing rounded (even k on a tie), and the magnitude code is k, k + 2 or k + 4:
+//   a in      spacing  M      k      code
+//   [0, 2)    0.5      2^22   0..4   k      (0.25 -> 0, 0.75 -> 2, 1.75 -> 4: ties to even)
+//   [2, 4)    1        2^23   2..4   k + 2  (2.5 -> 4, 3.5 -> 6)
+//   [4, 6]    2        2^24   2..3   k + 4  (5 -> 6, above 5 -> 7)
+// The offset 2·(log2 M - 22) is (bits(M) >> 22) - 298. Sign: 8 for x < 0 (so -0.0 -> 0 and a
+// negative value that rounds to 0 -> 8, as on the CPU).
+__device__ __forceinline__ u32 e2m1_magic(float x) {
+    float a = fminf(fabsf(x), 6.0f);
+    int mb = max((int)(fbits(a) & 0x7F800000u) + (22 << 23), 0x4A800000);
+    u32 k = fbits(a + bitsf((u32)mb)) - (u32)mb;
+    u32 mag = k + (((u32)mb >> 22) - 298u);
+    return mag | (x < 0.0f ? 8u : 0u);
+}
+
+// e2m1::e2m1_from_f32 with the TE reference convention (-0.0 and NaN -> code 0); the element
+// sweep test checks it (and so `e2m1_magic`) against the CPU.
+__device__ __forceinline__ u32 e2m1_te(float x) { return is_nan(x) ? 0u : e2m1_magic(x); }
+
+// E4M3 code of a non-NaN x in [0, 448] (fp8::e4m3_from_f32_sat), and the value of a non-NaN
+// code (exact: every E4M3 value is an FP16 value).
+__device__ __forceinline__ u32 e4m3_pos(float x) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short p;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(p) : "f"(x));
+    return p & 0xFFu;
+#else
+    return e4m3_sat(x);
+#endif
+}
+__device__ __forceinline__ float e4m3_value(u32 c) {
+#if __CUDA_ARCH__ >= 890
+    float f;
+    asm("{\n\t.reg .b32 h2;\n\t.reg .b16 lo, hi;\n\tcvt.rn.f16x2.e4m3x2 h2, %1;\n\t"
+        "mov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 %0, lo;\n\t}"
+        : "=f"(f) : "h"((unsigned short)c));
+    return f;
+#else
+    return e4m3_decode(c);
+#endif
+}
+
+// One block (`v`, amax `vec_max`) under a second-level scale (`mult` = S_enc·fp32(1/6), `s_dec`
+// = 1/S_enc): nvfp4::block_scale and nvfp4::encode. Returns the 16 codes, element j in bits
+// 4j..4j+3, and sets the scale byte.
+__device__ __forceinline__ uint2 nv_block16(const float4 *v, float vec_max, float mult, float s_dec,
+                                            u32 *scale, u32 *sat, u32 *under) {
+    const float *e = (const float *)v;
+    float ds = vec_max * mult;
+    if (is_nan(ds)) {
+        // A NaN in the block or the row (per-token) or tensor amax: scale NaN (0x7F), every code
+        // 0 (NaN·x encodes as 0), and every finite non-zero element counts as underflowed.
+        *scale = 0x7Fu;
+#pragma unroll
+        for (int j = 0; j < 16; j++) *under += (e[j] != 0.0f && is_finite(e[j])) ? 1u : 0u;
+        return make_uint2(0u, 0u);
+    }
+    // ds >= 0 here: min(ds, FLT_MAX).clamp(-448, 448) is min(ds, 448).
+    u32 sc = e4m3_pos(fminf(ds, 448.0f));
+    *scale = sc;
+    // rcp.rn is the correctly rounded 1/y, the same value as the IEEE division the CPU does.
+    float enc = fminf(__frcp_rn(e4m3_value(sc) * s_dec), FLT_MAX_F);
+    float s[16];
+#pragma unroll
+    for (int j = 0; j < 16; j++) s[j] = e[j] * enc;
+    u32 lo = 0, hi = 0, nonzero = 0;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 c = e2m1_magic(s[j]);
+        if (j < 8) lo |= c << (4 * j);
+        else hi |= c << (4 * (j - 8));
+        nonzero += (e[j] != 0.0f) ? 1u : 0u;
+    }
+    // Underflow: a non-zero input whose code magnitude is 0. No code here comes from a NaN, so
+    // it is (non-zero inputs) - (non-zero magnitudes); an Inf input encodes as 6 and is in both.
+    *under += nonzero - nz_nibbles(lo) - nz_nibbles(hi);
+    // Saturation needs a per-element look only when the block's largest scaled value clips.
+    if (vec_max * enc > 6.0f) {
+#pragma unroll
+        for (int j = 0; j < 16; j++) *sat += (fabsf(s[j]) > 6.0f && fabsf(e[j]) < __int_as_float(0x7F800000)) ? 1u : 0u;
+    }
+    return make_uint2(lo, hi);
+}
+
+__device__ __forceinline__ void nv_load16(const float4 *__restrict__ x, u64 b, float4 *v) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) v[k] = x[4 * b + k];
+}
+
+#define NV_T 256
+#define NV_B 4 // blocks per thread
+#define NV_CHUNK (NV_T * NV_B)
+
+// Per-token scales, fused, with one barrier per chunk. `L` = 16-element blocks per (row, shard)
+// segment; segment s is blocks [s·L, (s+1)·L) of the flattened tensor. A thread block takes a
+// chunk of whole segments (up to NV_CHUNK blocks, NV_B per thread, held in registers): block
+// amaxes, segment amaxes (a warp max, then a shared-memory atomic max), one barrier, then every
+// thread derives its segments' scales itself and encodes its blocks: one pass over memory. The
+// segment keys rotate through three shared buffers: buffer (i+1)%3 is cleared during chunk i,
+// before its barrier, when its last readers (chunk i-2, before the barrier of chunk i-1) are done
+// and before its next writers (chunk i+1, after the barrier of chunk i) start. Segments longer
+// than a chunk are read twice (amax, then encode).
+extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
+    const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
+    u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats) {
+    __shared__ u32 s_key[3][NV_CHUNK];
+    u32 t = threadIdx.x;
     u32 el = 0, sat = 0, under = 0;
-    float s_enc1 = nv_s_enc(key_f(amax_keys[0])); // the only scale when shards == 1
-    float mult1 = s_enc1 * rcp6, s_dec1 = 1.0f / s_enc1;
-    for (u64 r = warp; r < rows; r += nwarps) {
-        const float4 *xr = x + r * c4;
-        u64 o = r * c4;
-        for (u32 j0 = 0; j0 < c4; j0 += 32 * U) {
-            float4 v[U];
+    if (L <= NV_CHUNK) {
+        u32 spc = NV_CHUNK / L;
+        u64 nchunks = (nsegs + spc - 1) / spc;
+        for (u32 i = t; i < spc; i += NV_T) s_key[0][i] = 0;
+        u32 p = 0;
+        for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x, p = p == 2 ? 0 : p + 1) {
+            u64 seg0 = c * spc;
+            u32 nseg = (u32)min((u64)spc, nsegs - seg0);
+            u32 nb = nseg * L;
+            u64 b0 = seg0 * L;
+            float4 v[NV_B][4];
+            float bm[NV_B];
+            u32 sgs[NV_B];
 #pragma unroll
-            for (int k = 0; k < U; k++) {
-                u32 j = j0 + k * 32 + lane;
-                v[k] = j < c4 ? xr[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int q = 0; q < NV_B; q++) {
+                u32 b = t + q * NV_T;
+                if (b < nb) nv_load16(x, b0 + b, v[q]);
             }
+            u32 pn = p == 2 ? 0 : p + 1;
+            for (u32 i = t; i < spc; i += NV_T) s_key[pn][i] = 0;
+            if (c == blockIdx.x) __syncthreads(); // the first chunk's buffer was cleared above
 #pragma unroll
-            for (int k = 0; k < U; k++) {
-                u32 j = j0 + k * 32 + lane;
-                bool valid = j < c4;
-                float mult = mult1, s_dec = s_dec1;
-                if (shards > 1) {
-                    float s_enc = nv_s_enc(key_f(valid ? amax_keys[j / w4] : 0u));
-                    mult = s_enc * rcp6;
-                    s_dec = 1.0f / s_enc;
+            for (int q = 0; q < NV_B; q++) {
+                u32 b = t + q * NV_T;
+                bool ok = b < nb;
+                bm[q] = ok ? amax16(v[q]) : 0.0f;
+                u32 k = amax16_key(bm[q]);
+                u32 sg = ok ? b / L : 0xFFFFFFFFu;
+                sgs[q] = sg;
+                // A warp's 32 consecutive blocks usually share a segment (L a multiple of 32).
+                if (__all_sync(0xFFFFFFFFu, sg == __shfl_sync(0xFFFFFFFFu, sg, 0) && ok)) {
+                    k = __reduce_max_sync(0xFFFFFFFFu, k);
+                    if ((t & 31) == 0) atomicMax(&s_key[p][sg], k);
+                } else if (ok) {
+                    atomicMax(&s_key[p][sg], k);
                 }
-                u32 scale, s_ = 0, u_ = 0;
-                u32 packed = nv_encode4(v[k], mult, s_dec, &scale, &s_, &u_);
-                if (valid) {
-                    codes[o + j] = (u16)packed;
-                    if ((j & 3) == 0) scales[(o + j) >> 2] = (u8)scale;
-                    el += 4; sat += s_; under += u_;
+            }
+            __syncthreads();
+            u32 last = 0xFFFFFFFFu;
+            float mult = 0.0f, s_dec = 0.0f;
+#pragma unroll
+            for (int q = 0; q < NV_B; q++) {
+                u32 b = t + q * NV_T;
+                if (b < nb) {
+                    u32 sg = sgs[q], sc;
+                    if (sg != last) {
+                        u32 k = s_key[p][sg];
+                        float s_enc = nv_s_enc(key_f(k));
+                        mult = s_enc * rcp6;
+                        s_dec = __frcp_rn(s_enc);
+                        last = sg;
+                        if (b == sg * L) row_keys[seg0 + sg] = canon_key(k);
+                    }
+                    codes[b0 + b] = nv_block16(v[q], bm[q], mult, s_dec, &sc, &sat, &under);
+                    scales[b0 + b] = (u8)sc;
+                    el += 16;
                 }
+            }
+        }
+    } else {
+        for (u64 sgi = blockIdx.x; sgi < nsegs; sgi += gridDim.x) {
+            u64 b0 = sgi * L;
+            u32 k = 0;
+            for (u32 b = t; b < L; b += NV_T) {
+                float4 v[4];
+                nv_load16(x, b0 + b, v);
+                k = max(k, amax16_key(amax16(v)));
+            }
+            k = block_max(k, s_key[0]);
+            if (t == 0) row_keys[sgi] = canon_key(k);
+            float s_enc = nv_s_enc(key_f(k));
+            float mult = s_enc * rcp6, s_dec = __frcp_rn(s_enc);
+            for (u32 b = t; b < L; b += NV_T) {
+                float4 v[4];
+                nv_load16(x, b0 + b, v);
+                u32 sc;
+                codes[b0 + b] = nv_block16(v, amax16(v), mult, s_dec, &sc, &sat, &under);
+                scales[b0 + b] = (u8)sc;
+                el += 16;
             }
         }
     }
     flush_stats(stats, el, sat, under);
 }
 
-// Per-token scales, fused: one 256-thread block per (row, shard) segment. A segment of up to
-// 256·NV_REGS float4s stays in registers (NV_REGS loads in flight per thread): amax, then encode, one pass
-// over memory. Longer segments re-read from cache.
-#define NV_REGS 16
-extern "C" __global__ void nvfp4_quantize_token(const float4 *__restrict__ x, u16 *__restrict__ codes,
-                                                u8 *__restrict__ scales, u32 *__restrict__ row_keys,
-                                                u64 rows, u64 cols, u32 shards, float rcp6,
-                                                u64 *stats) {
-    __shared__ u32 s_k[32];
-    u32 lane = threadIdx.x & 31;
-    u32 w4 = (u32)(cols / shards / 4);
-    u32 el = 0, sat = 0, under = 0;
-    bool fits = w4 <= blockDim.x * NV_REGS;
-    for (u64 seg = blockIdx.x; seg < rows * shards; seg += gridDim.x) {
-        u64 off = (seg / shards) * (cols / 4) + (seg % shards) * w4;
-        const float4 *xs = x + off;
-        float4 v[NV_REGS];
-        u32 k = 0;
-        if (fits) {
+// The tensor amax key of a one-shard per-tensor scale: a flat grid-stride max over `n4` float4s
+// (8 coalesced loads in flight per thread), one atomic per warp into the zero-initialised key.
+extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_amax16(const float4 *__restrict__ x,
+                                                                u32 *tensor_key, u64 n4) {
+    float m = 0.0f;
+    for (u64 i = (u64)blockIdx.x * NV_T * 8 + threadIdx.x; i < n4; i += (u64)gridDim.x * NV_T * 8) {
+        float4 v[8];
 #pragma unroll
-            for (int q = 0; q < NV_REGS; q++) {
-                u32 j = threadIdx.x + q * blockDim.x;
-                v[q] = j < w4 ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int q = 0; q < NV_REGS; q++) k = max(k, max(max(amax_key(v[q].x), amax_key(v[q].y)), max(amax_key(v[q].z), amax_key(v[q].w))));
-        } else {
-            for (u32 j = threadIdx.x; j < w4; j += blockDim.x) {
-                float4 t = xs[j];
-                k = max(k, max(max(amax_key(t.x), amax_key(t.y)), max(amax_key(t.z), amax_key(t.w))));
-            }
+        for (int q = 0; q < 8; q++) {
+            u64 j = i + q * NV_T;
+            v[q] = j < n4 ? x[j] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        k = block_max(k, s_k);
-        if (threadIdx.x == 0) row_keys[seg] = canon_key(k);
-        float s_enc = nv_s_enc(key_f(k));
-        float mult = s_enc * rcp6, s_dec = 1.0f / s_enc;
-        if (fits) {
 #pragma unroll
-            for (int q = 0; q < NV_REGS; q++) {
-                u32 j = threadIdx.x + q * blockDim.x;
-                if (q * blockDim.x < w4) { // warp-uniform: w4 and blockDim are multiples of 4 lanes' work
-                    u32 scale, s_ = 0, u_ = 0;
-                    u32 packed = nv_encode4(v[q], mult, s_dec, &scale, &s_, &u_);
-                    if (j < w4) {
-                        codes[off + j] = (u16)packed;
-                        if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
-                        el += 4; sat += s_; under += u_;
-                    }
+        for (int q = 0; q < 8; q++)
+            m = maxnan(m, maxnan(absmax_nan(v[q].x, v[q].y), absmax_nan(v[q].z, v[q].w)));
+    }
+    u32 k = __reduce_max_sync(0xFFFFFFFFu, amax16_key(m));
+    if ((threadIdx.x & 31) == 0) atomicMax(tensor_key, k);
+}
+
+// Per-tensor scales: every block under the precomputed `[shards]` amax keys (block b is in shard
+// (b / L) % shards); NV_B blocks per thread in flight, grid-stride.
+extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_tensor16(
+    const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
+    const u32 *__restrict__ amax_keys, u64 nblocks, u32 L, u32 shards, float rcp6, u64 *stats) {
+    u32 el = 0, sat = 0, under = 0;
+    float s_enc1 = nv_s_enc(key_f(amax_keys[0])); // the only scale when shards == 1
+    float mult1 = s_enc1 * rcp6, s_dec1 = __frcp_rn(s_enc1);
+    for (u64 g = (u64)blockIdx.x * NV_CHUNK + threadIdx.x; g < nblocks; g += (u64)gridDim.x * NV_CHUNK) {
+        float4 v[NV_B][4];
+#pragma unroll
+        for (int q = 0; q < NV_B; q++) {
+            u64 b = g + q * NV_T;
+            if (b < nblocks) nv_load16(x, b, v[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < NV_B; q++) {
+            u64 b = g + q * NV_T;
+            if (b < nblocks) {
+                float mult = mult1, s_dec = s_dec1;
+                if (shards > 1) {
+                    float s_enc = nv_s_enc(key_f(amax_keys[(b / L) % shards]));
+                    mult = s_enc * rcp6;
+                    s_dec = __frcp_rn(s_enc);
                 }
-            }
-        } else {
-            for (u32 j0 = threadIdx.x - lane; j0 < w4; j0 += blockDim.x) {
-                u32 j = j0 + lane;
-                bool valid = j < w4;
-                float4 t = valid ? xs[j] : make_float4(0.f, 0.f, 0.f, 0.f);
-                u32 scale, s_ = 0, u_ = 0;
-                u32 packed = nv_encode4(t, mult, s_dec, &scale, &s_, &u_);
-                if (valid) {
-                    codes[off + j] = (u16)packed;
-                    if ((j & 3) == 0) scales[(off + j) >> 2] = (u8)scale;
-                    el += 4; sat += s_; under += u_;
-                }
+                u32 sc;
+                codes[b] = nv_block16(v[q], amax16(v[q]), mult, s_dec, &sc, &sat, &under);
+                scales[b] = (u8)sc;
+                el += 16;
             }
         }
     }
