@@ -323,57 +323,113 @@ __device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__r
     flush_stats(stats, el, sat, under);
 }
 
-// Column axis without a transpose: a thread owns (column c, row block rb), reads x[rb*32 + i][c]
-// for i < 32 (coalesced across the warp's consecutive columns) and writes the block's 32 codes
-// contiguously at codes[c*rows + rb*32] (the transposed blocked view). `rows` is a multiple of 32.
-template <int ELEM, int RULE>
-__device__ __forceinline__ void mxfp8_col(const float *__restrict__ x, uint4 *__restrict__ codes,
-                                          u8 *__restrict__ scales, u64 rows, u64 cols, float max_elem,
-                                          float rcp_max, int emax, u64 *stats) {
-    u64 rbs = rows / 32;
-    u64 items = rbs * cols;
-    u64 stride = (u64)gridDim.x * blockDim.x;
+// Column axis through a shared-memory tile: a 256-thread block takes TR = 128 rows x TC = 64
+// columns (32 KiB of FP32) at a time, loads it with coalesced float4 loads (scalar loads when cols
+// is not a multiple of 4), then thread (column c, row block rb) reads its 32 elements down the
+// tile (consecutive lanes, consecutive columns: no bank conflicts) and encodes them. The codes go
+// through a second shared tile [TC][TR + 16] bytes (the 16-byte pad keeps the 16-byte stores
+// conflict-free) so that each warp stores whole 128-byte runs of the column-major output
+// (codes[c*rows + r], the transposed blocked view). `rows` is a multiple of 32. Measured on the
+// H200 (16384², e4m3 te): 0.387 ms against 0.788 for a thread per (column, row block) writing
+// its 32 bytes at a stride of `rows`; without the code staging 0.60; 32x256 tiles 0.62; 64x128
+// tiles 0.40; 3 blocks an SM (72 registers) 0.488 against 4 (64 registers, __launch_bounds__);
+// 5 (48 registers, 12 bytes of spills) 0.437.
+template <int ELEM, int RULE, int TR, int TC>
+__device__ __forceinline__ void mxfp8_col_tile(const float *__restrict__ x, u8 *__restrict__ codes,
+                                               u8 *__restrict__ scales, u64 rows, u64 cols,
+                                               float max_elem, float rcp_max, int emax, u64 *stats) {
+    __shared__ __align__(16) float s[TR * TC];
+    __shared__ __align__(16) u8 cs[TC * (TR + 16)];
+    const u32 tid = threadIdx.x;
+    const u64 rbs = rows / 32;
+    const u64 ntc = (cols + TC - 1) / TC;
+    const u64 ntiles = ntc * ((rows + TR - 1) / TR);
+    const bool vec = (cols & 3) == 0;
     u32 el = 0, sat = 0, under = 0;
-    for (u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x; t < items; t += stride) {
-        u64 rb = t / cols, c = t % cols;
-        float v[32];
-        float m = 0.0f;
-        bool nan = false;
+    for (u64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        const u64 r0 = (tile / ntc) * TR, c0 = (tile % ntc) * TC;
+        if (vec) {
+            constexpr int K = TR * TC / 4 / 256;
+            float4 v[K];
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = x[(rb * 32 + i) * cols + c];
+            for (int k = 0; k < K; k++) {
+                u32 idx = k * 256 + tid;
+                u64 r = r0 + idx / (TC / 4), c = c0 + (idx % (TC / 4)) * 4;
+                v[k] = (r < rows && c < cols) ? *(const float4 *)&x[r * cols + c]
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            __syncthreads();
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            if (RULE == 1) nan |= is_nan(v[i]);
-            m = fmaxf(m, fabsf(v[i]));
+            for (int k = 0; k < K; k++) ((float4 *)s)[k * 256 + tid] = v[k];
+        } else {
+            constexpr int K = TR * TC / 256;
+            float v[K];
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+                u32 idx = k * 256 + tid;
+                u64 r = r0 + idx / TC, c = c0 + idx % TC;
+                v[k] = (r < rows && c < cols) ? x[r * cols + c] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < K; k++) s[k * 256 + tid] = v[k];
         }
-        bool nanblock;
-        u32 b = mx_scale<RULE>(m, nan, rcp_max, emax, &nanblock);
-        float inv = e8m0_rcp(b);
-        u32 w[8];
+        __syncthreads();
+        const u32 c = tid % TC, rb = tid / TC;
+        const u64 gc = c0 + c, gr = r0 + rb * 32;
+        const bool live = gc < cols && gr < rows;
+        if (live) {
+            u32 w[8];
+            float v[32];
+            float m = 0.0f;
+            bool nan = false;
 #pragma unroll
-        for (int q = 0; q < 8; q++)
-            w[q] = nanblock ? 0x7F7F7F7Fu
-                            : mx_encode4<ELEM>(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3], m, inv,
-                                               max_elem, &sat, &under);
-        if (!nanblock) el += 32;
-        u64 o = (c * rows + rb * 32) / 16;
-        codes[o] = make_uint4(w[0], w[1], w[2], w[3]);
-        codes[o + 1] = make_uint4(w[4], w[5], w[6], w[7]);
-        scales[c * rbs + rb] = (u8)b;
+            for (int i = 0; i < 32; i++) v[i] = s[(rb * 32 + i) * TC + c];
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                if (RULE == 1) nan |= is_nan(v[i]);
+                m = fmaxf(m, fabsf(v[i]));
+            }
+            bool nanblock;
+            u32 b = mx_scale<RULE>(m, nan, rcp_max, emax, &nanblock);
+            float inv = e8m0_rcp(b);
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                w[q] = nanblock ? 0x7F7F7F7Fu
+                                : mx_encode4<ELEM>(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3], m,
+                                                   inv, max_elem, &sat, &under);
+            if (!nanblock) el += 32;
+            scales[gc * rbs + gr / 32] = (u8)b;
+            uint4 *o = (uint4 *)&cs[c * (TR + 16) + rb * 32];
+            o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+            o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+        __syncthreads();
+        constexpr int P = TR / 16; // uint4 pieces per column run
+#pragma unroll
+        for (int k = 0; k < TC * P / 256; k++) {
+            u32 idx = k * 256 + tid;
+            u32 cc = idx / P, part = idx % P;
+            u64 g = c0 + cc, r = r0 + part * 16;
+            if (g < cols && r < rows)
+                *(uint4 *)&codes[g * rows + r] = *(const uint4 *)&cs[cc * (TR + 16) + part * 16];
+        }
     }
     flush_stats(stats, el, sat, under);
 }
 
+#define MX_TR 128 // tile of the column kernels (quant.rs sizes the grid by it)
+#define MX_TC 64
 #define MX_KERNELS(SUFFIX, E, R)                                                                       \
     extern "C" __global__ void mxfp8_row_##SUFFIX(const float4 *__restrict__ x, u32 *__restrict__ codes, \
                                                   u8 *__restrict__ scales, u64 n4, float max_elem,     \
                                                   float rcp_max, int emax, u64 *stats) {                \
         mxfp8_row<E, R>(x, codes, scales, n4, max_elem, rcp_max, emax, stats);                         \
     }                                                                                                  \
-    extern "C" __global__ void mxfp8_col_##SUFFIX(const float *__restrict__ x, uint4 *__restrict__ codes, \
-                                                  u8 *__restrict__ scales, u64 rows, u64 cols,         \
-                                                  float max_elem, float rcp_max, int emax, u64 *stats) { \
-        mxfp8_col<E, R>(x, codes, scales, rows, cols, max_elem, rcp_max, emax, stats);                 \
+    extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_col_##SUFFIX(                          \
+        const float *__restrict__ x, u8 *__restrict__ codes, u8 *__restrict__ scales, u64 rows,         \
+        u64 cols, float max_elem, float rcp_max, int emax, u64 *stats) {                               \
+        mxfp8_col_tile<E, R, MX_TR, MX_TC>(x, codes, scales, rows, cols, max_elem, rcp_max, emax, stats); \
     }
 MX_KERNELS(e4m3_te, 0, 0)
 MX_KERNELS(e4m3_ocp, 0, 1)

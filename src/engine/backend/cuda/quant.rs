@@ -301,10 +301,14 @@ impl CudaQuantizer {
                     let mut b = s.launch_builder(&self.k.mxfp8_col[e][r]);
                     b.arg(x).arg(codes).arg(scales_u8).arg(&r64).arg(&c64);
                     b.arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
-                    // SAFETY: rows is a multiple of 32 (validated); a thread per (column, 32-row
-                    // block) reads inside x (rows*cols floats) and writes 32 code bytes at
-                    // c*rows + 32*rb (< rows*cols) and one scale byte below rows*cols/32.
-                    unsafe { b.launch(cfg(grid, THREADS)) }?;
+                    // A thread block per 128x64 tile (MX_TR x MX_TC in quant.cu), so the
+                    // scheduler balances the tiles (the kernel also loops if the grid is short).
+                    let tiles = (rows.div_ceil(128) * cols.div_ceil(64)).clamp(1, 1 << 30) as u32;
+                    // SAFETY: rows is a multiple of 32 (validated); every load is guarded by
+                    // r < rows && c < cols inside x (rows*cols floats, float4 loads only when
+                    // cols is a multiple of 4); codes are written at c*rows + r (< rows*cols) for
+                    // in-range (r, c), scales at c*rows/32 + r/32 (< rows*cols/32).
+                    unsafe { b.launch(cfg(tiles, THREADS)) }?;
                 } else {
                     let n4 = n64 / 4;
                     let mut b = s.launch_builder(&self.k.mxfp8_row[e][r]);
