@@ -364,6 +364,62 @@ fn cublas_gemm_matches_cpu_and_repeats_bit_for_bit() {
     }
 }
 
+/// Keyed operands (prepared weights) are copied to the GPU once and then read from the resident
+/// copy: same bits as the copied path, and the counters show the hits. A budget smaller than the
+/// operand falls back to copying.
+#[test]
+fn resident_weights_give_the_same_bits_as_copied_operands() {
+    if backend("resident_weights_give_the_same_bits_as_copied_operands").is_none() {
+        return;
+    }
+    let (m, k, n) = (301, 128, 384);
+    let x: Vec<f32> = nasty(m * k, 3, false)
+        .iter()
+        .map(|v| v.clamp(-4.0, 4.0))
+        .collect();
+    let w: Vec<f32> = nasty(n * k, 4, false)
+        .iter()
+        .map(|v| v.clamp(-4.0, 4.0))
+        .collect();
+    let copied = CudaBackend::with_resident_budget(0, 0).expect("open cuda:0");
+    let resident = CudaBackend::new(0).expect("open cuda:0");
+    let tiny = CudaBackend::with_resident_budget(0, n * k * 4 - 4).expect("open cuda:0");
+    let run = |be: &CudaBackend| {
+        let mut outs = Vec::new();
+        for _ in 0..3 {
+            let mut y = vec![0.0f32; m * n];
+            be.gemm(
+                MatRef::new(&x, m, k),
+                MatRef::new(&w, n, k).keyed(1 << 60).t(),
+                &mut y,
+                false,
+            );
+            outs.push(y);
+        }
+        (outs, be.take_counters())
+    };
+    let (want, c0) = run(&copied);
+    let (got, c1) = run(&resident);
+    let (small, c2) = run(&tiny);
+    let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter()
+            .map(|y| y.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert_eq!(
+        bits(&want),
+        bits(&got),
+        "resident weights changed the result"
+    );
+    assert_eq!(bits(&want), bits(&small));
+    assert_eq!((c0.resident_hits, c0.resident_uploads), (0, 0));
+    assert_eq!((c1.resident_hits, c1.resident_uploads), (2, 1));
+    assert_eq!((c2.resident_hits, c2.resident_uploads), (0, 0));
+    let per_call = ((m * k + n * k) * 4) as u64;
+    assert_eq!(c0.bytes_to_device, 3 * per_call);
+    assert_eq!(c1.bytes_to_device, 3 * per_call - 2 * (n * k * 4) as u64);
+}
+
 #[test]
 fn same_seed_gives_identical_metrics_on_the_gpu() {
     use lockstep::engine::model::{ModelConfig, Params};

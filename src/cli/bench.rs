@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use lockstep::engine::backend::{Device, cuda, open};
+use lockstep::engine::backend::{Backend, Device, cuda, open};
 
 /// Quantizer kernels vs a device-to-device copy on the GPU.
 pub fn quantize_gpu(device: &str, size: Option<usize>, reps: usize) -> Result<bool> {
@@ -51,24 +51,81 @@ pub struct StepArgs {
     pub steps: usize,
 }
 
-/// Median GRPO step time and its phases on one device.
+/// Median GRPO step time and its phases on one device. On a GPU, two backends are timed side by
+/// side in the same run: one that copies every GEMM operand on every call and one that keeps the
+/// prepared weights resident (the default), with the GEMM path's counters per step.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
-    let be = open(device)?;
     let model = super::engine::model_preset(&args.model)?;
     let recipe = lockstep::recipe::file::load(&args.recipe)?;
-    let times = lockstep::tools::bench::engine_step_times(be.as_ref(), &model, recipe, args.steps)
-        .context("engine step")?;
+    if let Device::Cuda(ordinal) = device {
+        // Fail with the one-line error before printing anything.
+        cuda::CudaDevice::open(ordinal)
+            .map_err(|err| lockstep::engine::backend::DeviceError::Cuda { device, err })?;
+    }
     println!(
-        "engine step, model {} recipe {} on {} (threads {}), median of {} steps:",
+        "engine step, model {} recipe {} (32 prompts x 8 samples, <= 8 response tokens, add:3), \
+         host threads {}, median of {} steps after one warm-up:",
         args.model,
         args.recipe,
-        be.name(),
         rayon::current_num_threads(),
         args.steps
     );
-    for (k, v) in times {
-        println!("  {k:<20} {:>9.1} ms", v * 1e3);
+    let print = |label: &str, times: &[(String, f64)]| {
+        let cell = |k: &str| {
+            times
+                .iter()
+                .find(|(n, _)| n == k)
+                .map_or(f64::NAN, |(_, v)| v * 1e3)
+        };
+        println!(
+            "  {label:<34} step {:>7.1} ms  export {:>6.1}  rollout {:>6.1}  train {:>6.1}",
+            cell("perf/step_time"),
+            cell("perf/export_time"),
+            cell("perf/rollout_time"),
+            cell("perf/train_time")
+        );
+    };
+    let Device::Cuda(ordinal) = device else {
+        let be = open(device)?;
+        let times = lockstep::tools::bench::engine_step_times(
+            be.as_ref(),
+            &model,
+            recipe,
+            args.steps,
+            || {},
+        )
+        .context("engine step")?;
+        print(&be.name(), &times);
+        return Ok(true);
+    };
+    let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
+    for (label, budget) in [
+        ("operands copied every call", 0),
+        ("weights resident", cuda::gemm::RESIDENT_BUDGET),
+    ] {
+        let be = cuda::CudaBackend::with_resident_budget(ordinal, budget).map_err(cuda_err)?;
+        let mut per_step = Vec::new();
+        let times = lockstep::tools::bench::engine_step_times(
+            &be,
+            &model,
+            recipe.clone(),
+            args.steps,
+            || per_step.push(be.take_counters()),
+        )
+        .context("engine step")?;
+        print(&format!("{} {label}", be.name()), &times);
+        let last = per_step.last().copied().unwrap_or_default();
+        println!(
+            "  {:<34} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
+             resident / {} copied in (last step)",
+            "",
+            last.calls,
+            last.bytes_to_device as f64 / 1e6,
+            last.bytes_to_host as f64 / 1e6,
+            last.resident_hits,
+            last.resident_uploads
+        );
     }
     Ok(true)
 }

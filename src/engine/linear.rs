@@ -29,14 +29,41 @@ use sha2::{Digest, Sha256};
 pub struct PreparedWeight {
     pub out_dim: usize,
     pub in_dim: usize,
-    /// Forward operand (quantized then dequantized to FP32).
-    pub w_fwd: Vec<f32>,
+    /// Forward operand (quantized then dequantized to FP32). Private, like `w_bwd`: both are
+    /// immutable once prepared, which is what lets a GPU backend keep them resident under `key`.
+    w_fwd: Vec<f32>,
     /// Operand of the dgrad GEMM (`dx = dy · W`), chosen by the backward mode.
-    pub w_bwd: Vec<f32>,
+    w_bwd: Vec<f32>,
+    /// Unique per prepared weight (`key` names `w_fwd`, `key + 1` names `w_bwd`): see
+    /// [`MatRef::key`].
+    key: u64,
     /// SHA-256 over the weight's codes, scales and second-level scales (FP32 values for FP32 sites).
     pub digest: [u8; 32],
     /// Saturation/underflow of the weight quantization.
     pub stats: QuantStats,
+}
+
+impl PreparedWeight {
+    /// Forward operand (quantized then dequantized to FP32).
+    pub fn w_fwd(&self) -> &[f32] {
+        &self.w_fwd
+    }
+    /// Operand of the dgrad GEMM, chosen by the backward mode.
+    pub fn w_bwd(&self) -> &[f32] {
+        &self.w_bwd
+    }
+    fn fwd_operand(&self) -> MatRef<'_> {
+        MatRef::new(&self.w_fwd, self.out_dim, self.in_dim).keyed(self.key)
+    }
+    fn bwd_operand(&self) -> MatRef<'_> {
+        MatRef::new(&self.w_bwd, self.out_dim, self.in_dim).keyed(self.key + 1)
+    }
+}
+
+/// A fresh pair of content keys for a prepared weight (process-wide, never reused).
+fn next_weight_key() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(2, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// What the forward keeps for the backward.
@@ -117,6 +144,7 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
             in_dim,
             w_fwd: w.to_vec(),
             w_bwd: w.to_vec(),
+            key: next_weight_key(),
             digest: digest_f32(w),
             stats: QuantStats::default(),
         };
@@ -135,6 +163,7 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
         in_dim,
         w_fwd,
         w_bwd,
+        key: next_weight_key(),
         digest: digest_of(&q),
         stats: q.stats,
     }
@@ -152,12 +181,7 @@ pub fn forward(
     let k = w.in_dim;
     assert_eq!(x.len(), n * k);
     let Some(fmt) = plan.activation_format() else {
-        be.gemm(
-            MatRef::new(x, n, k),
-            MatRef::new(&w.w_fwd, w.out_dim, k).t(),
-            y,
-            false,
-        );
+        be.gemm(MatRef::new(x, n, k), w.fwd_operand().t(), y, false);
         return LinearCache {
             x_bwd: x.to_vec(),
             n,
@@ -176,12 +200,7 @@ pub fn forward(
         fake_quantize(src, n, k, &fmt, Axis::Row, &mut x_q)
             .expect("site shape checked by check_site")
     };
-    be.gemm(
-        MatRef::new(&x_q, n, k),
-        MatRef::new(&w.w_fwd, w.out_dim, k).t(),
-        y,
-        false,
-    );
+    be.gemm(MatRef::new(&x_q, n, k), w.fwd_operand().t(), y, false);
     let x_bwd = match plan.backward {
         _ if bf16_site => x_q, // already the BF16 operand, whatever the backward mode
         BackwardMode::HighPrecision => x_hp,
@@ -235,12 +254,7 @@ pub fn backward(
             }
         };
     if let Some(dx) = dx {
-        be.gemm(
-            MatRef::new(&dy_d, n, m),
-            MatRef::new(&w.w_bwd, m, k),
-            dx,
-            false,
-        );
+        be.gemm(MatRef::new(&dy_d, n, m), w.bwd_operand(), dx, false);
     }
     be.gemm(
         MatRef::new(&dy_w, n, m).t(),

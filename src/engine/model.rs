@@ -565,21 +565,21 @@ impl PreparedModel {
         for (i, l) in self.layers.iter().enumerate() {
             let name = |s: &str| layer_name(i, s);
             out.push((name(LAYER_TENSORS[0]), &l.attn_norm));
-            out.push((name(LAYER_TENSORS[1]), &l.linear_qkv.w_fwd));
-            out.push((name(LAYER_TENSORS[2]), &l.linear_proj.w_fwd));
+            out.push((name(LAYER_TENSORS[1]), l.linear_qkv.w_fwd()));
+            out.push((name(LAYER_TENSORS[2]), l.linear_proj.w_fwd()));
             out.push((name(LAYER_TENSORS[3]), &l.mlp_norm));
-            out.push((name(LAYER_TENSORS[4]), &l.router.w_fwd));
+            out.push((name(LAYER_TENSORS[4]), l.router.w_fwd()));
             for (e, w) in l.experts_fc1.iter().enumerate() {
-                out.push((format!("{}{e}", name(LAYER_TENSORS[5])), &w.w_fwd));
+                out.push((format!("{}{e}", name(LAYER_TENSORS[5])), w.w_fwd()));
             }
             for (e, w) in l.experts_fc2.iter().enumerate() {
-                out.push((format!("{}{e}", name(LAYER_TENSORS[6])), &w.w_fwd));
+                out.push((format!("{}{e}", name(LAYER_TENSORS[6])), w.w_fwd()));
             }
-            out.push((name(LAYER_TENSORS[7]), &l.shared_fc1.w_fwd));
-            out.push((name(LAYER_TENSORS[8]), &l.shared_fc2.w_fwd));
+            out.push((name(LAYER_TENSORS[7]), l.shared_fc1.w_fwd()));
+            out.push((name(LAYER_TENSORS[8]), l.shared_fc2.w_fwd()));
         }
         out.push((FINAL_NORM.into(), &self.final_norm));
-        out.push((OUTPUT.into(), &self.output_layer.w_fwd));
+        out.push((OUTPUT.into(), self.output_layer.w_fwd()));
         out
     }
 }

@@ -93,27 +93,32 @@ pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<Benc
     rows
 }
 
-/// Median seconds of each `perf/*` phase over `steps` GRPO steps (after one warm-up step) of a
-/// randomly initialised `model` under `recipe` on `be`, at the default GRPO batch (8 prompts x 8
-/// samples, `add:2`): the engine's step cost on a device, whatever the reward does.
+/// Median seconds of each `perf/*` phase over `steps` GRPO steps (after one warm-up step) of
+/// `model` under `recipe` on `be`, at the engine's benchmark batch (issue 3: 32 prompts x 8
+/// samples, at most 8 response tokens, `add:3`, seeded random initialisation; see
+/// [`super::bench_engine`]): the engine's step cost on a device, whatever the reward does.
+/// `between_steps` runs after every step (a GPU backend's counters are read there).
 pub fn engine_step_times(
     be: &dyn crate::engine::backend::Backend,
     model: &crate::engine::model::ModelConfig,
     recipe: crate::recipe::Recipe,
     steps: usize,
+    mut between_steps: impl FnMut(),
 ) -> Result<Vec<(String, f64)>, crate::engine::trainer::TrainerError> {
     use crate::engine::task::Task;
-    use crate::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
-    let task = Task::Add(2);
-    let grpo = GrpoConfig {
-        max_response_tokens: task.answer_len() + 2,
-        eval_every: 0,
-        ..Default::default()
-    };
-    let init = crate::engine::model::Params::init(model, 0)?;
-    let mut t = Trainer::new(init, task, recipe, grpo, 0, ContractBreak::None)?;
+    use crate::engine::trainer::{ContractBreak, Trainer};
+    let init = crate::engine::model::Params::init(model, 7)?;
+    let grpo = super::bench_engine::bench_grpo();
+    let mut t = Trainer::new(init, Task::Add(3), recipe, grpo, 0, ContractBreak::None)?;
     t.step(be);
-    let recs: Vec<_> = (0..steps.max(1)).map(|_| t.step(be)).collect();
+    between_steps();
+    let recs: Vec<_> = (0..steps.max(1))
+        .map(|_| {
+            let r = t.step(be);
+            between_steps();
+            r
+        })
+        .collect();
     let keys = [
         "perf/step_time",
         "perf/export_time",

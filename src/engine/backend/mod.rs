@@ -94,6 +94,10 @@ pub struct MatRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub trans: bool,
+    /// A content key: every operand passed with the same key holds the same values (a prepared
+    /// weight, immutable for its lifetime), so a backend may keep a device copy under it instead of
+    /// copying the operand on every call. `None` for activations.
+    pub key: Option<u64>,
 }
 
 impl<'a> MatRef<'a> {
@@ -104,6 +108,14 @@ impl<'a> MatRef<'a> {
             rows,
             cols,
             trans: false,
+            key: None,
+        }
+    }
+    /// The same operand, tagged with a content key (see [`MatRef::key`]).
+    pub fn keyed(self, key: u64) -> Self {
+        MatRef {
+            key: Some(key),
+            ..self
         }
     }
     /// The same storage read as its transpose.

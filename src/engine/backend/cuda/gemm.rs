@@ -5,8 +5,11 @@
 //! `CUBLAS_PEDANTIC_MATH`, which rules out TF32 and any reduced-precision tensor-core path, whatever
 //! `NVIDIA_TF32_OVERRIDE` says.
 //!
-//! Each call copies its operands to the device, multiplies, and copies the result back: the model
-//! and its element-wise ops still run on the CPU (see `docs/cuda.md` for what that costs).
+//! Each call copies its activation operand to the device, multiplies, and copies the result back:
+//! the model and its element-wise ops still run on the CPU (see `docs/cuda.md` for what that costs).
+//! Keyed operands (prepared weights, see [`MatRef::key`]) are copied once and kept resident in a
+//! FIFO cache with a byte budget, since a step multiplies by the same weights hundreds of times
+//! (every rollout decode step, the policy and reference forwards, the backward).
 //! Concurrent callers (the suite runner's workers) each take a *lane* — a stream, a cuBLAS handle
 //! and grow-only device buffers — from a pool, so they never share a handle or a stream. cuBLAS is
 //! deterministic for a given shape, handle configuration and GPU, so the same seed gives the same
@@ -17,7 +20,81 @@ use crate::engine::backend::{Backend, MatRef};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// Default byte budget of the resident-weight cache: a step of the `small` model prepares three
+/// weight sets (rollout export, policy, BF16 reference) of about 2 x 23 MB each, and a sweep's
+/// workers share one backend per GPU, so 2 GiB holds several steps of eight workers.
+pub const RESIDENT_BUDGET: usize = 2 << 30;
+
+/// Device copies of keyed operands, shared by every lane, oldest dropped first.
+#[derive(Default)]
+struct Resident {
+    map: HashMap<u64, Arc<CudaSlice<f32>>>,
+    order: VecDeque<(u64, usize)>,
+    bytes: usize,
+    budget: usize,
+}
+
+impl Resident {
+    fn get(&self, key: u64) -> Option<Arc<CudaSlice<f32>>> {
+        self.map.get(&key).cloned()
+    }
+
+    fn insert(&mut self, key: u64, buf: Arc<CudaSlice<f32>>) {
+        let bytes = buf.len() * 4;
+        while self.bytes + bytes > self.budget {
+            let Some((old, b)) = self.order.pop_front() else {
+                break;
+            };
+            self.map.remove(&old);
+            self.bytes -= b;
+        }
+        if self.map.insert(key, buf).is_none() {
+            self.order.push_back((key, bytes));
+            self.bytes += bytes;
+        }
+    }
+}
+
+/// What the GEMM path has done since the backend opened (or since [`CudaBackend::take_counters`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GemmCounters {
+    pub calls: u64,
+    /// Keyed operands found resident, and those copied in (then kept).
+    pub resident_hits: u64,
+    pub resident_uploads: u64,
+    pub bytes_to_device: u64,
+    pub bytes_to_host: u64,
+}
+
+fn bump(field: &AtomicU64, v: u64) {
+    field.fetch_add(v, Ordering::Relaxed);
+}
+
+#[derive(Default)]
+struct AtomicCounters {
+    calls: AtomicU64,
+    resident_hits: AtomicU64,
+    resident_uploads: AtomicU64,
+    bytes_to_device: AtomicU64,
+    bytes_to_host: AtomicU64,
+}
+
+impl AtomicCounters {
+    fn take(&self) -> GemmCounters {
+        let t = |f: &AtomicU64| f.swap(0, Ordering::Relaxed);
+        GemmCounters {
+            calls: t(&self.calls),
+            resident_hits: t(&self.resident_hits),
+            resident_uploads: t(&self.resident_uploads),
+            bytes_to_device: t(&self.bytes_to_device),
+            bytes_to_host: t(&self.bytes_to_host),
+        }
+    }
+}
 
 /// A stream, its cuBLAS handle and operand buffers, used by one GEMM at a time.
 struct Lane {
@@ -63,17 +140,65 @@ fn ensure(stream: &Arc<CudaStream>, buf: &mut CudaSlice<f32>, n: usize) -> Resul
 pub struct CudaBackend {
     dev: Arc<CudaDevice>,
     lanes: Mutex<Vec<Lane>>,
+    resident: Mutex<Resident>,
+    counters: AtomicCounters,
 }
 
 impl CudaBackend {
-    /// Open `cuda:ordinal` and check that cuBLAS starts there.
+    /// Open `cuda:ordinal` and check that cuBLAS starts there; weights stay resident within
+    /// [`RESIDENT_BUDGET`].
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Self::with_resident_budget(ordinal, RESIDENT_BUDGET)
+    }
+
+    /// As [`CudaBackend::new`] with another byte budget for resident weights (0: copy every
+    /// operand on every call, the A/B baseline of `lockstep bench step`).
+    pub fn with_resident_budget(ordinal: usize, budget: usize) -> Result<Self, CudaError> {
         let dev = CudaDevice::open(ordinal)?;
         let first = Lane::new(&dev)?;
         Ok(CudaBackend {
             dev,
             lanes: Mutex::new(vec![first]),
+            resident: Mutex::new(Resident {
+                budget,
+                ..Default::default()
+            }),
+            counters: AtomicCounters::default(),
         })
+    }
+
+    /// The counters since the last call, reset to zero.
+    pub fn take_counters(&self) -> GemmCounters {
+        self.counters.take()
+    }
+
+    /// A keyed operand's resident device copy, copied in through `lane` on first use. `None` when
+    /// the operand has no key or the cache has no budget.
+    fn resident_operand(
+        &self,
+        lane: &Lane,
+        m: MatRef<'_>,
+    ) -> Result<Option<Arc<CudaSlice<f32>>>, CudaError> {
+        let Some(key) = m.key else {
+            return Ok(None);
+        };
+        let Ok(mut cache) = self.resident.lock() else {
+            return Ok(None);
+        };
+        if cache.budget < m.data.len() * 4 {
+            return Ok(None);
+        }
+        if let Some(buf) = cache.get(key) {
+            bump(&self.counters.resident_hits, 1);
+            return Ok(Some(buf));
+        }
+        let buf = Arc::new(lane.stream.clone_htod(m.data)?);
+        // Complete before another lane's stream can read it.
+        lane.stream.synchronize()?;
+        bump(&self.counters.resident_uploads, 1);
+        bump(&self.counters.bytes_to_device, (m.data.len() * 4) as u64);
+        cache.insert(key, buf.clone());
+        Ok(Some(buf))
     }
 
     pub fn device(&self) -> &Arc<CudaDevice> {
@@ -113,7 +238,21 @@ impl CudaBackend {
             return Ok(());
         }
         let mut lane = self.take_lane()?;
-        let r = gemm_on(&mut lane, a, b, c, accumulate, (m, k, n));
+        bump(&self.counters.calls, 1);
+        let r = self
+            .resident_operand(&lane, a)
+            .and_then(|ra| Ok((ra, self.resident_operand(&lane, b)?)))
+            .and_then(|(ra, rb)| {
+                let copied = [(&ra, a), (&rb, b)]
+                    .iter()
+                    .filter(|(r, _)| r.is_none())
+                    .map(|(_, x)| x.data.len())
+                    .sum::<usize>()
+                    + if accumulate { m * n } else { 0 };
+                bump(&self.counters.bytes_to_device, (copied * 4) as u64);
+                bump(&self.counters.bytes_to_host, (m * n * 4) as u64);
+                gemm_on(&mut lane, (a, ra), (b, rb), c, accumulate, (m, k, n))
+            });
         if r.is_ok() {
             self.give_lane(lane); // a lane whose call failed is dropped, not reused
         }
@@ -123,10 +262,14 @@ impl CudaBackend {
 
 /// Row-major `C[m,n] = A[m,k] · B[k,n]` is column-major `Cᵀ = Bᵀ · Aᵀ`: a row-major buffer read
 /// column-major is its transpose, so cuBLAS gets B first, A second, and no copy is transposed.
+/// An operand given with its resident device copy, if it has one (otherwise it is copied into the
+/// lane's buffer).
+type Operand<'a> = (MatRef<'a>, Option<Arc<CudaSlice<f32>>>);
+
 fn gemm_on(
     lane: &mut Lane,
-    a: MatRef<'_>,
-    b: MatRef<'_>,
+    (a, ra): Operand<'_>,
+    (b, rb): Operand<'_>,
     c: &mut [f32],
     accumulate: bool,
     (m, k, n): (usize, usize, usize),
@@ -138,11 +281,20 @@ fn gemm_on(
         b: db,
         c: dc,
     } = lane;
-    ensure(stream, da, a.data.len())?;
-    ensure(stream, db, b.data.len())?;
     ensure(stream, dc, m * n)?;
-    stream.memcpy_htod(a.data, &mut da.slice_mut(..a.data.len()))?;
-    stream.memcpy_htod(b.data, &mut db.slice_mut(..b.data.len()))?;
+    let stage = |x: MatRef<'_>, buf: &mut CudaSlice<f32>| -> Result<(), CudaError> {
+        ensure(stream, buf, x.data.len())?;
+        stream.memcpy_htod(x.data, &mut buf.slice_mut(..x.data.len()))?;
+        Ok(())
+    };
+    if ra.is_none() {
+        stage(a, da)?;
+    }
+    if rb.is_none() {
+        stage(b, db)?;
+    }
+    let da: &CudaSlice<f32> = ra.as_deref().unwrap_or(da);
+    let db: &CudaSlice<f32> = rb.as_deref().unwrap_or(db);
     if accumulate {
         stream.memcpy_htod(&*c, &mut dc.slice_mut(..m * n))?;
     }
@@ -173,7 +325,7 @@ fn gemm_on(
     // SAFETY: the buffers hold at least b.rows*b.cols, a.rows*a.cols and m*n floats (ensured
     // above), and the leading dimensions are the stored row lengths, so cuBLAS reads and writes
     // inside them.
-    unsafe { blas.gemm(cfg, &*db, &*da, &mut *dc) }?;
+    unsafe { blas.gemm(cfg, db, da, &mut *dc) }?;
     stream.memcpy_dtoh(&dc.slice(..m * n), c)?;
     stream.synchronize()?;
     Ok(())
