@@ -74,6 +74,14 @@ impl QuantStats {
     pub(crate) fn note_underflow(&mut self, v: f32, code_is_zero: bool) {
         self.underflowed += u64::from(code_is_zero && v != 0.0 && v.is_finite());
     }
+    /// Add a block's counts, kept by its encode loop in 32-bit lanes (one block is far below
+    /// 2^32 values; 64-bit counters inside the loop halve its vector width).
+    #[inline]
+    pub(crate) fn add_block(&mut self, elements: usize, saturated: u32, underflowed: u32) {
+        self.elements += elements as u64;
+        self.saturated += u64::from(saturated);
+        self.underflowed += u64::from(underflowed);
+    }
     pub fn merge(self, o: QuantStats) -> QuantStats {
         QuantStats {
             elements: self.elements + o.elements,

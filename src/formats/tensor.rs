@@ -217,8 +217,13 @@ impl QuantizedTensor {
                             Fp8Tile::Act1x128 => r,
                             Fp8Tile::Weight128x128 => r / TILE,
                         };
-                        for (j, o) in orow.iter_mut().enumerate() {
-                            *o = fp8_block::decode(self.codes[r * bc + j], s[tr * tc + j / TILE]);
+                        let crow = &self.codes[r * bc..(r + 1) * bc];
+                        let srow = &s[tr * tc..(tr + 1) * tc];
+                        for ((o, c), &sc) in orow.chunks_mut(TILE).zip(crow.chunks(TILE)).zip(srow)
+                        {
+                            for (o, &c) in o.iter_mut().zip(c) {
+                                *o = fp8_block::decode(c, sc);
+                            }
                         }
                     });
             }
