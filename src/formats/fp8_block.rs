@@ -166,7 +166,10 @@ mod tests {
                     want.note_underflow(x, c & 0x7F == 0);
                 }
                 assert_eq!(got, want, "{v:?} amax {amax}");
-                assert!(got.saturated > 0 || amax >= 1.0, "{v:?} amax {amax}: {got:?}");
+                assert!(
+                    got.saturated > 0 || amax >= 1.0,
+                    "{v:?} amax {amax}: {got:?}"
+                );
             }
         }
     }

@@ -29,22 +29,41 @@ use std::sync::{Arc, Mutex};
 /// workers share one backend per GPU, so 2 GiB holds several steps of eight workers.
 pub const RESIDENT_BUDGET: usize = 2 << 30;
 
-/// Device copies of keyed operands, shared by every lane, oldest dropped first.
-#[derive(Default)]
-struct Resident {
-    map: HashMap<u64, Arc<CudaSlice<f32>>>,
+/// Device copies of keyed operands, shared by every lane, oldest dropped first. Generic over the
+/// buffer so its bookkeeping is tested without a GPU.
+struct Resident<B> {
+    map: HashMap<u64, Arc<B>>,
+    /// Keys in insertion order, with their sizes in bytes.
     order: VecDeque<(u64, usize)>,
     bytes: usize,
     budget: usize,
 }
 
-impl Resident {
-    fn get(&self, key: u64) -> Option<Arc<CudaSlice<f32>>> {
+impl<B> Resident<B> {
+    fn new(budget: usize) -> Self {
+        Resident {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            bytes: 0,
+            budget,
+        }
+    }
+
+    /// Whether a buffer of `bytes` can be kept at all.
+    fn fits(&self, bytes: usize) -> bool {
+        bytes <= self.budget
+    }
+
+    fn get(&self, key: u64) -> Option<Arc<B>> {
         self.map.get(&key).cloned()
     }
 
-    fn insert(&mut self, key: u64, buf: Arc<CudaSlice<f32>>) {
-        let bytes = buf.len() * 4;
+    /// Keep `buf` (of `bytes`) under `key`, dropping the oldest entries until it fits. A buffer a
+    /// lane is still reading survives its eviction through the lane's `Arc`.
+    fn insert(&mut self, key: u64, buf: Arc<B>, bytes: usize) {
+        if self.map.contains_key(&key) || !self.fits(bytes) {
+            return;
+        }
         while self.bytes + bytes > self.budget {
             let Some((old, b)) = self.order.pop_front() else {
                 break;
@@ -52,10 +71,9 @@ impl Resident {
             self.map.remove(&old);
             self.bytes -= b;
         }
-        if self.map.insert(key, buf).is_none() {
-            self.order.push_back((key, bytes));
-            self.bytes += bytes;
-        }
+        self.map.insert(key, buf);
+        self.order.push_back((key, bytes));
+        self.bytes += bytes;
     }
 }
 
@@ -140,7 +158,7 @@ fn ensure(stream: &Arc<CudaStream>, buf: &mut CudaSlice<f32>, n: usize) -> Resul
 pub struct CudaBackend {
     dev: Arc<CudaDevice>,
     lanes: Mutex<Vec<Lane>>,
-    resident: Mutex<Resident>,
+    resident: Mutex<Resident<CudaSlice<f32>>>,
     counters: AtomicCounters,
 }
 
@@ -159,10 +177,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             dev,
             lanes: Mutex::new(vec![first]),
-            resident: Mutex::new(Resident {
-                budget,
-                ..Default::default()
-            }),
+            resident: Mutex::new(Resident::new(budget)),
             counters: AtomicCounters::default(),
         })
     }
@@ -185,7 +200,7 @@ impl CudaBackend {
         let Ok(mut cache) = self.resident.lock() else {
             return Ok(None);
         };
-        if cache.budget < m.data.len() * 4 {
+        if !cache.fits(m.data.len() * 4) {
             return Ok(None);
         }
         if let Some(buf) = cache.get(key) {
@@ -197,7 +212,7 @@ impl CudaBackend {
         lane.stream.synchronize()?;
         bump(&self.counters.resident_uploads, 1);
         bump(&self.counters.bytes_to_device, (m.data.len() * 4) as u64);
-        cache.insert(key, buf.clone());
+        cache.insert(key, buf.clone(), m.data.len() * 4);
         Ok(Some(buf))
     }
 
@@ -344,5 +359,35 @@ impl Backend for CudaBackend {
             let n = b.shape().1;
             panic!("{}: gemm {m}x{k}x{n} failed: {e}", self.name());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// FIFO within the byte budget: the oldest keys go first, bytes are accounted exactly, a key
+    /// already held is not stored twice, and a buffer larger than the budget is never kept.
+    #[test]
+    fn resident_cache_drops_the_oldest_within_its_budget() {
+        let mut r: Resident<Vec<f32>> = Resident::new(100);
+        let buf = |n: usize| Arc::new(vec![0.0f32; n]);
+        r.insert(1, buf(10), 40);
+        r.insert(2, buf(10), 40);
+        r.insert(1, buf(10), 40); // already held
+        assert_eq!((r.bytes, r.map.len()), (80, 2));
+        r.insert(3, buf(10), 40); // evicts 1
+        assert!(r.get(1).is_none() && r.get(2).is_some() && r.get(3).is_some());
+        assert_eq!(r.bytes, 80);
+        let held = r.get(2).unwrap();
+        r.insert(4, buf(25), 100); // evicts 2 and 3
+        assert_eq!((r.bytes, r.map.len()), (100, 1));
+        assert_eq!(held.len(), 10, "a reader keeps an evicted buffer alive");
+        assert!(!r.fits(101));
+        r.insert(5, buf(26), 104);
+        assert!(
+            r.get(5).is_none() && r.get(4).is_some(),
+            "too big: not kept, nothing evicted"
+        );
     }
 }
