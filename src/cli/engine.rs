@@ -117,6 +117,9 @@ pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
     };
     let cfg = args.config()?;
     let be = lockstep::engine::backend::open(args.device.parse()?)?;
+    if be.name().starts_with("cuda") {
+        eprintln!("{}", lockstep::engine::backend::cuda::GEMM_ONLY_NOTE);
+    }
     let cache = args.cache.clone().unwrap_or_else(default_cache);
     let id = out
         .file_name()

@@ -118,6 +118,9 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
             .join(", "),
         args.store.display()
     );
+    if on_gpu {
+        eprintln!("{}", lockstep::engine::backend::cuda::GEMM_ONLY_NOTE);
+    }
     let board = Mutex::new(super::progress::Board::new(total, tty));
     let progress = |p: Progress<'_>| {
         if let Ok(mut b) = board.lock() {
