@@ -393,8 +393,11 @@ impl Trainer {
             (layout.unpack(&logits, v), cache)
         };
 
-        // Old policy logprobs (and the first minibatch's forward, reused below).
-        let (logits0, cache0) = forward(prep0);
+        // Old policy logprobs (and the first minibatch's forward, reused below), and the BF16
+        // reference's logits for the KL metric: two independent forwards, run side by side so each
+        // fills the other's serial stretches (same bits as one after the other).
+        let ((logits0, cache0), (ref_logits, _)) =
+            rayon::join(|| forward(prep0), || forward(&self.reference));
         let lp0 = token_logprobs(&logits0, ro, v);
         let mask: Vec<bool> = (0..b * t_in)
             .map(|r| ro.is_response(r / t_in, r % t_in + 1))
@@ -417,7 +420,6 @@ impl Trainer {
         rec.set("train/entropy", entropy(&logits0, &mask, v) / n_tok);
 
         // KL to the BF16 reference (k3 with r = logp_ref - logp_train, samples ~ policy).
-        let (ref_logits, _) = forward(&self.reference);
         let lp_ref = token_logprobs(&ref_logits, ro, v);
         let kl_ref = (0..b * t_in)
             .filter(|r| mask[*r])
