@@ -314,20 +314,23 @@ fn backend(test: &str) -> Option<Arc<CudaBackend>> {
     ))
 }
 
+/// A GEMM operand: the large-tensor test's values clamped to [-4, 4], so products stay well inside
+/// FP32 range.
+fn gemm_operand(n: usize, seed: u64) -> Vec<f32> {
+    nasty(n, seed, false)
+        .iter()
+        .map(|v| v.clamp(-4.0, 4.0))
+        .collect()
+}
+
 #[test]
 fn cublas_gemm_matches_cpu_and_repeats_bit_for_bit() {
     let Some(be) = backend("cublas_gemm_matches_cpu_and_repeats_bit_for_bit") else {
         return;
     };
     let (m, k, n) = (67, 129, 33);
-    let a: Vec<f32> = nasty(m * k, 1, false)
-        .iter()
-        .map(|v| v.clamp(-4.0, 4.0))
-        .collect();
-    let b: Vec<f32> = nasty(k * n, 2, false)
-        .iter()
-        .map(|v| v.clamp(-4.0, 4.0))
-        .collect();
+    let a = gemm_operand(m * k, 1);
+    let b = gemm_operand(k * n, 2);
     for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
         let ar = if ta {
             MatRef::new(&a, k, m).t()
@@ -373,14 +376,8 @@ fn resident_weights_give_the_same_bits_as_copied_operands() {
         return;
     }
     let (m, k, n) = (301, 128, 384);
-    let x: Vec<f32> = nasty(m * k, 3, false)
-        .iter()
-        .map(|v| v.clamp(-4.0, 4.0))
-        .collect();
-    let w: Vec<f32> = nasty(n * k, 4, false)
-        .iter()
-        .map(|v| v.clamp(-4.0, 4.0))
-        .collect();
+    let x = gemm_operand(m * k, 3);
+    let w = gemm_operand(n * k, 4);
     let copied = CudaBackend::with_resident_budget(0, 0).expect("open cuda:0");
     let resident = CudaBackend::new(0).expect("open cuda:0");
     let tiny = CudaBackend::with_resident_budget(0, n * k * 4 - 4).expect("open cuda:0");

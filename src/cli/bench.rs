@@ -58,11 +58,21 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
     let model = super::engine::model_preset(&args.model)?;
     let recipe = lockstep::recipe::file::load(&args.recipe)?;
-    if let Device::Cuda(ordinal) = device {
-        // Fail with the one-line error before printing anything.
-        cuda::CudaDevice::open(ordinal)
-            .map_err(|err| lockstep::engine::backend::DeviceError::Cuda { device, err })?;
-    }
+    // On a GPU, both backends are opened first, so a missing GPU is the one-line error alone.
+    let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
+    let gpu = match device {
+        Device::Cuda(ordinal) => [
+            ("operands copied every call", 0),
+            ("weights resident", cuda::gemm::RESIDENT_BUDGET),
+        ]
+        .into_iter()
+        .map(|(label, budget)| {
+            cuda::CudaBackend::with_resident_budget(ordinal, budget).map(|be| (label, be))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(cuda_err)?,
+        Device::Cpu => Vec::new(),
+    };
     println!(
         "engine step, model {} recipe {} (32 prompts x 8 samples, <= 8 response tokens, add:3), \
          host threads {}, median of {} steps after one warm-up:",
@@ -86,7 +96,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
             cell("perf/train_time")
         );
     };
-    let Device::Cuda(ordinal) = device else {
+    if gpu.is_empty() {
         let be = open(device)?;
         let times = lockstep::tools::bench::engine_step_times(
             be.as_ref(),
@@ -98,16 +108,11 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         .context("engine step")?;
         print(&be.name(), &times);
         return Ok(true);
-    };
-    let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
-    for (label, budget) in [
-        ("operands copied every call", 0),
-        ("weights resident", cuda::gemm::RESIDENT_BUDGET),
-    ] {
-        let be = cuda::CudaBackend::with_resident_budget(ordinal, budget).map_err(cuda_err)?;
+    }
+    for (label, be) in &gpu {
         let mut per_step = Vec::new();
         let times = lockstep::tools::bench::engine_step_times(
-            &be,
+            be,
             &model,
             recipe.clone(),
             args.steps,

@@ -116,8 +116,9 @@ pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
         anyhow::bail!("give --out DIR (or --suite FILE --run-id ID)");
     };
     let cfg = args.config()?;
-    let be = lockstep::engine::backend::open(args.device.parse()?)?;
-    if be.name().starts_with("cuda") {
+    let device: lockstep::engine::backend::Device = args.device.parse()?;
+    let be = lockstep::engine::backend::open(device)?;
+    if matches!(device, lockstep::engine::backend::Device::Cuda(_)) {
         eprintln!("{}", lockstep::engine::backend::cuda::GEMM_ONLY_NOTE);
     }
     let cache = args.cache.clone().unwrap_or_else(default_cache);

@@ -176,9 +176,7 @@ fn encode_with(
         under += u32::from(code & 0x7F == 0 && v != 0.0);
         *c = code;
     }
-    stats.elements += x.len() as u64;
-    stats.saturated += u64::from(sat);
-    stats.underflowed += u64::from(under);
+    stats.add_block(x.len(), sat, under);
 }
 
 /// Dequantize one block: `decode(code) · 2^(b-127)`; scale 0xFF gives NaN.

@@ -188,7 +188,7 @@ impl CudaBackend {
     }
 
     /// A keyed operand's resident device copy, copied in through `lane` on first use. `None` when
-    /// the operand has no key or the cache has no budget.
+    /// the operand has no key or is larger than the cache's budget.
     fn resident_operand(
         &self,
         lane: &Lane,
@@ -253,34 +253,42 @@ impl CudaBackend {
             return Ok(());
         }
         let mut lane = self.take_lane()?;
-        bump(&self.counters.calls, 1);
-        let r = self
-            .resident_operand(&lane, a)
-            .and_then(|ra| Ok((ra, self.resident_operand(&lane, b)?)))
-            .and_then(|(ra, rb)| {
-                let copied = [(&ra, a), (&rb, b)]
-                    .iter()
-                    .filter(|(r, _)| r.is_none())
-                    .map(|(_, x)| x.data.len())
-                    .sum::<usize>()
-                    + if accumulate { m * n } else { 0 };
-                bump(&self.counters.bytes_to_device, (copied * 4) as u64);
-                bump(&self.counters.bytes_to_host, (m * n * 4) as u64);
-                gemm_on(&mut lane, (a, ra), (b, rb), c, accumulate, (m, k, n))
-            });
+        let r = self.gemm_in_lane(&mut lane, a, b, c, accumulate, (m, k, n));
         if r.is_ok() {
             self.give_lane(lane); // a lane whose call failed is dropped, not reused
         }
         r
     }
+
+    /// One GEMM in `lane`: keyed operands from their resident copies, the rest staged, counted.
+    fn gemm_in_lane(
+        &self,
+        lane: &mut Lane,
+        a: MatRef<'_>,
+        b: MatRef<'_>,
+        c: &mut [f32],
+        accumulate: bool,
+        (m, k, n): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        let ra = self.resident_operand(lane, a)?;
+        let rb = self.resident_operand(lane, b)?;
+        let staged = |r: &Option<_>, x: MatRef<'_>| if r.is_some() { 0 } else { x.data.len() };
+        let c_in = if accumulate { m * n } else { 0 };
+        let to_device = staged(&ra, a) + staged(&rb, b) + c_in;
+        gemm_on(lane, (a, ra), (b, rb), c, accumulate, (m, k, n))?;
+        bump(&self.counters.calls, 1);
+        bump(&self.counters.bytes_to_device, (to_device * 4) as u64);
+        bump(&self.counters.bytes_to_host, (m * n * 4) as u64);
+        Ok(())
+    }
 }
 
-/// Row-major `C[m,n] = A[m,k] · B[k,n]` is column-major `Cᵀ = Bᵀ · Aᵀ`: a row-major buffer read
-/// column-major is its transpose, so cuBLAS gets B first, A second, and no copy is transposed.
 /// An operand given with its resident device copy, if it has one (otherwise it is copied into the
 /// lane's buffer).
 type Operand<'a> = (MatRef<'a>, Option<Arc<CudaSlice<f32>>>);
 
+/// Row-major `C[m,n] = A[m,k] · B[k,n]` is column-major `Cᵀ = Bᵀ · Aᵀ`: a row-major buffer read
+/// column-major is its transpose, so cuBLAS gets B first, A second, and no copy is transposed.
 fn gemm_on(
     lane: &mut Lane,
     (a, ra): Operand<'_>,
