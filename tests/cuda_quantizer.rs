@@ -240,6 +240,27 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     let Some(q) = gpu("gpu_quantizer_matches_cpu_on_large_random_tensors") else {
         return;
     };
+    // Per-token NVFP4 has two kernels: the staged one (the default wherever it runs, checked
+    // here so that this test covers it on such a GPU) and the register one, checked alongside.
+    let dev = CudaDevice::open(0).expect("device 0 opened above");
+    let register = CudaQuantizer::new(&dev)
+        .expect("quantizer compiled above")
+        .with_staged_nvfp4(false);
+    if dev.compute_capability().0 >= 9 {
+        assert!(
+            q.uses_staged_nvfp4(1024),
+            "the staged kernel should run here"
+        );
+    }
+    let per_token = |f: &QuantFormat| {
+        matches!(
+            f,
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                ..
+            }
+        )
+    };
     let mut failures = Vec::new();
     // (rows, cols, specials): a large finite tensor, one with NaN/Inf sprinkled in (most blocks
     // then hold a special), an odd shape (partial FP8 tiles, BF16 with no vector width), and rows
@@ -261,6 +282,24 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
                     continue;
                 }
                 if let Err(e) = same_bytes(q, &x, r, c, &fmt, axis) {
+                    failures.push(e);
+                }
+                if per_token(&fmt)
+                    && let Err(e) = same_bytes(&register, &x, r, c, &fmt, axis)
+                {
+                    failures.push(format!("register kernel: {e}"));
+                }
+            }
+        }
+    }
+    // Per-token NVFP4 on shapes where the staged kernel's thread blocks (one an SM) take several
+    // chunks each, so its ring of three shared-memory stages wraps: 16384 columns (one
+    // 1024-block segment a chunk) and 2048 (eight segments a chunk, or 32 with 4 shards).
+    for (i, &(r, c)) in [(600, 16384), (8192, 2048)].iter().enumerate() {
+        let x = nasty(r * c, i as u64 + 31, i == 0);
+        for fmt in all_formats().into_iter().filter(per_token) {
+            for qz in [q, &register] {
+                if let Err(e) = same_bytes(qz, &x, r, c, &fmt, Axis::Row) {
                     failures.push(e);
                 }
             }

@@ -145,12 +145,27 @@ pub fn quantize_bandwidth(
         moved_gb_s: copy_bw,
         vs_copy: 1.0,
     }];
+    // Per-token NVFP4 has two kernels (`CudaQuantizer::with_staged_nvfp4`): where the staged one
+    // runs, the register kernel is timed next to it.
+    let register = CudaQuantizer::new(&dev)?.with_staged_nvfp4(false);
+    let mut runs: Vec<(String, &CudaQuantizer, QuantFormat, Axis)> = Vec::new();
     for (name, fmt, axis) in bench_formats() {
-        let mut out = q.alloc(rows, cols, &fmt, axis)?;
-        let ms = time_ms(&s, reps, || q.quantize_into(&x, &mut out))?;
+        runs.push((name.into(), &q, fmt, axis));
+        if let QuantFormat::Nvfp4 {
+            second: SecondScale::PerToken,
+            shards,
+        } = fmt
+            && q.uses_staged_nvfp4(cols / shards / 16)
+        {
+            runs.push((format!("{name} (register kernel)"), &register, fmt, axis));
+        }
+    }
+    for (name, qz, fmt, axis) in runs {
+        let mut out = qz.alloc(rows, cols, &fmt, axis)?;
+        let ms = time_ms(qz.stream(), reps, || qz.quantize_into(&x, &mut out))?;
         let bw = out.min_bytes() as f64 / (ms * 1e-3) / 1e9;
         lines.push(GpuBenchRow {
-            what: name.into(),
+            what: name,
             median_ms: ms,
             input_gb_s: (4 * n) as f64 / (ms * 1e-3) / 1e9,
             moved_gb_s: bw,

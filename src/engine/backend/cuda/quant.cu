@@ -708,6 +708,112 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
     flush_stats(stats, el, sat, under);
 }
 
+// ---- NVFP4 per-token, rows staged in shared memory (sm_90) ----------------------------------------
+// `nvfp4_token16` above must hold a chunk's loads in registers until its segment amaxes are known,
+// so a thread block has no loads in flight while it encodes. Here a persistent thread block (one
+// per SM, 1024 threads, a 16-element block each) has the Hopper copy engine (TMA,
+// `cp.async.bulk`) bring chunks of whole segments (up to 1024 blocks, 64 KiB, contiguous) into a
+// ring of three shared-memory stages, two chunks ahead of the one it encodes, so the next chunks'
+// bytes are in flight while it computes. Per chunk: wait on the stage's mbarrier, block amaxes from
+// shared memory and segment amaxes (as above), barrier, encode and store. The host uses it on
+// compute capability 9.0+ with 204 KiB of shared memory a block, for segments of at most 1024
+// blocks, and the register kernel otherwise.
+//
+// A thread reads its block's four float4 starting at float4 `rot = (b >> 1) & 3` and wrapping
+// (a quarter-warp's eight 16-byte reads then fall in eight different bank groups); codes of
+// float4 k land in bits 16k.. of the block's 64-bit code word, so the word is rotated back by
+// 16·rot bits.
+#define SG_T 1024
+#define SG_CHUNK 1024
+#define SG_STAGES 3
+
+__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+
+extern "C" __global__ void __launch_bounds__(SG_T, 1) nvfp4_token_staged(
+    const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
+    u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ float4 stage[]; // [SG_STAGES][SG_CHUNK * 4]
+    __shared__ u32 s_key[SG_STAGES][SG_CHUNK];
+    __shared__ __align__(8) unsigned long long s_bar[SG_STAGES];
+    u32 t = threadIdx.x;
+    u32 el = 0, sat = 0, under = 0;
+    u32 spc = SG_CHUNK / L;
+    u64 nchunks = (nsegs + spc - 1) / spc;
+    if (t == 0) {
+        for (int i = 0; i < SG_STAGES; i++)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&s_bar[i])));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    for (u32 i = t; i < spc; i += SG_T) s_key[0][i] = 0;
+    __syncthreads();
+    // Thread 0 starts the copy of chunk c (if any) into stage st; its mbarrier completes when the
+    // bytes have landed.
+    auto fetch = [&](u64 c, u32 st) {
+        if (t == 0 && c < nchunks) {
+            u64 seg0 = c * spc;
+            u32 bytes = (u32)min((u64)spc, nsegs - seg0) * L * 64;
+            u32 bar = smem_addr(&s_bar[st]);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                ::"r"(smem_addr(stage + (u64)st * SG_CHUNK * 4)), "l"(x + seg0 * L * 4), "r"(bytes), "r"(bar)
+                : "memory");
+        }
+    };
+    fetch(blockIdx.x, 0);
+    fetch((u64)blockIdx.x + gridDim.x, 1);
+    u32 p = 0, phase = 0; // phase: parity of this round through the ring
+    for (u64 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        // Stage (p + 2) % 3 was last read before the second barrier of the previous chunk.
+        fetch(c + 2 * (u64)gridDim.x, p == 0 ? 2 : p - 1);
+        u32 pn = p == 2 ? 0 : p + 1;
+        for (u32 i = t; i < spc; i += SG_T) s_key[pn][i] = 0;
+        asm volatile(
+            "{\n\t.reg .pred done;\n\tWAIT_%=:\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+            "@!done bra WAIT_%=;\n\t}" ::"r"(smem_addr(&s_bar[p])), "r"(phase) : "memory");
+        u64 seg0 = c * spc;
+        u32 nb = (u32)min((u64)spc, nsegs - seg0) * L;
+        u64 b0 = seg0 * L;
+        const float4 *sv = stage + (u64)p * SG_CHUNK * 4;
+        u32 b = t;
+        bool ok = b < nb;
+        u32 rot = (b >> 1) & 3;
+        float4 v[4];
+        if (ok) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[k] = sv[4 * b + ((k + rot) & 3)];
+        }
+        float bm = ok ? amax16(v) : 0.0f;
+        u32 key = amax16_key(bm);
+        u32 sg = ok ? b / L : 0xFFFFFFFFu;
+        if (__all_sync(0xFFFFFFFFu, sg == __shfl_sync(0xFFFFFFFFu, sg, 0) && ok)) {
+            key = __reduce_max_sync(0xFFFFFFFFu, key);
+            if ((t & 31) == 0) atomicMax(&s_key[p][sg], key);
+        } else if (ok) {
+            atomicMax(&s_key[p][sg], key);
+        }
+        __syncthreads();
+        if (ok) {
+            u32 k = s_key[p][sg], sc;
+            float s_enc = nv_s_enc(key_f(k));
+            if (b == sg * L) row_keys[seg0 + sg] = canon_key(k);
+            uint2 w = nv_block16(v, bm, s_enc * rcp6, __frcp_rn(s_enc), &sc, &sat, &under);
+            u64 word = ((u64)w.y << 32) | w.x;
+            u32 sh = 16 * rot;
+            word = sh == 0 ? word : (word << sh) | (word >> (64 - sh));
+            codes[b0 + b] = make_uint2((u32)word, (u32)(word >> 32));
+            scales[b0 + b] = (u8)sc;
+            el += 16;
+        }
+        if (p == 2) phase ^= 1;
+        p = pn;
+    }
+    flush_stats(stats, el, sat, under);
+#endif
+}
+
 // The tensor amax key of a one-shard per-tensor scale: a flat grid-stride max over `n4` float4s
 // (8 coalesced loads in flight per thread), one atomic per warp into the zero-initialised key.
 extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_amax16(const float4 *__restrict__ x,

@@ -34,6 +34,8 @@ struct Kernels {
     nvfp4_amax16: CudaFunction,
     nvfp4_tensor: CudaFunction,
     nvfp4_token: CudaFunction,
+    /// `nvfp4_token_staged`, where the device has TMA and the shared memory it needs.
+    nvfp4_token_staged: Option<CudaFunction>,
     fp8_1x128: CudaFunction,
     fp8_128: CudaFunction,
     fp8_amax: CudaFunction,
@@ -54,7 +56,20 @@ pub struct CudaQuantizer {
     /// on the device at once, each looping over chunks (measured faster than a block per chunk:
     /// 0.434 against 0.437-0.451 ms per-token on the H200).
     nv_grid: u32,
+    /// Grid of `nvfp4_token_staged`: one thread block per multiprocessor.
+    staged_grid: u32,
+    /// Use the staged per-token kernel where it applies (default); off, the register kernel
+    /// `nvfp4_token16` takes every shape (the tests and the bench run both).
+    staged: bool,
 }
+
+/// Threads, blocks per chunk and dynamic shared memory of `nvfp4_token_staged` (`SG_T`,
+/// `SG_CHUNK`, `SG_STAGES` chunks of 64 bytes a block in `quant.cu`).
+const STAGED_THREADS: u32 = 1024;
+const STAGED_CHUNK: u32 = 1024;
+const STAGED_SMEM: u32 = 3 * STAGED_CHUNK * 64;
+/// Its static shared memory (three key buffers of `SG_CHUNK` u32, three mbarriers).
+const STAGED_STATIC_SMEM: u32 = 3 * STAGED_CHUNK * 4 + 3 * 8;
 
 /// A quantized tensor still on the device (outputs plus the scratch its kernels need), reusable
 /// across calls with the same format and shape.
@@ -110,6 +125,24 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
 
 /// Amax keys (|x| bits, maxed as integers so NaN wins) as FP32 amax values, NaN as the CPU's
 /// `f32::NAN`.
+/// `nvfp4_token_staged` if this device can run it: TMA bulk copies (compute capability 9.0+) and
+/// room for its shared memory (opted in here); `None` sends per-token NVFP4 to the register
+/// kernel.
+fn staged_kernel(dev: &CudaDevice, f: CudaFunction) -> Result<Option<CudaFunction>, CudaError> {
+    use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    let optin = dev
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    if dev.compute_capability().0 < 9 || (optin as u32) < STAGED_SMEM + STAGED_STATIC_SMEM {
+        return Ok(None);
+    }
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        STAGED_SMEM as i32,
+    )?;
+    Ok(Some(f))
+}
+
 fn keys_to_f32(k: &[u32]) -> Vec<f32> {
     k.iter()
         .map(|b| {
@@ -141,6 +174,7 @@ impl CudaQuantizer {
             nvfp4_amax16: f("nvfp4_amax16")?,
             nvfp4_tensor: f("nvfp4_tensor16")?,
             nvfp4_token: f("nvfp4_token16")?,
+            nvfp4_token_staged: None,
             fp8_1x128: f("fp8_block_1x128")?,
             fp8_128: f("fp8_block_128x128")?,
             fp8_amax: f("fp8_block_amax")?,
@@ -162,13 +196,31 @@ impl CudaQuantizer {
                     .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)?,
             )
             .max(1);
+        let mut k = k;
+        k.nvfp4_token_staged = staged_kernel(dev, f("nvfp4_token_staged")?)?;
         Ok(CudaQuantizer {
             dev: dev.clone(),
             stream,
             k,
             grid: sms * 8,
             nv_grid: sms * per_sm,
+            staged_grid: sms,
+            staged: true,
         })
+    }
+
+    /// Choose the NVFP4 per-token kernel: `true` (the default) the shared-memory staged kernel
+    /// where the device and the segment length allow it, `false` always the register kernel.
+    /// Both give the same bytes (tested); the bench times both.
+    pub fn with_staged_nvfp4(mut self, staged: bool) -> Self {
+        self.staged = staged;
+        self
+    }
+
+    /// Whether per-token NVFP4 with `seg_blocks` 16-element blocks per (row, shard) segment runs
+    /// the staged kernel.
+    pub fn uses_staged_nvfp4(&self, seg_blocks: usize) -> bool {
+        self.staged && self.k.nvfp4_token_staged.is_some() && seg_blocks <= STAGED_CHUNK as usize
     }
 
     pub fn device(&self) -> &Arc<CudaDevice> {
@@ -327,7 +379,26 @@ impl CudaQuantizer {
                 let seg_blocks = (bc / shards / NV_BLOCK) as u32;
                 let nsegs = (br * shards) as u64;
                 let nblocks = (n / NV_BLOCK) as u64;
-                if second == SecondScale::PerToken {
+                if second == SecondScale::PerToken
+                    && let Some(f) = self
+                        .k
+                        .nvfp4_token_staged
+                        .as_ref()
+                        .filter(|_| self.uses_staged_nvfp4(seg_blocks as usize))
+                {
+                    let mut b = s.launch_builder(f);
+                    b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
+                    b.arg(&nsegs).arg(&seg_blocks).arg(&rcp6).arg(stats);
+                    let cfg = LaunchConfig {
+                        grid_dim: (self.staged_grid, 1, 1),
+                        block_dim: (STAGED_THREADS, 1, 1),
+                        shared_mem_bytes: STAGED_SMEM,
+                    };
+                    // SAFETY: as for `nvfp4_token16` below (same arguments, same index ranges);
+                    // segments hold at most SG_CHUNK blocks (checked above), so a chunk fits in
+                    // its STAGED_SMEM / 3 stage; the function was allowed STAGED_SMEM bytes.
+                    unsafe { b.launch(cfg) }?;
+                } else if second == SecondScale::PerToken {
                     let mut b = s.launch_builder(&self.k.nvfp4_token);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
                     b.arg(&nsegs).arg(&seg_blocks).arg(&rcp6).arg(stats);
