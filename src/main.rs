@@ -70,6 +70,7 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
             size, device, reps, ..
         }) if device != "cpu" => cli::bench::quantize_gpu(device, *size, *reps),
         Command::Bench(BenchCommand::Step(args)) => cli::bench::step(args),
+        Command::Bench(BenchCommand::Forward(args)) => cli::bench::forward(args),
         Command::Bench(BenchCommand::Quantize { size, min_time, .. }) => {
             let size = &size.unwrap_or(4096);
             let all = std::thread::available_parallelism()

@@ -315,6 +315,76 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     );
 }
 
+/// Blocks and tiles made entirely of NaN (quiet and signalling, both signs), which the sprinkled
+/// specials above almost never produce: a whole 32-element MXFP8 block (under the TE rule its
+/// amax skips NaN and is 0, so the scale byte is 0x00, not 0xFF), whole NVFP4 blocks, segments and
+/// rows (NaN block scale and second-level amax), a whole 128x128 FP8 tile and whole 1x128 tiles;
+/// plus all-NaN tensors (every per-tensor amax NaN). Every format, both axes.
+#[test]
+fn gpu_quantizer_matches_cpu_on_all_nan_blocks() {
+    let Some(q) = gpu("gpu_quantizer_matches_cpu_on_all_nan_blocks") else {
+        return;
+    };
+    let nans = [
+        0x7FC0_0000u32,
+        0xFFC0_0000,
+        0x7F80_0001,
+        0xFFFF_FFFF,
+        0x7FFF_FFFF,
+    ];
+    let nan = |i: usize| f32::from_bits(nans[i % nans.len()]);
+    let (r, c) = (256, 256);
+    let mut x = nasty(r * c, 41, false);
+    for i in 0..128 {
+        // The top-left 128x128 tile (MX blocks down its columns too).
+        for j in 0..128 {
+            x[i * c + j] = nan(i + j);
+        }
+    }
+    for j in 0..c {
+        x[200 * c + j] = nan(j); // a whole row
+    }
+    for j in 128..160 {
+        x[130 * c + j] = nan(j); // one MX block, two NVFP4 blocks, a quarter of a 1x128 tile
+    }
+    for j in 240..256 {
+        x[131 * c + j] = -f32::NAN; // one NVFP4 block at the end of a row
+    }
+    for i in 160..192 {
+        x[i * c + 7] = nan(i); // one MX block down column 7
+    }
+    // The CPU's rule that the GPU must follow: an all-NaN MXFP8 block has TE scale byte 0x00.
+    let cpu = quantize(&x, r, c, &QuantFormat::MXFP8, Axis::Row).unwrap();
+    let Scales::E8m0(s) = &cpu.scales else {
+        unreachable!("MXFP8 has E8M0 scales")
+    };
+    assert_eq!(s[130 * (c / 32) + 4], 0x00, "all-NaN MXFP8 block, TE rule");
+    let all_nan: Vec<f32> = (0..64 * 128).map(nan).collect();
+    // 130 columns: the FP8 block kernels for rows that are not float4-aligned, a partial tile.
+    let odd_nan: Vec<f32> = (0..32 * 130).map(nan).collect();
+    let mut failures = Vec::new();
+    for (x, r, c) in [(&x, r, c), (&all_nan, 64, 128), (&odd_nan, 32, 130)] {
+        for fmt in all_formats() {
+            for axis in [Axis::Row, Axis::Col] {
+                if quantize(x, r, c, &fmt, axis).is_err() {
+                    continue;
+                }
+                if let Err(e) = same_bytes(q, x, r, c, &fmt, axis) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    for f in failures.iter().take(10) {
+        eprintln!("FAIL {f}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} quantizations differ",
+        failures.len()
+    );
+}
+
 #[test]
 fn gpu_element_codecs_match_cpu_on_a_sweep_of_fp32_bit_patterns() {
     let Some(q) = gpu("gpu_element_codecs_match_cpu_on_a_sweep_of_fp32_bit_patterns") else {

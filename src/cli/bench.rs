@@ -134,3 +134,107 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     }
     Ok(true)
 }
+
+#[derive(Debug, Args)]
+pub struct ForwardArgs {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Model preset (tiny or small: the benchmark shape).
+    #[arg(long, default_value = "small")]
+    pub model: String,
+    /// Recipe presets or files (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "bf16,nvfp4-dq")]
+    pub recipes: Vec<String>,
+    /// Timed forwards per device (after one warm-up); the median is printed.
+    #[arg(long, default_value_t = 10)]
+    pub reps: usize,
+}
+
+/// Median wall time of `f` over `reps` calls after one warm-up.
+fn median_secs<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    f()?;
+    let mut t = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        let start = std::time::Instant::now();
+        f()?;
+        t.push(start.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// The policy forward (logits and routing of the trainer's rows) at the benchmark shape: 32
+/// prompts of 7 tokens x 8 samples of 8 response tokens, laid out as the trainer lays them out.
+/// On a GPU the device-resident forward is timed next to this host's CPU forward, logits copied
+/// back included (weights uploaded once, outside the timing).
+pub fn forward(args: &ForwardArgs) -> Result<bool> {
+    use lockstep::engine::layout::Layout;
+    use lockstep::engine::model::{Params, PreparedModel, forward_rows};
+    use rand::{Rng, SeedableRng};
+    let device: Device = args.device.parse()?;
+    let cfg = super::engine::model_preset(&args.model)?;
+    let resident = match device {
+        Device::Cuda(ordinal) => Some(
+            cuda::CudaDevice::open(ordinal)
+                .and_then(|d| cuda::resident::ResidentForward::new(&d))
+                .map_err(|err| lockstep::engine::backend::DeviceError::Cuda { device, err })?,
+        ),
+        Device::Cpu => None,
+    };
+    let (groups, n, prompt, t) = (32, 8, 7, 15);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let mut tokens = Vec::with_capacity(groups * n * t);
+    for _ in 0..groups {
+        let head: Vec<u32> = (0..prompt)
+            .map(|_| rng.random_range(0..cfg.vocab as u32))
+            .collect();
+        for _ in 0..n {
+            tokens.extend(&head);
+            tokens.extend((prompt..t).map(|_| rng.random_range(0..cfg.vocab as u32)));
+        }
+    }
+    let layout = Layout::shared_prefix(&tokens, groups * n, t, n, prompt, None);
+    let rows = layout.pack(&tokens, 1);
+    let params = Params::init(&cfg, 7)?;
+    println!(
+        "policy forward, model {} ({} rows: {groups} prompts x {n} samples, {prompt} prompt + {} \
+         response tokens), host threads {}, median of {} after one warm-up:",
+        args.model,
+        layout.rows(),
+        t - prompt,
+        rayon::current_num_threads(),
+        args.reps
+    );
+    for name in &args.recipes {
+        let plan = lockstep::recipe::file::load(name)?.resolve(cfg.n_layers)?;
+        let prep = PreparedModel::new(&params, &plan)?;
+        let cpu = median_secs::<anyhow::Error>(args.reps, || {
+            forward_rows(
+                &lockstep::engine::backend::CpuBackend,
+                &prep,
+                &rows,
+                &layout,
+                None,
+            );
+            Ok(())
+        })?;
+        let Some(rf) = &resident else {
+            println!("  {name:<12} cpu {:>8.2} ms", cpu * 1e3);
+            continue;
+        };
+        let dm = rf.upload(&prep).context("upload")?;
+        let gpu = median_secs(args.reps, || {
+            rf.forward(&dm, &rows, &layout, None).map(|_| ())
+        })
+        .context("resident forward")?;
+        println!(
+            "  {name:<12} cpu {:>8.2} ms   resident {} {:>8.2} ms   cpu/gpu {:>5.2}x",
+            cpu * 1e3,
+            args.device,
+            gpu * 1e3,
+            cpu / gpu
+        );
+    }
+    Ok(true)
+}

@@ -92,6 +92,9 @@ pub enum BenchCommand {
     Report(report::BenchReportArgs),
     /// Engine GRPO step time (median of --steps after one warm-up) on a device.
     Step(bench::StepArgs),
+    /// The policy forward at the benchmark shape on this host's CPU and, with --device cuda, the
+    /// device-resident forward next to it.
+    Forward(bench::ForwardArgs),
     /// Compare synthetic runs (default 1,000 runs x 1,000 steps, read back from run folders) and print
     /// the load, statistics and compare.json times against the 5 s target.
     Compare {

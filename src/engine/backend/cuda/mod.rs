@@ -11,8 +11,11 @@
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
 pub mod bench;
+pub mod fake_quant;
 pub mod gemm;
+pub mod ops;
 pub mod quant;
+pub mod resident;
 
 pub use gemm::CudaBackend;
 pub use quant::{CudaQuantizer, DeviceQuantized};

@@ -308,6 +308,9 @@ __device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__r
                 m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
                 if (RULE == 1) nan |= __shfl_xor_sync(0xFFFFFFFFu, nan, o);
             }
+            // fmaxf(NaN, NaN) is NaN: an all-NaN block has amax 0 (amax_ignoring_nan starts at 0;
+            // the TE rule's scale byte is then 0x00, not 0xFF).
+            m = fmaxf(m, 0.0f);
             bool nanblock;
             u32 b = mx_scale<RULE>(m, nan != 0, rcp_max, emax, &nanblock);
             u32 packed = 0x7F7F7F7Fu, s_ = 0, u_ = 0;

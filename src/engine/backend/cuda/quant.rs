@@ -109,6 +109,31 @@ impl DeviceQuantized {
         };
         4 * n + self.codes.len() + scales
     }
+
+    /// The scale bytes of the blocked view, one per block, row-major: E8M0 (MXFP8, `[rows,
+    /// cols/32]`) or E4M3 (NVFP4, `[rows, cols/16]`); as `to_host` reads them.
+    pub(crate) fn scale_bytes(&self) -> &CudaSlice<u8> {
+        &self.scales_u8
+    }
+
+    /// FP8 block scaling: the stored decode multipliers (`scale_inv`), one per tile, row-major
+    /// over the tile grid (`[rows, ceil(cols/128)]` or `[ceil(rows/128), ceil(cols/128)]`).
+    pub(crate) fn tile_scales(&self) -> &CudaSlice<f32> {
+        &self.scales_f32
+    }
+
+    /// NVFP4: the second-level (global) amax as keys, `[rows, shards]` per token, `[shards]` per
+    /// tensor; a key is the amax's FP32 bits, and any key above 0x7F800000 stands for the CPU's
+    /// NaN (`to_host` turns it into `f32::NAN`).
+    pub(crate) fn global_amax_keys(&self) -> &CudaSlice<u32> {
+        match self.format {
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                ..
+            } => &self.row_keys,
+            _ => &self.keys,
+        }
+    }
 }
 
 fn blocks(n: usize, per: u32) -> u32 {

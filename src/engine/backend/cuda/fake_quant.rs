@@ -1,0 +1,260 @@
+//! Row-wise fake quantization on the device: a device FP32 tensor in, the FP32 values a GEMM on its
+//! quantized form sees out, both staying on the GPU (activation quantization of a device-resident
+//! forward).
+//!
+//! The contract is bit equality with `crate::formats::fake_quantize(.., Axis::Row, ..)` for every
+//! format (tested in `tests/cuda_fake_quant.rs`). It is built from the one quantizer: the codes,
+//! scales and second-level amax come from [`CudaQuantizer::quantize_into`] (`quant.cu`, tested
+//! byte for byte against the CPU in `tests/cuda_quantizer.rs`), and a kernel of `dequant.cu` only
+//! decodes those buffers with the CPU's dequantize arithmetic, as `fake_quantize` does on the host
+//! (`quantize`, then `QuantizedTensor::dequantize_blocked`). BF16 is the one-pass rounding of the
+//! CPU's own special case (`fake_quantize_bf16`). NaN results carry the host's NaN bits (see
+//! `dequant.cu`). All work is queued on the quantizer's stream.
+
+use super::{CudaError, CudaQuantizer, DeviceQuantized};
+use crate::formats::fp8_block::TILE;
+use crate::formats::mxfp8::{Fp8Elem, MX_BLOCK};
+use crate::formats::nvfp4::NV_BLOCK;
+use crate::formats::tensor::validate_len;
+use crate::formats::{Axis, Fp8Tile, QuantFormat, SecondScale};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::{Arc, Mutex};
+
+const SRC: &str = include_str!("dequant.cu");
+const THREADS: u32 = 256;
+/// Quantizer outputs kept for reuse, one per (rows, cols, format), least recently used evicted.
+const SCRATCH_SLOTS: usize = 16;
+
+/// The loaded kernels of `dequant.cu`.
+struct Kernels {
+    bf16: CudaFunction,
+    /// Indexed by element: E4M3, E5M2.
+    mxfp8: [CudaFunction; 2],
+    nvfp4: CudaFunction,
+    fp8_block: CudaFunction,
+}
+
+/// The device buffers of one shape and format: the quantizer's outputs, and an exact-length copy
+/// of the input for callers whose input buffer is longer than `rows * cols` (`quantize_into`
+/// takes exactly `rows * cols` values).
+struct Scratch {
+    q: DeviceQuantized,
+    input: Option<CudaSlice<f32>>,
+}
+
+/// Row-wise fake quantization and BF16 rounding of device tensors, on a [`CudaQuantizer`]'s device
+/// and stream.
+pub struct CudaFakeQuantizer {
+    q: Arc<CudaQuantizer>,
+    k: Kernels,
+    /// Grid cap of the grid-stride kernels: 16 thread blocks per multiprocessor.
+    grid: u32,
+    /// Bits of the NaN this host's FP32 arithmetic makes from an invalid operation (x86:
+    /// 0xFFC00000); the CPU dequantization produces it for 0 x Inf, so the kernels do too.
+    default_nan: u32,
+    /// Quantizer outputs by shape, most recently used last. Held locked for a whole call: its
+    /// quantize and decode launches share the buffers in stream order.
+    scratch: Mutex<Vec<Scratch>>,
+}
+
+fn cfg(grid: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Thread blocks for `threads` threads, at least 1, at most `cap` (the kernels loop).
+fn blocks(threads: usize, cap: u32) -> u32 {
+    threads.div_ceil(THREADS as usize).clamp(1, cap as usize) as u32
+}
+
+impl CudaFakeQuantizer {
+    /// Compile `dequant.cu` on `q`'s device (once; NVRTC takes a fraction of a second).
+    pub fn new(q: Arc<CudaQuantizer>) -> Result<Self, CudaError> {
+        let dev = q.device().clone();
+        let m = dev.compile("dequant", SRC)?;
+        let f = |name: &str| m.load_function(name);
+        let k = Kernels {
+            bf16: f("bf16_round")?,
+            mxfp8: [f("mxfp8_dq_e4m3")?, f("mxfp8_dq_e5m2")?],
+            nvfp4: f("nvfp4_dq")?,
+            fp8_block: f("fp8_block_dq")?,
+        };
+        let sms = dev.context().attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )?;
+        // black_box: measured at run time, not folded by the compiler (which may pick other bits).
+        let invalid = std::hint::black_box(0.0f32) * std::hint::black_box(f32::INFINITY);
+        Ok(CudaFakeQuantizer {
+            q,
+            k,
+            grid: sms.max(1) as u32 * 16,
+            default_nan: invalid.to_bits(),
+            scratch: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn quantizer(&self) -> &Arc<CudaQuantizer> {
+        &self.q
+    }
+
+    /// `out[..n] = round_bf16(x[..n])` bit for bit (NaN keeps sign and payload top bits, quiet
+    /// bit set, as `crate::formats::bf16::round_bf16`). Queued on the quantizer's stream.
+    pub fn round_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        check_len("x", x.len(), n)?;
+        check_len("out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let mut b = self.q.stream().launch_builder(&self.k.bf16);
+        b.arg(x).arg(out).arg(&n64);
+        // SAFETY: grid-stride loop over i < n; `x` and `out` hold at least n floats (checked).
+        unsafe { b.launch(cfg(blocks(n, self.grid))) }?;
+        Ok(())
+    }
+
+    /// `out[..rows*cols]` = quantize-then-dequantize of `x[..rows*cols]` (`[rows, cols]`,
+    /// row-major) with blocks along rows: the values of `fake_quantize(x, rows, cols, fmt,
+    /// Axis::Row, out)`, bit for bit. Asynchronous, on the quantizer's stream; no host copy.
+    ///
+    /// `cols` must satisfy the format (the CPU's own check: MXFP8 a multiple of 32, NVFP4 of
+    /// 16 x shards, `CudaError::Format` otherwise); `rows == 0` is a no-op. The buffers may be
+    /// longer than `rows*cols` (`CudaError::Shape` if shorter); the rest is not touched (a longer
+    /// `x` costs a device copy of its first `rows*cols` values).
+    pub fn fake_quantize_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        // The column conditions of the CPU (cols > 0, block multiple, shards > 0), whatever rows.
+        validate_len(cols, 1, cols, fmt, Axis::Row)?;
+        let n = rows
+            .checked_mul(cols)
+            .ok_or_else(|| CudaError::Shape(format!("{rows} x {cols} elements overflow")))?;
+        check_len("x", x.len(), n)?;
+        check_len("out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if let QuantFormat::Bf16 = fmt {
+            return self.round_bf16(x, out, n);
+        }
+        let s = self.q.stream();
+        let mut cache = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { q, input } = self.slot(&mut cache, rows, cols, fmt)?;
+        let src = if x.len() == n {
+            x
+        } else {
+            let buf = match input {
+                Some(b) => b,
+                None => input.insert(s.alloc_zeros::<f32>(n)?),
+            };
+            s.memcpy_dtod(&x.slice(..n), buf)?;
+            &*buf
+        };
+        self.q.quantize_into(src, q)?;
+        let dnan = self.default_nan;
+        let (n64, rows64, cols64) = (n as u64, rows as u64, cols as u64);
+        match *fmt {
+            QuantFormat::Bf16 => unreachable!("BF16 returned above"),
+            QuantFormat::Mxfp8 { elem, .. } => {
+                let e = match elem {
+                    Fp8Elem::E4M3 => 0,
+                    Fp8Elem::E5M2 => 1,
+                };
+                let n4 = n64 / 4;
+                let mut b = s.launch_builder(&self.k.mxfp8[e]);
+                b.arg(&q.codes)
+                    .arg(q.scale_bytes())
+                    .arg(out)
+                    .arg(&n4)
+                    .arg(&dnan);
+                debug_assert_eq!(n % MX_BLOCK, 0);
+                // SAFETY: cols is a multiple of 32 (validated), so n is: thread i < n/4 reads code
+                // word i (the n code bytes `alloc` made, 256-byte aligned) and scale byte i/8 <
+                // n/32, and writes float4 i of `out` (at least n floats, an allocation's start).
+                unsafe { b.launch(cfg(blocks(n / 4, self.grid))) }?;
+            }
+            QuantFormat::Nvfp4 { second, shards } => {
+                // 16-element blocks per (row, shard) segment.
+                let seg_blocks = (cols / shards / NV_BLOCK) as u64;
+                let nblocks = n64 / NV_BLOCK as u64;
+                let shards64 = shards as u64;
+                let per_token = i32::from(second == SecondScale::PerToken);
+                let rcp2688: f32 = 1.0 / 2688.0;
+                let mut b = s.launch_builder(&self.k.nvfp4);
+                b.arg(&q.codes)
+                    .arg(q.scale_bytes())
+                    .arg(q.global_amax_keys());
+                b.arg(out).arg(&nblocks).arg(&seg_blocks).arg(&shards64);
+                b.arg(&per_token).arg(&rcp2688).arg(&dnan);
+                // SAFETY: cols is a multiple of 16·shards (validated): block b < n/16 reads code
+                // bytes 8b..8b+8 (n/2 in all) and scale byte b (n/16), and writes floats
+                // 16b..16b+16 of `out`; its segment b / L is below rows·shards (per token, the
+                // key count) and (b / L) % shards below shards (per tensor).
+                unsafe { b.launch(cfg(blocks(n / NV_BLOCK, self.grid))) }?;
+            }
+            QuantFormat::Fp8Block { tile, .. } => {
+                let tc = cols.div_ceil(TILE);
+                let tile_rows: u64 = match tile {
+                    Fp8Tile::Act1x128 => 1,
+                    Fp8Tile::Weight128x128 => TILE as u64,
+                };
+                let mut b = s.launch_builder(&self.k.fp8_block);
+                b.arg(&q.codes).arg(q.tile_scales()).arg(out);
+                b.arg(&rows64).arg(&cols64).arg(&tile_rows).arg(&dnan);
+                // SAFETY: a warp per (row < rows, tile t < tc): element indices r·cols + c with
+                // c < cols stay below n (`codes` n bytes, `out` at least n floats); the tile index
+                // (r / tile_rows)·tc + t is below the tile count the quantizer sized.
+                unsafe { b.launch(cfg(blocks((rows * tc).saturating_mul(32), self.grid))) }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The scratch of (rows, cols, fmt), made most recently used; allocated on a miss, evicting
+    /// the least recently used beyond `SCRATCH_SLOTS` (its buffers are freed in stream order).
+    fn slot<'a>(
+        &self,
+        cache: &'a mut Vec<Scratch>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+    ) -> Result<&'a mut Scratch, CudaError> {
+        let hit = cache
+            .iter()
+            .position(|s| s.q.rows == rows && s.q.cols == cols && s.q.format == *fmt);
+        let entry = match hit {
+            Some(i) => cache.remove(i),
+            None => Scratch {
+                q: self.q.alloc(rows, cols, fmt, Axis::Row)?,
+                input: None,
+            },
+        };
+        if cache.len() >= SCRATCH_SLOTS {
+            cache.remove(0);
+        }
+        cache.push(entry);
+        Ok(cache.last_mut().expect("pushed above"))
+    }
+}
+
+fn check_len(what: &str, len: usize, n: usize) -> Result<(), CudaError> {
+    if len < n {
+        return Err(CudaError::Shape(format!(
+            "{what} holds {len} floats, fake quantization needs {n}"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,244 @@
+// The engine's forward ops (`crate::engine::ops`) on device buffers, for the resident forward.
+//
+// Compiled by NVRTC with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true, so every
+// +, *, / and sqrtf is one correctly rounded IEEE FP32 operation, as on the CPU. Each reduction the
+// CPU does in one row (rmsnorm's sum of squares, attention's `dot`, softmax sums, the router's
+// weight sum) runs in one thread in the CPU's order, so those results are the CPU's bits. Only
+// expf differs (CUDA's is within 2 ulp, glibc's within 1), which is why attention, SwiGLU and the
+// router are held to a tolerance. No float atomics anywhere: same inputs, same bits.
+//
+// Indices the host cannot check without a copy (tokens, positions, gathered rows, replayed expert
+// ids, attention keys) are checked here: an out-of-range index turns its output into NaN (the
+// CPU would panic) instead of reading outside a buffer.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NAN_F __int_as_float(0x7FC00000)  // the CPU's f32::NAN
+#define NEG_INF __int_as_float(0xFF800000)
+
+__device__ __forceinline__ u64 gtid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ u64 gstride() { return (u64)gridDim.x * blockDim.x; }
+__device__ __forceinline__ u32 lane() { return threadIdx.x & 31u; }
+__device__ __forceinline__ u64 gwarp() { return gtid() >> 5; }
+__device__ __forceinline__ u64 nwarps() { return gstride() >> 5; }
+
+// out[i] = wte[tokens[i]] + wpe[positions[i]]; a thread per element.
+extern "C" __global__ void embedding_forward(float *__restrict__ out, const u32 *__restrict__ tokens,
+                                             const u32 *__restrict__ positions,
+                                             const float *__restrict__ wte,
+                                             const float *__restrict__ wpe, u32 n, u32 d, u32 vocab,
+                                             u32 npos) {
+    u64 total = (u64)n * d;
+    for (u64 idx = gtid(); idx < total; idx += gstride()) {
+        u64 i = idx / d, c = idx % d;
+        u32 t = tokens[i], p = positions[i];
+        out[idx] = (t < vocab && p < npos) ? wte[(u64)t * d + c] + wpe[(u64)p * d + c] : NAN_F;
+    }
+}
+
+// A warp per row: lane 0 sums the squares in column order (from -0.0, as Rust's `Sum` does), the
+// warp writes the row.
+extern "C" __global__ void rmsnorm_forward(float *__restrict__ out, float *__restrict__ rstd,
+                                           const float *__restrict__ x, const float *__restrict__ g,
+                                           u32 n, u32 d, float d_f, float eps) {
+    for (u64 r = gwarp(); r < n; r += nwarps()) {
+        const float *xr = x + r * d;
+        float s = 0.0f;
+        if (lane() == 0) {
+            float sum = -0.0f;
+            for (u32 c = 0; c < d; c++) sum = sum + xr[c] * xr[c];
+            float ms = sum / d_f;
+            s = 1.0f / sqrtf(ms + eps);
+            rstd[r] = s;
+        }
+        s = __shfl_sync(0xFFFFFFFFu, s, 0);
+        for (u32 c = lane(); c < d; c += 32) out[r * d + c] = xr[c] * s * g[c];
+    }
+}
+
+// out [n, f] = silu(gate) * up on inp [n, 2f] (gate = columns 0..f); a thread per element.
+extern "C" __global__ void swiglu_forward(float *__restrict__ out, const float *__restrict__ inp,
+                                          u32 n, u32 f) {
+    u64 total = (u64)n * f;
+    for (u64 idx = gtid(); idx < total; idx += gstride()) {
+        u64 i = idx / f, c = idx % f;
+        float gv = inp[i * 2 * f + c], uv = inp[i * 2 * f + f + c];
+        float sg = 1.0f / (1.0f + expf(-gv));
+        out[idx] = gv * sg * uv;
+    }
+}
+
+// `ops::dot`: 8 partial sums over chunks of 8, combined pairwise in a fixed order, then the
+// remainder added one by one.
+__device__ float dot8(const float *a, const float *b, u32 len) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    u32 chunks = len / 8;
+    for (u32 c = 0; c < chunks; c++) {
+#pragma unroll
+        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[c * 8 + l] * b[c * 8 + l];
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (u32 i = chunks * 8; i < len; i++) s = s + a[i] * b[i];
+    return s;
+}
+
+// A warp per (row, head). The row's probs [s] double as the score buffer: lanes compute the scores
+// of keys lane, lane+32, ...; lane 0 takes the max and the sum in key order (the CPU's
+// `softmax_in_place`); lanes then write P·V one output column each, summing over keys in order.
+// ctx_len [n], ctx_keys [n, s]: the row's key count and the row of its j-th key.
+extern "C" __global__ void attention_forward(float *__restrict__ out, float *__restrict__ probs,
+                                             const float *__restrict__ qkv,
+                                             const u32 *__restrict__ ctx_len,
+                                             const u32 *__restrict__ ctx_keys, u32 n, u32 h, u32 d,
+                                             u32 s, float scale) {
+    const u32 dh = d / h;
+    const u64 w3 = 3ull * d;
+    for (u64 item = gwarp(); item < (u64)n * h; item += nwarps()) {
+        u64 i = item / h;
+        u32 hi = (u32)(item % h);
+        u32 len = min(ctx_len[i], s);
+        const u32 *keys = ctx_keys + i * s;
+        float *p = probs + item * s;
+        const float *q = qkv + i * w3 + hi * dh;
+        for (u32 j = lane(); j < len; j += 32) {
+            u32 key = keys[j];
+            p[j] = key < n ? dot8(q, qkv + key * w3 + d + hi * dh, dh) * scale : NAN_F;
+        }
+        __syncwarp();
+        float mx = NEG_INF;
+        if (lane() == 0)
+            for (u32 j = 0; j < len; j++) mx = fmaxf(mx, p[j]);
+        mx = __shfl_sync(0xFFFFFFFFu, mx, 0);
+        for (u32 j = lane(); j < len; j += 32) p[j] = expf(p[j] - mx);
+        __syncwarp();
+        float inv = 0.0f;
+        if (lane() == 0) {
+            float sum = 0.0f;
+            for (u32 j = 0; j < len; j++) sum = sum + p[j];
+            inv = 1.0f / sum;
+        }
+        inv = __shfl_sync(0xFFFFFFFFu, inv, 0);
+        for (u32 j = lane(); j < s; j += 32) p[j] = j < len ? p[j] * inv : 0.0f;
+        __syncwarp();
+        for (u32 c = lane(); c < dh; c += 32) {
+            float o = 0.0f;
+            for (u32 j = 0; j < len; j++) {
+                u32 key = keys[j];
+                float v = key < n ? qkv[key * w3 + 2 * d + hi * dh + c] : NAN_F;
+                o = o + p[j] * v;
+            }
+            out[i * d + hi * dh + c] = o;
+        }
+        __syncwarp();
+    }
+}
+
+// One row of the router: softmax of the logits into p (in place, the CPU's order), the ids either
+// chosen by `select_top_k` (strict > scan, so among equal values the lower index wins) or
+// replayed, then weights = p[id] / sum over the ids (sum from -0.0, in id order).
+__device__ void router_row(float *p, u32 *ids, float *w, const float *l, const u32 *replay, u32 e,
+                           u32 k) {
+    float mx = NEG_INF;
+    for (u32 i = 0; i < e; i++) {
+        p[i] = l[i];
+        mx = fmaxf(mx, l[i]);
+    }
+    float sum = 0.0f;
+    for (u32 i = 0; i < e; i++) {
+        float v = expf(p[i] - mx);
+        p[i] = v;
+        sum = sum + v;
+    }
+    float inv = 1.0f / sum;
+    for (u32 i = 0; i < e; i++) p[i] = p[i] * inv;
+    for (u32 j = 0; j < k; j++) {
+        if (replay) {
+            ids[j] = replay[j];
+            continue;
+        }
+        int best = -1;
+        float bv = 0.0f;
+        for (u32 i = 0; i < e; i++) {
+            bool taken = false;
+            for (u32 m = 0; m < j; m++) taken |= ids[m] == i;
+            if (taken) continue;
+            float v = p[i];
+            if (best < 0 || v > bv) {
+                best = (int)i;
+                bv = v;
+            }
+        }
+        ids[j] = best < 0 ? 0u : (u32)best;
+    }
+    float ws = -0.0f;
+    for (u32 j = 0; j < k; j++) ws = ws + (ids[j] < e ? p[ids[j]] : NAN_F);
+    for (u32 j = 0; j < k; j++) w[j] = (ids[j] < e ? p[ids[j]] : NAN_F) / ws;
+}
+
+// A thread per row (E is 8 at the shipped sizes).
+extern "C" __global__ void router_topk(float *__restrict__ probs, u32 *__restrict__ ids,
+                                       float *__restrict__ weights,
+                                       const float *__restrict__ logits, u32 n, u32 e, u32 k) {
+    for (u64 r = gtid(); r < n; r += gstride())
+        router_row(probs + r * e, ids + r * k, weights + r * k, logits + r * e, nullptr, e, k);
+}
+
+extern "C" __global__ void router_replay(float *__restrict__ probs, u32 *__restrict__ ids,
+                                         float *__restrict__ weights,
+                                         const float *__restrict__ logits,
+                                         const u32 *__restrict__ replay, u32 n, u32 e, u32 k) {
+    for (u64 r = gtid(); r < n; r += gstride())
+        router_row(probs + r * e, ids + r * k, weights + r * k, logits + r * e, replay + r * k, e,
+                   k);
+}
+
+// dst[i] += src[i].
+extern "C" __global__ void add_into(float *__restrict__ dst, const float *__restrict__ src,
+                                    u64 len) {
+    for (u64 i = gtid(); i < len; i += gstride()) dst[i] = dst[i] + src[i];
+}
+
+// dst[r] = src[rows[r]] for r < m; src has `src_rows` rows.
+extern "C" __global__ void gather_rows(float *__restrict__ dst, const float *__restrict__ src,
+                                       const u32 *__restrict__ rows, u32 m, u32 d, u32 src_rows) {
+    u64 total = (u64)m * d;
+    for (u64 idx = gtid(); idx < total; idx += gstride()) {
+        u64 r = idx / d, c = idx % d;
+        u32 sr = rows[r];
+        dst[idx] = sr < src_rows ? src[(u64)sr * d + c] : NAN_F;
+    }
+}
+
+// The end of `moe_forward` for token t: o = shared_y[t]; then its k choices in (expert id, slot)
+// order, the order the CPU's loop over experts and their slot lists visits them,
+// o += weights[s] * y_all[slot_row[s]]; then o += x[t]. A thread per element.
+extern "C" __global__ void moe_combine(float *__restrict__ out, const float *__restrict__ shared_y,
+                                       const float *__restrict__ y_all,
+                                       const u32 *__restrict__ slot_row,
+                                       const u32 *__restrict__ ids,
+                                       const float *__restrict__ weights,
+                                       const float *__restrict__ x, u32 n, u32 k, u32 d,
+                                       u32 y_rows) {
+    u64 total = (u64)n * d;
+    for (u64 idx = gtid(); idx < total; idx += gstride()) {
+        u64 t = idx / d, c = idx % d;
+        const u32 *id = ids + t * k;
+        float o = shared_y[idx];
+        // Visit slots in increasing (id, j): each step takes the smallest pair above the last.
+        u64 last = 0;
+        for (u32 step = 0; step < k; step++) {
+            u64 best = ~0ull;
+            for (u32 j = 0; j < k; j++) {
+                u64 key = ((u64)id[j] << 32) | j;
+                if ((step == 0 || key > last) && key < best) best = key;
+            }
+            last = best;
+            u64 s = t * k + (u32)(best & 0xFFFFFFFFull);
+            u32 row = slot_row[s];
+            float v = row < y_rows ? y_all[(u64)row * d + c] : NAN_F;
+            o = o + weights[s] * v;
+        }
+        out[idx] = o + x[idx];
+    }
+}

@@ -1,0 +1,377 @@
+//! The device-resident forward: the policy's forward pass (`model::forward_rows`) with weights,
+//! activations and routing kept on the GPU. Only the tokens, the layout and (per layer) the routed
+//! expert ids cross PCIe; the logits come back at the end.
+//!
+//! This is the first piece of the resident engine that the step targets need (docs/cuda.md, "Not
+//! done"): the forward of a step's prepared weights, op for op the CPU's, so the same plan
+//! quantizes the same activations the same way (`CudaFakeQuantizer`, byte-equal to
+//! `formats::fake_quantize`). The backward, the rollout's decode loop and the optimizer still run
+//! through the host path.
+//!
+//! What is identical to the CPU forward and what is not: every quantizer and every non-GEMM op
+//! that the CPU computes in a fixed order (norms, embeddings, expert gather and combine) give the
+//! CPU's bits for the same inputs; cuBLAS sums in another order than `matrixmultiply`, and the
+//! GPU's `expf` may differ by an ulp, so logits agree to a tolerance, and a router near a tie can
+//! pick another expert (tests measure both).
+
+use super::fake_quant::CudaFakeQuantizer;
+use super::ops::{CudaOps, DeviceLayout};
+use super::{CudaDevice, CudaError, CudaQuantizer};
+use crate::engine::layout::Layout;
+use crate::engine::linear::PreparedWeight;
+use crate::engine::model::{ModelConfig, PreparedModel, Routing};
+use crate::formats::QuantFormat;
+use crate::recipe::SitePlan;
+use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+/// A matmul site on the device: its forward operand (already quantized and dequantized by
+/// `linear::prepare_weight`) and the format its input activations are quantized to.
+pub struct DeviceLinear {
+    w: CudaSlice<f32>,
+    out_dim: usize,
+    in_dim: usize,
+    act: Option<QuantFormat>,
+}
+
+/// One transformer block's device weights (see `model::PreparedLayer`).
+pub struct DeviceLayer {
+    attn_norm: CudaSlice<f32>,
+    linear_qkv: DeviceLinear,
+    linear_proj: DeviceLinear,
+    mlp_norm: CudaSlice<f32>,
+    router: DeviceLinear,
+    experts_fc1: Vec<DeviceLinear>,
+    experts_fc2: Vec<DeviceLinear>,
+    shared_fc1: DeviceLinear,
+    shared_fc2: DeviceLinear,
+}
+
+/// A prepared model uploaded once per optimizer step (`ResidentForward::upload`).
+pub struct DeviceModel {
+    config: ModelConfig,
+    wte: CudaSlice<f32>,
+    wpe: CudaSlice<f32>,
+    layers: Vec<DeviceLayer>,
+    final_norm: CudaSlice<f32>,
+    output_layer: DeviceLinear,
+}
+
+/// What a resident forward returns: logits `[rows, V]` in layout row order and the experts chosen
+/// in every layer (the same record `model::forward_rows` returns).
+pub struct ForwardOutput {
+    pub logits: Vec<f32>,
+    pub routing: Routing,
+}
+
+/// The kernels, cuBLAS handle and stream of resident forwards on one GPU. All work is queued on
+/// one stream, so its order is the program order.
+pub struct ResidentForward {
+    stream: Arc<CudaStream>,
+    fq: CudaFakeQuantizer,
+    ops: CudaOps,
+    blas: CudaBlas,
+}
+
+impl ResidentForward {
+    /// Compile the kernels and open a cuBLAS handle (FP32, no TF32: `CUBLAS_PEDANTIC_MATH`) on
+    /// `dev`.
+    pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
+        let q = Arc::new(CudaQuantizer::new(dev)?);
+        let stream = q.stream().clone();
+        let blas = CudaBlas::new(stream.clone())?;
+        // SAFETY: a plain configuration call on the handle just created and owned here.
+        unsafe {
+            cudarc::cublas::sys::cublasSetMathMode(
+                *blas.handle(),
+                cublasMath_t::CUBLAS_PEDANTIC_MATH,
+            )
+        }
+        .result()?;
+        Ok(ResidentForward {
+            fq: CudaFakeQuantizer::new(q)?,
+            ops: CudaOps::new(dev)?,
+            stream,
+            blas,
+        })
+    }
+
+    fn linear(&self, w: &PreparedWeight, plan: &SitePlan) -> Result<DeviceLinear, CudaError> {
+        Ok(DeviceLinear {
+            w: self.stream.clone_htod(w.w_fwd())?,
+            out_dim: w.out_dim,
+            in_dim: w.in_dim,
+            act: plan.activation_format(),
+        })
+    }
+
+    /// Copy a step's prepared weights to the device.
+    pub fn upload(&self, prep: &PreparedModel) -> Result<DeviceModel, CudaError> {
+        let s = &self.stream;
+        let layers = prep
+            .layers
+            .iter()
+            .zip(&prep.plan.layers)
+            .map(|(l, p)| {
+                let experts = |ws: &[PreparedWeight], plan: &SitePlan| {
+                    ws.iter()
+                        .map(|w| self.linear(w, plan))
+                        .collect::<Result<Vec<_>, _>>()
+                };
+                Ok(DeviceLayer {
+                    attn_norm: s.clone_htod(&l.attn_norm)?,
+                    linear_qkv: self.linear(&l.linear_qkv, &p.linear_qkv)?,
+                    linear_proj: self.linear(&l.linear_proj, &p.linear_proj)?,
+                    mlp_norm: s.clone_htod(&l.mlp_norm)?,
+                    router: self.linear(&l.router, &p.router)?,
+                    experts_fc1: experts(&l.experts_fc1, &p.experts_fc1)?,
+                    experts_fc2: experts(&l.experts_fc2, &p.experts_fc2)?,
+                    shared_fc1: self.linear(&l.shared_fc1, &p.shared_fc1)?,
+                    shared_fc2: self.linear(&l.shared_fc2, &p.shared_fc2)?,
+                })
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        Ok(DeviceModel {
+            config: prep.config.clone(),
+            wte: s.clone_htod(&prep.wte)?,
+            wpe: s.clone_htod(&prep.wpe)?,
+            layers,
+            final_norm: s.clone_htod(&prep.final_norm)?,
+            output_layer: self.linear(&prep.output_layer, &prep.plan.output_layer)?,
+        })
+    }
+
+    /// A zeroed device buffer of `n` floats (at least one: cudarc does not allocate zero bytes).
+    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        Ok(self.stream.alloc_zeros(n.max(1))?)
+    }
+
+    /// `y[n, m] = x[n, k] · Wᵀ` with FP32 accumulation. Row-major buffers read column-major are
+    /// their transposes: `yᵀ = W · xᵀ` is cuBLAS's `op(A) = T` on W's buffer (k x m column-major)
+    /// times `op(B) = N` on x's.
+    fn gemm_xwt<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+        &self,
+        x: &X,
+        w: &CudaSlice<f32>,
+        y: &mut Y,
+        (n, k, m): (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let dim = |v: usize| {
+            i32::try_from(v).map_err(|_| {
+                CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit"))
+            })
+        };
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: dim(m)?,
+            n: dim(n)?,
+            k: dim(k)?,
+            alpha: 1.0f32,
+            lda: dim(k)?,
+            ldb: dim(k)?,
+            beta: 0.0f32,
+            ldc: dim(m)?,
+        };
+        if w.len() < m * k || x.len() < n * k || y.len() < n * m {
+            return Err(CudaError::Shape(format!(
+                "resident gemm: buffers of {}, {}, {} floats for x [{n}, {k}], W [{m}, {k}], y [{n}, {m}]",
+                x.len(),
+                w.len(),
+                y.len()
+            )));
+        }
+        // SAFETY: checked just above: W holds m·k, x n·k and y n·m floats, and the leading
+        // dimensions are the row lengths of the row-major buffers, so cuBLAS stays inside them.
+        unsafe { self.blas.gemm(cfg, w, x, y) }?;
+        Ok(())
+    }
+
+    /// `linear::forward`'s values: the input quantized per the site's activation format (BF16
+    /// sites round to BF16; other formats quantize the BF16-rounded input), then the GEMM.
+    fn linear_forward(
+        &self,
+        lin: &DeviceLinear,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (k, m) = (lin.in_dim, lin.out_dim);
+        let mut y = self.zeros(n * m)?;
+        if n == 0 {
+            return Ok(y);
+        }
+        match lin.act {
+            None => self.gemm_xwt(x, &lin.w, &mut y, (n, k, m))?,
+            Some(fmt) => {
+                let mut xq = self.zeros(n * k)?;
+                if matches!(fmt, QuantFormat::Bf16) {
+                    self.fq.fake_quantize_rows(x, n, k, &fmt, &mut xq)?;
+                } else {
+                    let mut hp = self.zeros(n * k)?;
+                    self.fq.round_bf16(x, &mut hp, n * k)?;
+                    self.fq.fake_quantize_rows(&hp, n, k, &fmt, &mut xq)?;
+                }
+                self.gemm_xwt(&xq, &lin.w, &mut y, (n, k, m))?;
+            }
+        }
+        Ok(y)
+    }
+
+    /// fc1 → SwiGLU → fc2 over `n` rows of `x`.
+    fn ffn(
+        &self,
+        fc1: &DeviceLinear,
+        fc2: &DeviceLinear,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let f = fc2.in_dim;
+        let h = self.linear_forward(fc1, x, n)?;
+        let mut act = self.zeros(n * f)?;
+        if n > 0 {
+            self.ops.swiglu_forward(&self.stream, &mut act, &h, n, f)?;
+        }
+        self.linear_forward(fc2, &act, n)
+    }
+
+    /// x [n, D] → x + proj(attention(qkv(rmsnorm(x)))).
+    fn attention_block(
+        &self,
+        w: &DeviceLayer,
+        cfg: &ModelConfig,
+        x: &CudaSlice<f32>,
+        layout: &DeviceLayout,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (n, d, h) = (layout.rows, cfg.d_model, cfg.n_heads);
+        let s = &self.stream;
+        let (mut xn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        self.ops
+            .rmsnorm_forward(s, &mut xn, &mut rstd, x, &w.attn_norm, n, d)?;
+        let qkv = self.linear_forward(&w.linear_qkv, &xn, n)?;
+        let mut att = self.zeros(n * d)?;
+        let mut probs = self.zeros(n * h * layout.max_context)?;
+        self.ops
+            .attention_forward(s, &mut att, &mut probs, &qkv, layout, h, d)?;
+        let mut out = self.linear_forward(&w.linear_proj, &att, n)?;
+        self.ops.add_into(s, &mut out, x, n * d)?;
+        Ok(out)
+    }
+
+    /// x [n, D] → x + shared(xn) + Σ gate · expert(xn), in `model::moe_forward`'s order; returns
+    /// the output and the experts chosen (`[n, K]`, copied to the host to size each expert's
+    /// GEMMs).
+    fn moe_block(
+        &self,
+        w: &DeviceLayer,
+        cfg: &ModelConfig,
+        x: &CudaSlice<f32>,
+        n: usize,
+        replay: Option<&[u32]>,
+    ) -> Result<(CudaSlice<f32>, Vec<u32>), CudaError> {
+        let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
+        let s = &self.stream;
+        let (mut xn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        self.ops
+            .rmsnorm_forward(s, &mut xn, &mut rstd, x, &w.mlp_norm, n, d)?;
+        let logits = self.linear_forward(&w.router, &xn, n)?;
+        let mut probs = self.zeros(n * e)?;
+        let mut ids = s.alloc_zeros::<u32>((n * k).max(1))?;
+        let mut weights = self.zeros(n * k)?;
+        let replay = replay.map(|r| s.clone_htod(r)).transpose()?;
+        self.ops.router_forward(
+            s,
+            &mut probs,
+            &mut ids,
+            &mut weights,
+            &logits,
+            n,
+            e,
+            k,
+            replay.as_ref(),
+        )?;
+        let host_ids = s.clone_dtoh(&ids.slice(..n * k))?;
+        // Expert slots in token order (model::expert_slots), concatenated by expert: y_all row r
+        // is slot order[r]; slot_row is its inverse.
+        let mut order: Vec<u32> = (0..(n * k) as u32).collect();
+        order.sort_by_key(|&slot| host_ids[slot as usize]); // stable: token order within an expert
+        let mut counts = vec![0usize; e];
+        for &id in &host_ids {
+            counts[id as usize] += 1;
+        }
+        let mut slot_row = vec![0u32; n * k];
+        for (r, &slot) in order.iter().enumerate() {
+            slot_row[slot as usize] = r as u32;
+        }
+        let shared = self.ffn(&w.shared_fc1, &w.shared_fc2, &xn, n)?;
+        let mut y_all = self.zeros(n * k * d)?;
+        let mut start = 0;
+        for (ei, &count) in counts.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            let src_rows: Vec<u32> = order[start..start + count]
+                .iter()
+                .map(|&slot| slot / k as u32)
+                .collect();
+            let src_rows = s.clone_htod(&src_rows)?;
+            let mut xe = self.zeros(count * d)?;
+            self.ops.gather_rows(s, &mut xe, &xn, &src_rows, count, d)?;
+            let y = self.ffn(&w.experts_fc1[ei], &w.experts_fc2[ei], &xe, count)?;
+            s.memcpy_dtod(
+                &y.slice(..count * d),
+                &mut y_all.slice_mut(start * d..(start + count) * d),
+            )?;
+            start += count;
+        }
+        let slot_row = s.clone_htod(&slot_row)?;
+        let mut out = self.zeros(n * d)?;
+        self.ops.moe_combine(
+            s, &mut out, &shared, &y_all, &slot_row, &ids, &weights, x, n, k, d,
+        )?;
+        Ok((out, host_ids))
+    }
+
+    /// `model::forward_rows` on the device: logits `[rows, V]` and the routing record, both in
+    /// layout row order. `replay` forces the experts (rollout routing replay).
+    pub fn forward(
+        &self,
+        m: &DeviceModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<ForwardOutput, CudaError> {
+        let cfg = &m.config;
+        crate::engine::model::check_layout_inputs(cfg, tokens, layout, replay)
+            .map_err(|e| CudaError::Shape(e.to_string()))?;
+        let (n, d, v) = (layout.rows(), cfg.d_model, cfg.vocab);
+        let s = &self.stream;
+        let dl = DeviceLayout::upload(s, layout)?;
+        let toks = s.clone_htod(tokens)?;
+        let mut h = self.zeros(n * d)?;
+        self.ops
+            .embedding_forward(s, &mut h, &toks, &dl.positions, &m.wte, &m.wpe, n, d)?;
+        let mut routing = Routing {
+            top_k: cfg.top_k,
+            n_tokens: n,
+            layers: Vec::with_capacity(cfg.n_layers),
+        };
+        for (l, w) in m.layers.iter().enumerate() {
+            let mid = self.attention_block(w, cfg, &h, &dl)?;
+            let r = replay.map(|r| r.layers[l].as_slice());
+            let (out, ids) = self.moe_block(w, cfg, &mid, n, r)?;
+            routing.layers.push(ids);
+            h = out;
+        }
+        let (mut hn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        self.ops
+            .rmsnorm_forward(s, &mut hn, &mut rstd, &h, &m.final_norm, n, d)?;
+        let logits = self.linear_forward(&m.output_layer, &hn, n)?;
+        let logits = s.clone_dtoh(&logits.slice(..n * v))?;
+        Ok(ForwardOutput { logits, routing })
+    }
+}

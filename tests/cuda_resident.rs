@@ -1,0 +1,162 @@
+//! The device-resident forward (`cuda::resident`) against the CPU forward (`model::forward_rows`).
+//!
+//! Without a GPU each test prints why it skips and passes. On a GPU: the same prepared weights and
+//! tokens through both, at the benchmark's layout shape (groups of samples sharing a prompt,
+//! responses of different lengths), for an FP32 plan and the shipped recipes.
+
+use lockstep::engine::backend::cpu::CpuBackend;
+use lockstep::engine::backend::cuda::resident::{ForwardOutput, ResidentForward};
+use lockstep::engine::backend::cuda::{self, CudaDevice};
+use lockstep::engine::layout::Layout;
+use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
+use lockstep::recipe::{ModelPlan, SitePlan};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::sync::OnceLock;
+
+fn gpu(test: &str) -> Option<&'static ResidentForward> {
+    static R: OnceLock<Result<ResidentForward, String>> = OnceLock::new();
+    let r = R.get_or_init(|| match cuda::skip_reason() {
+        Some(why) => Err(why),
+        None => CudaDevice::open(0)
+            .and_then(|d| ResidentForward::new(&d))
+            .map_err(|e| format!("GPU present but unusable: {e}")),
+    });
+    match r {
+        Ok(r) => Some(r),
+        Err(why) if why.starts_with("GPU present") => panic!("{test}: {why}"),
+        Err(why) => {
+            eprintln!("skipping {test}: {why}");
+            None
+        }
+    }
+}
+
+/// `groups` prompts of `prompt` tokens, `n` samples each, responses ending at different lengths,
+/// laid out as the trainer lays them out (shared prompt rows, no rows past a response's end).
+fn batch(
+    cfg: &ModelConfig,
+    groups: usize,
+    n: usize,
+    prompt: usize,
+    t: usize,
+) -> (Vec<u32>, Layout) {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut tokens = Vec::new();
+    for _ in 0..groups {
+        let head: Vec<u32> = (0..prompt)
+            .map(|_| rng.random_range(0..cfg.vocab as u32))
+            .collect();
+        for _ in 0..n {
+            tokens.extend(&head);
+            tokens.extend((prompt..t).map(|_| rng.random_range(0..cfg.vocab as u32)));
+        }
+    }
+    let b = groups * n;
+    let used: Vec<usize> = (0..b).map(|s| t - s % 4).collect();
+    let layout = Layout::shared_prefix(&tokens, b, t, n, prompt, Some(&used));
+    (layout.pack(&tokens, 1), layout)
+}
+
+fn plan(name: &str, layers: usize) -> ModelPlan {
+    match name {
+        "fp32" => ModelPlan::uniform(layers, SitePlan::FP32),
+        _ => lockstep::recipe::presets::preset(name)
+            .unwrap()
+            .resolve(layers)
+            .unwrap(),
+    }
+}
+
+/// Largest |a - b| over the largest |a|.
+fn rel_max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+fn agreement(a: &Routing, b: &Routing) -> f64 {
+    let (mut same, mut all) = (0usize, 0usize);
+    for (la, lb) in a.layers.iter().zip(&b.layers) {
+        same += la.iter().zip(lb).filter(|(x, y)| x == y).count();
+        all += la.len();
+    }
+    same as f64 / all.max(1) as f64
+}
+
+/// For each plan: free routing agrees with the CPU's on nearly every choice; with the CPU's routing
+/// replayed the routing is the CPU's exactly and the logits agree to the tolerance that GEMM
+/// summation order (and, for quantized sites, the codes it moves across a rounding boundary)
+/// allows; two GPU forwards give identical bits.
+#[test]
+fn resident_forward_matches_the_cpu_forward() {
+    let Some(rf) = gpu("resident_forward_matches_the_cpu_forward") else {
+        return;
+    };
+    // (model, plan, tolerance on the replayed logits, relative to the largest CPU logit).
+    let cases = [
+        (ModelConfig::tiny(), "fp32", 1e-4f32),
+        (ModelConfig::small(), "fp32", 1e-4),
+        (ModelConfig::small(), "bf16", 2e-2),
+        (ModelConfig::small(), "mxfp8", 5e-2),
+        (ModelConfig::small(), "nvfp4-dq", 5e-2),
+        (ModelConfig::small(), "fp8-block", 5e-2),
+    ];
+    let mut failures = Vec::new();
+    for (cfg, name, tol) in cases {
+        let params = Params::init(&cfg, 11).unwrap();
+        let prep = PreparedModel::new(&params, &plan(name, cfg.n_layers)).unwrap();
+        let (tokens, layout) = batch(&cfg, 8, 8, 7, 15);
+        let (cpu_logits, _, cpu_routing) = forward_rows(&CpuBackend, &prep, &tokens, &layout, None);
+        let dm = rf.upload(&prep).unwrap();
+        let free = rf.forward(&dm, &tokens, &layout, None).unwrap();
+        let again = rf.forward(&dm, &tokens, &layout, None).unwrap();
+        let replayed = rf
+            .forward(&dm, &tokens, &layout, Some(&cpu_routing))
+            .unwrap();
+        let ForwardOutput { logits, routing } = replayed;
+        let agree = agreement(&cpu_routing, &free.routing);
+        let diff = rel_max_diff(&cpu_logits, &logits);
+        eprintln!(
+            "{name} (d_model {}): routing agreement {agree:.5}, replayed logits rel max diff {diff:.3e}",
+            cfg.d_model
+        );
+        if routing != cpu_routing {
+            failures.push(format!("{name}: replayed routing differs from the record"));
+        }
+        if diff.is_nan() || diff > tol {
+            failures.push(format!("{name}: logits differ by {diff:.3e} > {tol:.0e}"));
+        }
+        if agree < 0.98 {
+            failures.push(format!("{name}: only {agree:.4} of expert choices agree"));
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        if bits(&free.logits) != bits(&again.logits) || free.routing != again.routing {
+            failures.push(format!("{name}: two GPU forwards differ"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Bad input is an error naming the problem, not a panic or a launch out of bounds.
+#[test]
+fn resident_forward_rejects_bad_tokens() {
+    let Some(rf) = gpu("resident_forward_rejects_bad_tokens") else {
+        return;
+    };
+    let cfg = ModelConfig::tiny();
+    let prep =
+        PreparedModel::new(&Params::init(&cfg, 1).unwrap(), &plan("bf16", cfg.n_layers)).unwrap();
+    let dm = rf.upload(&prep).unwrap();
+    let layout = Layout::plain(2, 4);
+    let mut tokens = vec![1u32; 8];
+    tokens[5] = cfg.vocab as u32;
+    let e = rf
+        .forward(&dm, &tokens, &layout, None)
+        .err()
+        .expect("an error");
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+}
