@@ -96,14 +96,17 @@ fn resident_forward_matches_the_cpu_forward() {
     let Some(rf) = gpu("resident_forward_matches_the_cpu_forward") else {
         return;
     };
-    // (model, plan, tolerance on the replayed logits, relative to the largest CPU logit).
+    // (model, plan, tolerance on the replayed logits, relative to the largest CPU logit): about 3x
+    // what the H200 measured on 2026-12-03 (fp32 2.5e-7 / 4.3e-7, bf16 1.6e-3, mxfp8 3.5e-3,
+    // nvfp4-dq 1.2e-2, fp8-block 5.7e-3). FP32 differs only by GEMM summation order and `expf`;
+    // quantized sites also move the odd activation across a rounding boundary.
     let cases = [
-        (ModelConfig::tiny(), "fp32", 1e-4f32),
-        (ModelConfig::small(), "fp32", 1e-4),
-        (ModelConfig::small(), "bf16", 2e-2),
-        (ModelConfig::small(), "mxfp8", 5e-2),
-        (ModelConfig::small(), "nvfp4-dq", 5e-2),
-        (ModelConfig::small(), "fp8-block", 5e-2),
+        (ModelConfig::tiny(), "fp32", 2e-6f32),
+        (ModelConfig::small(), "fp32", 2e-6),
+        (ModelConfig::small(), "bf16", 5e-3),
+        (ModelConfig::small(), "mxfp8", 1e-2),
+        (ModelConfig::small(), "nvfp4-dq", 4e-2),
+        (ModelConfig::small(), "fp8-block", 2e-2),
     ];
     let mut failures = Vec::new();
     for (cfg, name, tol) in cases {
