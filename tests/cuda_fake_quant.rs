@@ -7,59 +7,22 @@
 //! Each test prints why and returns when no GPU is usable (CPU-only CI). On a GPU machine:
 //! `cargo test --release --test cuda_fake_quant -- --nocapture`.
 
+mod common;
+
 use lockstep::engine::backend::cuda::bench::bench_input;
 use lockstep::engine::backend::cuda::fake_quant::CudaFakeQuantizer;
-use lockstep::engine::backend::cuda::{self, CudaDevice, CudaError, CudaQuantizer};
+use lockstep::engine::backend::cuda::{CudaDevice, CudaError, CudaQuantizer};
 use lockstep::formats::bf16::round_bf16;
-use lockstep::formats::{
-    Axis, Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, SecondScale, fake_quantize,
-};
+use lockstep::formats::{Axis, QuantFormat, SecondScale, fake_quantize};
 use std::sync::{Arc, OnceLock};
 
 /// The shared fake quantizer, or `None` (with the reason printed) where there is no GPU.
 fn gpu(test: &str) -> Option<&'static CudaFakeQuantizer> {
     static Q: OnceLock<Result<CudaFakeQuantizer, String>> = OnceLock::new();
-    let q = Q.get_or_init(|| match cuda::skip_reason() {
-        Some(why) => Err(why),
-        None => CudaDevice::open(0)
-            .and_then(|d| CudaQuantizer::new(&d))
-            .and_then(|q| CudaFakeQuantizer::new(Arc::new(q)))
-            .map_err(|e| format!("GPU present but unusable: {e}")),
-    });
-    match q {
-        Ok(q) => Some(q),
-        Err(why) if why.starts_with("GPU present") => panic!("{test}: {why}"),
-        Err(why) => {
-            eprintln!("skipping {test}: {why}");
-            None
-        }
-    }
-}
-
-fn all_formats() -> Vec<QuantFormat> {
-    let mut v = vec![QuantFormat::Bf16];
-    for elem in [Fp8Elem::E4M3, Fp8Elem::E5M2] {
-        for rule in [MxScaleRule::TeCeil, MxScaleRule::OcpFloor] {
-            v.push(QuantFormat::Mxfp8 { elem, rule });
-        }
-    }
-    for second in [SecondScale::PerTensor, SecondScale::PerToken] {
-        for shards in [1, 2, 4] {
-            v.push(QuantFormat::Nvfp4 { second, shards });
-        }
-    }
-    for tile in [Fp8Tile::Act1x128, Fp8Tile::Weight128x128] {
-        for variant in [
-            Fp8BlockVariant::Te,
-            Fp8BlockVariant::DeepseekV3,
-            Fp8BlockVariant::DeepseekV3Ue8m0,
-            Fp8BlockVariant::Deepgemm,
-            Fp8BlockVariant::DeepgemmUe8m0,
-        ] {
-            v.push(QuantFormat::Fp8Block { tile, variant });
-        }
-    }
-    v
+    common::gpu_fixture(&Q, test, || {
+        let q = CudaQuantizer::new(&CudaDevice::open(0)?)?;
+        CudaFakeQuantizer::new(Arc::new(q))
+    })
 }
 
 /// Test inputs of `rows x cols`, by kind:
@@ -195,7 +158,7 @@ fn gpu_fake_quantize_matches_cpu_for_every_format() {
     for (si, &(rows, cols)) in shapes.iter().enumerate() {
         for kind in 0..5 {
             let x = input(kind, rows, cols, (si * 5 + kind) as u64 + 11);
-            for fmt in all_formats() {
+            for fmt in common::all_formats() {
                 let mut probe = vec![0.0f32; rows * cols];
                 if fake_quantize(&x, rows, cols, &fmt, Axis::Row, &mut probe).is_err() {
                     continue;
@@ -235,12 +198,12 @@ fn gpu_fake_quantize_shapes_zero_rows_and_longer_buffers() {
 
     // Zero rows: no launch, nothing written (the CPU calls this shape empty).
     let mut dout = s.clone_htod(&vec![sentinel; 3 * 128]).unwrap();
-    for fmt in all_formats() {
+    for fmt in common::all_formats() {
         fq.fake_quantize_rows(&dx, 0, 128, &fmt, &mut dout)
             .unwrap_or_else(|e| panic!("{} with 0 rows: {e}", fmt.name()));
     }
     // Buffers longer than rows*cols: the first rows*cols values, the rest untouched.
-    for fmt in all_formats() {
+    for fmt in common::all_formats() {
         fq.fake_quantize_rows(&dx, 2, 128, &fmt, &mut dout).unwrap();
         let got = s.clone_dtoh(&dout).unwrap();
         s.synchronize().unwrap();

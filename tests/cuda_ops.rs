@@ -10,9 +10,11 @@
 //! Each test prints why and returns when no GPU is usable. On a GPU machine:
 //! `cargo test --release --test cuda_ops -- --nocapture`.
 
+mod common;
+
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use lockstep::engine::backend::cuda::ops::{CudaOps, DeviceLayout};
-use lockstep::engine::backend::cuda::{self, CudaDevice, CudaError};
+use lockstep::engine::backend::cuda::{CudaDevice, CudaError};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::ops;
 use rand::{Rng, SeedableRng};
@@ -34,25 +36,13 @@ struct Gpu {
 /// The shared kernels and a stream, or `None` (with the reason printed) where there is no GPU.
 fn gpu(test: &str) -> Option<&'static Gpu> {
     static G: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    let g = G.get_or_init(|| match cuda::skip_reason() {
-        Some(why) => Err(why),
-        None => CudaDevice::open(0)
-            .and_then(|d| {
-                Ok(Gpu {
-                    ops: CudaOps::new(&d)?,
-                    stream: d.context().new_stream()?,
-                })
-            })
-            .map_err(|e| format!("GPU present but unusable: {e}")),
-    });
-    match g {
-        Ok(g) => Some(g),
-        Err(why) if why.starts_with("GPU present") => panic!("{test}: {why}"),
-        Err(why) => {
-            eprintln!("skipping {test}: {why}");
-            None
-        }
-    }
+    common::gpu_fixture(&G, test, || {
+        let d = CudaDevice::open(0)?;
+        Ok(Gpu {
+            ops: CudaOps::new(&d)?,
+            stream: d.context().new_stream()?,
+        })
+    })
 }
 
 impl Gpu {

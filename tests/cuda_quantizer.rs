@@ -8,16 +8,15 @@
 //! `--device cuda` is then a one-line error. Run them on a GPU machine with
 //! `cargo test --release --test cuda_quantizer -- --nocapture`.
 
+mod common;
+
 use lockstep::engine::backend::cuda::{self, CudaBackend, CudaDevice, CudaQuantizer};
 use lockstep::engine::backend::{Backend, CpuBackend, MatRef};
 use lockstep::formats::bf16::bf16_from_f32;
 use lockstep::formats::e2m1::{E2m1Convention, e2m1_from_f32};
 use lockstep::formats::e8m0::e8m0_ceil_from_f32;
 use lockstep::formats::fp8::{e4m3_from_f32_sat, e5m2_from_f32_sat};
-use lockstep::formats::{
-    Axis, Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, QuantizedTensor, Scales,
-    SecondScale, quantize,
-};
+use lockstep::formats::{Axis, QuantFormat, QuantizedTensor, Scales, SecondScale, quantize};
 use serde_json::Value;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -25,20 +24,7 @@ use std::sync::{Arc, OnceLock};
 /// The shared quantizer, or `None` (with the reason printed) where there is no GPU.
 fn gpu(test: &str) -> Option<&'static CudaQuantizer> {
     static Q: OnceLock<Result<CudaQuantizer, String>> = OnceLock::new();
-    let q = Q.get_or_init(|| match cuda::skip_reason() {
-        Some(why) => Err(why),
-        None => CudaDevice::open(0)
-            .and_then(|d| CudaQuantizer::new(&d))
-            .map_err(|e| format!("GPU present but unusable: {e}")),
-    });
-    match q {
-        Ok(q) => Some(q),
-        Err(why) if why.starts_with("GPU present") => panic!("{test}: {why}"),
-        Err(why) => {
-            eprintln!("skipping {test}: {why}");
-            None
-        }
-    }
+    common::gpu_fixture(&Q, test, || CudaQuantizer::new(&CudaDevice::open(0)?))
 }
 
 fn scale_bytes(q: &QuantizedTensor) -> Vec<u8> {
@@ -102,32 +88,6 @@ fn same_bytes(
     }
 }
 
-fn all_formats() -> Vec<QuantFormat> {
-    let mut v = vec![QuantFormat::Bf16];
-    for elem in [Fp8Elem::E4M3, Fp8Elem::E5M2] {
-        for rule in [MxScaleRule::TeCeil, MxScaleRule::OcpFloor] {
-            v.push(QuantFormat::Mxfp8 { elem, rule });
-        }
-    }
-    for second in [SecondScale::PerTensor, SecondScale::PerToken] {
-        for shards in [1, 2, 4] {
-            v.push(QuantFormat::Nvfp4 { second, shards });
-        }
-    }
-    for tile in [Fp8Tile::Act1x128, Fp8Tile::Weight128x128] {
-        for variant in [
-            Fp8BlockVariant::Te,
-            Fp8BlockVariant::DeepseekV3,
-            Fp8BlockVariant::DeepseekV3Ue8m0,
-            Fp8BlockVariant::Deepgemm,
-            Fp8BlockVariant::DeepgemmUe8m0,
-        ] {
-            v.push(QuantFormat::Fp8Block { tile, variant });
-        }
-    }
-    v
-}
-
 fn golden(name: &str) -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/golden")
@@ -187,7 +147,7 @@ fn gpu_quantizer_matches_cpu_on_every_golden_vector() {
     let mut checked = 0;
     let mut failures = Vec::new();
     for (name, x, rows, cols) in golden_tensors() {
-        for fmt in all_formats() {
+        for fmt in common::all_formats() {
             for axis in [Axis::Row, Axis::Col] {
                 // Only the shapes the CPU accepts (block multiples along the blocked dimension).
                 if quantize(&x, rows, cols, &fmt, axis).is_err() {
@@ -276,7 +236,7 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     ];
     for (i, &(r, c, specials)) in shapes.iter().enumerate() {
         let x = nasty(r * c, i as u64 + 7, specials);
-        for fmt in all_formats() {
+        for fmt in common::all_formats() {
             for axis in [Axis::Row, Axis::Col] {
                 if quantize(&x, r, c, &fmt, axis).is_err() {
                     continue;
@@ -297,7 +257,7 @@ fn gpu_quantizer_matches_cpu_on_large_random_tensors() {
     // 1024-block segment a chunk) and 2048 (eight segments a chunk, or 32 with 4 shards).
     for (i, &(r, c)) in [(600, 16384), (8192, 2048)].iter().enumerate() {
         let x = nasty(r * c, i as u64 + 31, i == 0);
-        for fmt in all_formats().into_iter().filter(per_token) {
+        for fmt in common::all_formats().into_iter().filter(per_token) {
             for qz in [q, &register] {
                 if let Err(e) = same_bytes(qz, &x, r, c, &fmt, Axis::Row) {
                     failures.push(e);
@@ -364,7 +324,7 @@ fn gpu_quantizer_matches_cpu_on_all_nan_blocks() {
     let odd_nan: Vec<f32> = (0..32 * 130).map(nan).collect();
     let mut failures = Vec::new();
     for (x, r, c) in [(&x, r, c), (&all_nan, 64, 128), (&odd_nan, 32, 130)] {
-        for fmt in all_formats() {
+        for fmt in common::all_formats() {
             for axis in [Axis::Row, Axis::Col] {
                 if quantize(x, r, c, &fmt, axis).is_err() {
                     continue;

@@ -4,58 +4,21 @@
 //! tokens through both, at the benchmark's layout shape (groups of samples sharing a prompt,
 //! responses of different lengths), for an FP32 plan and the shipped recipes.
 
+mod common;
+
 use lockstep::engine::backend::cpu::CpuBackend;
+use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::resident::{ForwardOutput, ResidentForward};
-use lockstep::engine::backend::cuda::{self, CudaDevice};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
 use lockstep::recipe::{ModelPlan, SitePlan};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use lockstep::tools::bench::trainer_batch;
 use std::sync::OnceLock;
 
+/// The shared resident forward, or `None` (with the reason printed) where there is no GPU.
 fn gpu(test: &str) -> Option<&'static ResidentForward> {
     static R: OnceLock<Result<ResidentForward, String>> = OnceLock::new();
-    let r = R.get_or_init(|| match cuda::skip_reason() {
-        Some(why) => Err(why),
-        None => CudaDevice::open(0)
-            .and_then(|d| ResidentForward::new(&d))
-            .map_err(|e| format!("GPU present but unusable: {e}")),
-    });
-    match r {
-        Ok(r) => Some(r),
-        Err(why) if why.starts_with("GPU present") => panic!("{test}: {why}"),
-        Err(why) => {
-            eprintln!("skipping {test}: {why}");
-            None
-        }
-    }
-}
-
-/// `groups` prompts of `prompt` tokens, `n` samples each, responses ending at different lengths,
-/// laid out as the trainer lays them out (shared prompt rows, no rows past a response's end).
-fn batch(
-    cfg: &ModelConfig,
-    groups: usize,
-    n: usize,
-    prompt: usize,
-    t: usize,
-) -> (Vec<u32>, Layout) {
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let mut tokens = Vec::new();
-    for _ in 0..groups {
-        let head: Vec<u32> = (0..prompt)
-            .map(|_| rng.random_range(0..cfg.vocab as u32))
-            .collect();
-        for _ in 0..n {
-            tokens.extend(&head);
-            tokens.extend((prompt..t).map(|_| rng.random_range(0..cfg.vocab as u32)));
-        }
-    }
-    let b = groups * n;
-    let used: Vec<usize> = (0..b).map(|s| t - s % 4).collect();
-    let layout = Layout::shared_prefix(&tokens, b, t, n, prompt, Some(&used));
-    (layout.pack(&tokens, 1), layout)
+    common::gpu_fixture(&R, test, || ResidentForward::new(&CudaDevice::open(0)?))
 }
 
 fn plan(name: &str, layers: usize) -> ModelPlan {
@@ -112,7 +75,7 @@ fn resident_forward_matches_the_cpu_forward() {
     for (cfg, name, tol) in cases {
         let params = Params::init(&cfg, 11).unwrap();
         let prep = PreparedModel::new(&params, &plan(name, cfg.n_layers)).unwrap();
-        let (tokens, layout) = batch(&cfg, 8, 8, 7, 15);
+        let (tokens, layout) = trainer_batch(cfg.vocab, (8, 8, 7, 15), 5, true);
         let (cpu_logits, _, cpu_routing) = forward_rows(&CpuBackend, &prep, &tokens, &layout, None);
         let dm = rf.upload(&prep).unwrap();
         let free = rf.forward(&dm, &tokens, &layout, None).unwrap();

@@ -169,9 +169,7 @@ fn median_secs<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f
 /// On a GPU the device-resident forward is timed next to this host's CPU forward, logits copied
 /// back included (weights uploaded once, outside the timing).
 pub fn forward(args: &ForwardArgs) -> Result<bool> {
-    use lockstep::engine::layout::Layout;
     use lockstep::engine::model::{Params, PreparedModel, forward_rows};
-    use rand::{Rng, SeedableRng};
     let device: Device = args.device.parse()?;
     let cfg = super::engine::model_preset(&args.model)?;
     let resident = match device {
@@ -183,19 +181,8 @@ pub fn forward(args: &ForwardArgs) -> Result<bool> {
         Device::Cpu => None,
     };
     let (groups, n, prompt, t) = (32, 8, 7, 15);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let mut tokens = Vec::with_capacity(groups * n * t);
-    for _ in 0..groups {
-        let head: Vec<u32> = (0..prompt)
-            .map(|_| rng.random_range(0..cfg.vocab as u32))
-            .collect();
-        for _ in 0..n {
-            tokens.extend(&head);
-            tokens.extend((prompt..t).map(|_| rng.random_range(0..cfg.vocab as u32)));
-        }
-    }
-    let layout = Layout::shared_prefix(&tokens, groups * n, t, n, prompt, None);
-    let rows = layout.pack(&tokens, 1);
+    let (rows, layout) =
+        lockstep::tools::bench::trainer_batch(cfg.vocab, (groups, n, prompt, t), 7, false);
     let params = Params::init(&cfg, 7)?;
     println!(
         "policy forward, model {} ({} rows: {groups} prompts x {n} samples, {prompt} prompt + {} \

@@ -137,3 +137,38 @@ pub fn engine_step_times(
         })
         .collect())
 }
+
+/// A trainer-shaped batch of random tokens: `groups` prompts of `prompt` tokens, `n` samples of
+/// each, sequences of `t` tokens, laid out as the trainer lays them out (a group's prompt rows
+/// once, then each sample's own rows). With `ragged`, sample s ends `s mod 4` tokens early (no
+/// rows past a response's end). Returns the tokens in layout row order and the layout.
+pub fn trainer_batch(
+    vocab: usize,
+    (groups, n, prompt, t): (usize, usize, usize, usize),
+    seed: u64,
+    ragged: bool,
+) -> (Vec<u32>, crate::engine::layout::Layout) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut tokens = Vec::with_capacity(groups * n * t);
+    for _ in 0..groups {
+        let head: Vec<u32> = (0..prompt)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        for _ in 0..n {
+            tokens.extend(&head);
+            tokens.extend((prompt..t).map(|_| rng.random_range(0..vocab as u32)));
+        }
+    }
+    let b = groups * n;
+    let used: Vec<usize> = (0..b).map(|s| t - s % 4).collect();
+    let layout = crate::engine::layout::Layout::shared_prefix(
+        &tokens,
+        b,
+        t,
+        n,
+        prompt,
+        ragged.then_some(used.as_slice()),
+    );
+    (layout.pack(&tokens, 1), layout)
+}
