@@ -1,6 +1,7 @@
 //! The device-resident forward: the policy's forward pass (`model::forward_rows`) with weights,
-//! activations and routing kept on the GPU. Only the tokens, the layout and (per layer) the routed
-//! expert ids cross PCIe; the logits come back at the end.
+//! activations and routing kept on the GPU. Only the tokens and the layout go in; the logits and
+//! the routed expert ids come back at the end, with no host round trip in between (routing sorts
+//! the slots on the device into a capacity-padded expert batch: `moe.cu`).
 //!
 //! This is the first piece of the resident engine that the step targets need (docs/cuda.md, "Not
 //! done"): the forward of a step's prepared weights, op for op the CPU's, so the same plan
@@ -21,15 +22,29 @@ use crate::engine::layout::Layout;
 use crate::engine::linear::PreparedWeight;
 use crate::engine::model::{ModelConfig, PreparedModel, Routing};
 use crate::formats::QuantFormat;
+use crate::formats::SecondScale;
 use crate::recipe::SitePlan;
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
+
+const MOE_SRC: &str = include_str!("moe.cu");
 
 /// A matmul site on the device: its forward operand (already quantized and dequantized by
 /// `linear::prepare_weight`) and the format its input activations are quantized to.
 pub struct DeviceLinear {
+    w: CudaSlice<f32>,
+    out_dim: usize,
+    in_dim: usize,
+    act: Option<QuantFormat>,
+}
+
+/// One matmul site of every routed expert: the E forward operands stacked `[E, out, in]` (one
+/// strided batched GEMM runs them all) and the format of the experts' input activations.
+pub struct DeviceExperts {
     w: CudaSlice<f32>,
     out_dim: usize,
     in_dim: usize,
@@ -43,8 +58,8 @@ pub struct DeviceLayer {
     linear_proj: DeviceLinear,
     mlp_norm: CudaSlice<f32>,
     router: DeviceLinear,
-    experts_fc1: Vec<DeviceLinear>,
-    experts_fc2: Vec<DeviceLinear>,
+    experts_fc1: DeviceExperts,
+    experts_fc2: DeviceExperts,
     shared_fc1: DeviceLinear,
     shared_fc2: DeviceLinear,
 }
@@ -73,6 +88,9 @@ pub struct ResidentForward {
     fq: CudaFakeQuantizer,
     ops: CudaOps,
     blas: CudaBlas,
+    /// `moe.cu`: `route_slots` and `gather_padded`.
+    route_slots: CudaFunction,
+    gather_padded: CudaFunction,
 }
 
 impl ResidentForward {
@@ -90,11 +108,14 @@ impl ResidentForward {
             )
         }
         .result()?;
+        let moe = dev.compile("moe", MOE_SRC)?;
         Ok(ResidentForward {
             fq: CudaFakeQuantizer::new(q)?,
             ops: CudaOps::new(dev)?,
             stream,
             blas,
+            route_slots: moe.load_function("route_slots")?,
+            gather_padded: moe.load_function("gather_padded")?,
         })
     }
 
@@ -107,6 +128,17 @@ impl ResidentForward {
         })
     }
 
+    fn experts(&self, ws: &[PreparedWeight], plan: &SitePlan) -> Result<DeviceExperts, CudaError> {
+        let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
+        let stacked: Vec<f32> = ws.iter().flat_map(|w| w.w_fwd().iter().copied()).collect();
+        Ok(DeviceExperts {
+            w: self.stream.clone_htod(&stacked)?,
+            out_dim,
+            in_dim,
+            act: plan.activation_format(),
+        })
+    }
+
     /// Copy a step's prepared weights to the device.
     pub fn upload(&self, prep: &PreparedModel) -> Result<DeviceModel, CudaError> {
         let s = &self.stream;
@@ -115,19 +147,14 @@ impl ResidentForward {
             .iter()
             .zip(&prep.plan.layers)
             .map(|(l, p)| {
-                let experts = |ws: &[PreparedWeight], plan: &SitePlan| {
-                    ws.iter()
-                        .map(|w| self.linear(w, plan))
-                        .collect::<Result<Vec<_>, _>>()
-                };
                 Ok(DeviceLayer {
                     attn_norm: s.clone_htod(&l.attn_norm)?,
                     linear_qkv: self.linear(&l.linear_qkv, &p.linear_qkv)?,
                     linear_proj: self.linear(&l.linear_proj, &p.linear_proj)?,
                     mlp_norm: s.clone_htod(&l.mlp_norm)?,
                     router: self.linear(&l.router, &p.router)?,
-                    experts_fc1: experts(&l.experts_fc1, &p.experts_fc1)?,
-                    experts_fc2: experts(&l.experts_fc2, &p.experts_fc2)?,
+                    experts_fc1: self.experts(&l.experts_fc1, &p.experts_fc1)?,
+                    experts_fc2: self.experts(&l.experts_fc2, &p.experts_fc2)?,
                     shared_fc1: self.linear(&l.shared_fc1, &p.shared_fc1)?,
                     shared_fc2: self.linear(&l.shared_fc2, &p.shared_fc2)?,
                 })
@@ -148,17 +175,19 @@ impl ResidentForward {
         Ok(self.stream.alloc_zeros(n.max(1))?)
     }
 
-    /// `y[n, m] = x[n, k] · Wᵀ` with FP32 accumulation. Row-major buffers read column-major are
-    /// their transposes: `yᵀ = W · xᵀ` is cuBLAS's `op(A) = T` on W's buffer (k x m column-major)
-    /// times `op(B) = N` on x's.
+    /// `y[n, m] = x[n, k] · Wᵀ` with FP32 accumulation, for `batch` independent (x, W, y) triples
+    /// stored back to back (the experts). Row-major buffers read column-major are their
+    /// transposes: `yᵀ = W · xᵀ` is cuBLAS's `op(A) = T` on W's buffer (k x m column-major) times
+    /// `op(B) = N` on x's.
     fn gemm_xwt<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         &self,
         x: &X,
         w: &CudaSlice<f32>,
         y: &mut Y,
         (n, k, m): (usize, usize, usize),
+        batch: usize,
     ) -> Result<(), CudaError> {
-        if n == 0 {
+        if n == 0 || batch == 0 {
             return Ok(());
         }
         let dim = |v: usize| {
@@ -166,7 +195,7 @@ impl ResidentForward {
                 CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit"))
             })
         };
-        let cfg = GemmConfig {
+        let gemm = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_T,
             transb: cublasOperation_t::CUBLAS_OP_N,
             m: dim(m)?,
@@ -178,17 +207,30 @@ impl ResidentForward {
             beta: 0.0f32,
             ldc: dim(m)?,
         };
-        if w.len() < m * k || x.len() < n * k || y.len() < n * m {
+        if w.len() < batch * m * k || x.len() < batch * n * k || y.len() < batch * n * m {
             return Err(CudaError::Shape(format!(
-                "resident gemm: buffers of {}, {}, {} floats for x [{n}, {k}], W [{m}, {k}], y [{n}, {m}]",
+                "resident gemm: buffers of {}, {}, {} floats for {batch} x (x [{n}, {k}], W [{m}, {k}], y [{n}, {m}])",
                 x.len(),
                 w.len(),
                 y.len()
             )));
         }
-        // SAFETY: checked just above: W holds m·k, x n·k and y n·m floats, and the leading
-        // dimensions are the row lengths of the row-major buffers, so cuBLAS stays inside them.
-        unsafe { self.blas.gemm(cfg, w, x, y) }?;
+        if batch == 1 {
+            // SAFETY: checked just above: W holds m·k, x n·k and y n·m floats, and the leading
+            // dimensions are the row lengths of the row-major buffers, so cuBLAS stays inside them.
+            unsafe { self.blas.gemm(gemm, w, x, y) }?;
+        } else {
+            let cfg = StridedBatchedConfig {
+                gemm,
+                batch_size: dim(batch)?,
+                stride_a: (m * k) as i64,
+                stride_b: (n * k) as i64,
+                stride_c: (n * m) as i64,
+            };
+            // SAFETY: as above for each of the `batch` triples, which lie back to back at the
+            // strides given (checked: the buffers hold batch times each operand).
+            unsafe { self.blas.gemm_strided_batched(cfg, w, x, y) }?;
+        }
         Ok(())
     }
 
@@ -206,7 +248,7 @@ impl ResidentForward {
             return Ok(y);
         }
         match lin.act {
-            None => self.gemm_xwt(x, &lin.w, &mut y, (n, k, m))?,
+            None => self.gemm_xwt(x, &lin.w, &mut y, (n, k, m), 1)?,
             Some(fmt) => {
                 let mut xq = self.zeros(n * k)?;
                 if matches!(fmt, QuantFormat::Bf16) {
@@ -216,8 +258,76 @@ impl ResidentForward {
                     self.fq.round_bf16(x, &mut hp, n * k)?;
                     self.fq.fake_quantize_rows(&hp, n, k, &fmt, &mut xq)?;
                 }
-                self.gemm_xwt(&xq, &lin.w, &mut y, (n, k, m))?;
+                self.gemm_xwt(&xq, &lin.w, &mut y, (n, k, m), 1)?;
             }
+        }
+        Ok(y)
+    }
+
+    /// The input of one expert site quantized like `linear::forward` quantizes each expert's own
+    /// rows: `x` is E blocks of `cap` rows. Row-local formats (every format but NVFP4 with a
+    /// per-tensor activation scale) quantize all blocks in one call; a per-tensor scale is taken
+    /// per expert, as on the CPU (zero padding rows change no amax).
+    fn quantize_experts(
+        &self,
+        ex: &DeviceExperts,
+        x: &CudaSlice<f32>,
+        e: usize,
+        cap: usize,
+    ) -> Result<Option<CudaSlice<f32>>, CudaError> {
+        let Some(fmt) = ex.act else {
+            return Ok(None);
+        };
+        let (k, rows) = (ex.in_dim, e * cap);
+        let mut xq = self.zeros(rows * k)?;
+        let src = if matches!(fmt, QuantFormat::Bf16) {
+            None
+        } else {
+            let mut hp = self.zeros(rows * k)?;
+            self.fq.round_bf16(x, &mut hp, rows * k)?;
+            Some(hp)
+        };
+        let src = src.as_ref().unwrap_or(x);
+        let per_tensor = matches!(
+            fmt,
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                ..
+            }
+        );
+        if !per_tensor {
+            self.fq.fake_quantize_rows(src, rows, k, &fmt, &mut xq)?;
+            return Ok(Some(xq));
+        }
+        let s = &self.stream;
+        let (mut block_in, mut block_out) = (self.zeros(cap * k)?, self.zeros(cap * k)?);
+        for ei in 0..e {
+            let range = ei * cap * k..(ei + 1) * cap * k;
+            s.memcpy_dtod(
+                &src.slice(range.clone()),
+                &mut block_in.slice_mut(..cap * k),
+            )?;
+            self.fq
+                .fake_quantize_rows(&block_in, cap, k, &fmt, &mut block_out)?;
+            s.memcpy_dtod(&block_out.slice(..cap * k), &mut xq.slice_mut(range))?;
+        }
+        Ok(Some(xq))
+    }
+
+    /// Every expert's linear site over its `cap` rows: `[E·cap, in]` → `[E·cap, out]`, one
+    /// strided batched GEMM.
+    fn experts_forward(
+        &self,
+        ex: &DeviceExperts,
+        x: &CudaSlice<f32>,
+        e: usize,
+        cap: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (k, m) = (ex.in_dim, ex.out_dim);
+        let mut y = self.zeros(e * cap * m)?;
+        match self.quantize_experts(ex, x, e, cap)? {
+            Some(xq) => self.gemm_xwt(&xq, &ex.w, &mut y, (cap, k, m), e)?,
+            None => self.gemm_xwt(x, &ex.w, &mut y, (cap, k, m), e)?,
         }
         Ok(y)
     }
@@ -262,9 +372,11 @@ impl ResidentForward {
         Ok(out)
     }
 
-    /// x [n, D] → x + shared(xn) + Σ gate · expert(xn), in `model::moe_forward`'s order; returns
-    /// the output and the experts chosen (`[n, K]`, copied to the host to size each expert's
-    /// GEMMs).
+    /// x [n, D] → x + shared(xn) + Σ gate · expert(xn), in `model::moe_forward`'s order, with no
+    /// host round trip: the routed slots go to a capacity-padded batch of E blocks of n rows (a
+    /// token picks an expert at most once; `moe.cu`), every expert runs in one batched GEMM per
+    /// site, and the combine reads each slot's row. Returns the output and the chosen experts
+    /// (`[n, K]`, on the device).
     fn moe_block(
         &self,
         w: &DeviceLayer,
@@ -272,7 +384,7 @@ impl ResidentForward {
         x: &CudaSlice<f32>,
         n: usize,
         replay: Option<&[u32]>,
-    ) -> Result<(CudaSlice<f32>, Vec<u32>), CudaError> {
+    ) -> Result<(CudaSlice<f32>, CudaSlice<u32>), CudaError> {
         let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
         let s = &self.stream;
         let (mut xn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
@@ -294,46 +406,43 @@ impl ResidentForward {
             k,
             replay.as_ref(),
         )?;
-        let host_ids = s.clone_dtoh(&ids.slice(..n * k))?;
-        // Expert slots in token order (model::expert_slots), concatenated by expert: y_all row r
-        // is slot order[r]; slot_row is its inverse.
-        let mut order: Vec<u32> = (0..(n * k) as u32).collect();
-        order.sort_by_key(|&slot| host_ids[slot as usize]); // stable: token order within an expert
-        let mut counts = vec![0usize; e];
-        for &id in &host_ids {
-            counts[id as usize] += 1;
-        }
-        let mut slot_row = vec![0u32; n * k];
-        for (r, &slot) in order.iter().enumerate() {
-            slot_row[slot as usize] = r as u32;
-        }
+        let cap = n;
+        let mut slot_row = s.alloc_zeros::<u32>((n * k).max(1))?;
+        let mut src_row = s.alloc_zeros::<u32>((e * cap).max(1))?;
+        let u = |v: usize| {
+            u32::try_from(v).map_err(|_| CudaError::Shape(format!("moe: {v} exceeds u32")))
+        };
+        let (nk32, k32, e32, cap32, n32, d32) = (u(n * k)?, u(k)?, u(e)?, u(cap)?, u(n)?, u(d)?);
+        let rows32 = u(e * cap)?;
+        let mut b = s.launch_builder(&self.route_slots);
+        b.arg(&ids).arg(&mut slot_row).arg(&mut src_row);
+        b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32);
+        // SAFETY: thread ex < e reads ids[0..n·k) and writes slot_row[s] (s < n·k) and
+        // src_row[ex·cap + r] for r < cap; both buffers hold those many entries.
+        unsafe { b.launch(LaunchConfig::for_num_elems(e32)) }?;
+        let mut xe = self.zeros(e * cap * d)?;
+        let mut b = s.launch_builder(&self.gather_padded);
+        b.arg(&mut xe).arg(&xn).arg(&src_row);
+        b.arg(&rows32).arg(&d32).arg(&n32);
+        // SAFETY: grid-stride over i < e·cap·d (xe's length); x is read at src·d + c only for
+        // src < n (xn holds n·d); src_row holds e·cap entries.
+        unsafe {
+            b.launch(LaunchConfig::for_num_elems(
+                ((e * cap * d) as u32).min(1 << 20),
+            ))
+        }?;
         let shared = self.ffn(&w.shared_fc1, &w.shared_fc2, &xn, n)?;
-        let mut y_all = self.zeros(n * k * d)?;
-        let mut start = 0;
-        for (ei, &count) in counts.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            let src_rows: Vec<u32> = order[start..start + count]
-                .iter()
-                .map(|&slot| slot / k as u32)
-                .collect();
-            let src_rows = s.clone_htod(&src_rows)?;
-            let mut xe = self.zeros(count * d)?;
-            self.ops.gather_rows(s, &mut xe, &xn, &src_rows, count, d)?;
-            let y = self.ffn(&w.experts_fc1[ei], &w.experts_fc2[ei], &xe, count)?;
-            s.memcpy_dtod(
-                &y.slice(..count * d),
-                &mut y_all.slice_mut(start * d..(start + count) * d),
-            )?;
-            start += count;
-        }
-        let slot_row = s.clone_htod(&slot_row)?;
+        let f = w.experts_fc2.in_dim;
+        let h = self.experts_forward(&w.experts_fc1, &xe, e, cap)?;
+        let mut act = self.zeros(e * cap * f)?;
+        self.ops
+            .swiglu_forward(&self.stream, &mut act, &h, e * cap, f)?;
+        let y_all = self.experts_forward(&w.experts_fc2, &act, e, cap)?;
         let mut out = self.zeros(n * d)?;
         self.ops.moe_combine(
             s, &mut out, &shared, &y_all, &slot_row, &ids, &weights, x, n, k, d,
         )?;
-        Ok((out, host_ids))
+        Ok((out, ids))
     }
 
     /// `model::forward_rows` on the device: logits `[rows, V]` and the routing record, both in
@@ -360,11 +469,12 @@ impl ResidentForward {
             n_tokens: n,
             layers: Vec::with_capacity(cfg.n_layers),
         };
+        let mut ids = Vec::with_capacity(cfg.n_layers);
         for (l, w) in m.layers.iter().enumerate() {
             let mid = self.attention_block(w, cfg, &h, &dl)?;
             let r = replay.map(|r| r.layers[l].as_slice());
-            let (out, ids) = self.moe_block(w, cfg, &mid, n, r)?;
-            routing.layers.push(ids);
+            let (out, layer_ids) = self.moe_block(w, cfg, &mid, n, r)?;
+            ids.push(layer_ids);
             h = out;
         }
         let (mut hn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
@@ -372,6 +482,11 @@ impl ResidentForward {
             .rmsnorm_forward(s, &mut hn, &mut rstd, &h, &m.final_norm, n, d)?;
         let logits = self.linear_forward(&m.output_layer, &hn, n)?;
         let logits = s.clone_dtoh(&logits.slice(..n * v))?;
+        for layer_ids in &ids {
+            routing
+                .layers
+                .push(s.clone_dtoh(&layer_ids.slice(..n * cfg.top_k))?);
+        }
         Ok(ForwardOutput { logits, routing })
     }
 }
