@@ -11,7 +11,7 @@ use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::resident::{ForwardOutput, ResidentForward};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
-use lockstep::recipe::{ModelPlan, SitePlan};
+use lockstep::recipe::{ModelPlan, SecondScale, SitePlan};
 use lockstep::tools::bench::trainer_batch;
 use std::sync::OnceLock;
 
@@ -24,6 +24,16 @@ fn gpu(test: &str) -> Option<&'static ResidentForward> {
 fn plan(name: &str, layers: usize) -> ModelPlan {
     match name {
         "fp32" => ModelPlan::uniform(layers, SitePlan::FP32),
+        // Per-tensor second-level activation scales on the experts: the one activation format
+        // that is not row-local, so each expert's rows are quantized apart (as on the CPU).
+        "nvfp4-dq-per-tensor" => {
+            let mut p = plan("nvfp4-dq", layers);
+            for l in &mut p.layers {
+                l.experts_fc1.act_scale = SecondScale::PerTensor;
+                l.experts_fc2.act_scale = SecondScale::PerTensor;
+            }
+            p
+        }
         _ => lockstep::recipe::presets::preset(name)
             .unwrap()
             .resolve(layers)
@@ -69,6 +79,7 @@ fn resident_forward_matches_the_cpu_forward() {
         (ModelConfig::small(), "bf16", 5e-3),
         (ModelConfig::small(), "mxfp8", 1e-2),
         (ModelConfig::small(), "nvfp4-dq", 4e-2),
+        (ModelConfig::small(), "nvfp4-dq-per-tensor", 4e-2),
         (ModelConfig::small(), "fp8-block", 2e-2),
     ];
     let mut failures = Vec::new();
