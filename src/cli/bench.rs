@@ -51,23 +51,30 @@ pub struct StepArgs {
     pub steps: usize,
 }
 
-/// Median GRPO step time and its phases on one device. On a GPU, two backends are timed side by
-/// side in the same run: one that copies every GEMM operand on every call and one that keeps the
-/// prepared weights resident (the default), with the GEMM path's counters per step.
+/// Median GRPO step time and its phases on one device. On a GPU, three backends are timed side
+/// by side in the same run: one that copies every GEMM operand on every call, one that keeps the
+/// prepared weights resident, and the default, which also decodes the rollout on the GPU
+/// (`cuda::decoder`), with the GEMM path's counters per step.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
     let model = super::engine::model_preset(&args.model)?;
     let recipe = lockstep::recipe::file::load(&args.recipe)?;
-    // On a GPU, both backends are opened first, so a missing GPU is the one-line error alone.
+    // On a GPU, the backends are all opened first, so a missing GPU is the one-line error alone.
     let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
     let gpu = match device {
         Device::Cuda(ordinal) => [
-            ("operands copied every call", 0),
-            ("weights resident", cuda::gemm::RESIDENT_BUDGET),
+            ("operands copied every call", 0, false),
+            ("weights resident", cuda::gemm::RESIDENT_BUDGET, false),
+            (
+                "+ rollout decoded on the GPU",
+                cuda::gemm::RESIDENT_BUDGET,
+                true,
+            ),
         ]
         .into_iter()
-        .map(|(label, budget)| {
-            cuda::CudaBackend::with_resident_budget(ordinal, budget).map(|be| (label, be))
+        .map(|(label, budget, device_rollout)| {
+            cuda::CudaBackend::with_resident_budget(ordinal, budget)
+                .map(|be| (label, be.with_device_rollout(device_rollout)))
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(cuda_err)?,

@@ -733,7 +733,8 @@ pub fn check_layout_inputs(
     replay.map_or(Ok(()), |r| r.check(cfg, layout.rows()))
 }
 
-fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ModelError> {
+/// Every token id below the vocabulary size, or the first one that is not.
+pub fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ModelError> {
     match tokens.iter().position(|&x| x as usize >= cfg.vocab) {
         Some(index) => Err(ModelError::TokenId {
             token: tokens[index],

@@ -50,6 +50,49 @@ impl Rollout {
     }
 }
 
+/// What [`generate`] needs from a model: one new position of every sequence at a time. The host
+/// decoder is [`model::decode_step`] over a [`KvCache`]; a backend may bring its own
+/// ([`Backend::decoder`]: on a GPU the device-resident one, cache on the device).
+pub trait Decoder {
+    /// Logits `[B, V]` and the routing of one new position of each of the B sequences.
+    fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing);
+    /// Each sequence's cache copied to `samples` consecutive sequences (a prompt decoded once).
+    fn repeat_each(&mut self, samples: usize);
+}
+
+/// [`model::decode_step`] with the backend's GEMMs and a host KV cache.
+struct HostDecoder<'a> {
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
+    cache: KvCache,
+}
+
+impl Decoder for HostDecoder<'_> {
+    fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing) {
+        model::decode_step(self.be, self.prep, &mut self.cache, tokens, None)
+    }
+
+    fn repeat_each(&mut self, samples: usize) {
+        self.cache = self.cache.repeat_each(samples);
+    }
+}
+
+/// The backend's own decoder for `prep`, or the host's.
+fn decoder<'a>(
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
+    seqs: usize,
+    positions: usize,
+) -> Box<dyn Decoder + 'a> {
+    be.decoder(prep, seqs, positions).unwrap_or_else(|| {
+        Box::new(HostDecoder {
+            be,
+            prep,
+            cache: KvCache::with_capacity(&prep.config, seqs, positions),
+        })
+    })
+}
+
 /// Log-softmax of one row of logits at `temperature` (> 0), in place into `out`.
 fn log_softmax_row(logits: &[f32], temperature: f32, out: &mut [f32]) {
     let inv = 1.0 / temperature;
@@ -138,18 +181,18 @@ fn generate_with(
     // Positions 0..T-1 are decoded (the last token is sampled, never read back).
     let positions = t.saturating_sub(1).max(1);
     let seqs = if shared > 0 { prompts.len() } else { b };
-    let mut cache = KvCache::with_capacity(cfg, seqs, positions);
+    let mut dec = decoder(be, prep, seqs, positions);
     for pos in 0..shared {
         let input: Vec<u32> = prompts.iter().map(|p| p[pos]).collect();
-        let (_, routing) = model::decode_step(be, prep, &mut cache, &input, None);
+        let (_, routing) = dec.step(&input);
         steps.push(routing.repeat_each(samples));
     }
     if shared > 0 {
-        cache = cache.repeat_each(samples);
+        dec.repeat_each(samples);
     }
     for pos in shared..t.saturating_sub(1) {
         let input: Vec<u32> = (0..b).map(|s| tokens[s * t + pos]).collect();
-        let (logits, routing) = model::decode_step(be, prep, &mut cache, &input, None);
+        let (logits, routing) = dec.step(&input);
         steps.push(routing);
         let next = pos + 1;
         if next < prompt_len {
@@ -185,7 +228,7 @@ fn generate_with(
             // so replay covers the full [B, T-1] block the trainer reads.
             for p2 in (pos + 1)..t.saturating_sub(1) {
                 let input: Vec<u32> = (0..b).map(|s| tokens[s * t + p2]).collect();
-                let (_, routing) = model::decode_step(be, prep, &mut cache, &input, None);
+                let (_, routing) = dec.step(&input);
                 steps.push(routing);
             }
             break;

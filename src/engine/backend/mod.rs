@@ -160,4 +160,16 @@ pub trait Backend: Send + Sync {
     /// `c = a · b` (or `c += a · b` when `accumulate`), FP32 accumulation. The result must not depend on
     /// the number of threads (split only over rows/columns of `c`, never over the inner dimension).
     fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool);
+
+    /// A decoder that runs `prep` on this backend's device, for `seqs` sequences of up to
+    /// `positions` positions (the rollout and the evaluation). `None`, the default: they decode
+    /// on the host ([`crate::engine::model::decode_step`]) with this backend's `gemm`.
+    fn decoder<'a>(
+        &'a self,
+        _prep: &'a crate::engine::model::PreparedModel,
+        _seqs: usize,
+        _positions: usize,
+    ) -> Option<Box<dyn crate::engine::rollout::Decoder + 'a>> {
+        None
+    }
 }

@@ -6,7 +6,9 @@
 //! `NVIDIA_TF32_OVERRIDE` says.
 //!
 //! Each call copies its activation operand to the device, multiplies, and copies the result back:
-//! the model and its element-wise ops still run on the CPU (see `docs/cuda.md` for what that costs).
+//! the trainer's model and its element-wise ops still run on the CPU (see `docs/cuda.md` for what
+//! that costs). Rollouts and evaluations decode on the device instead ([`Backend::decoder`]:
+//! `cuda::decoder`), unless [`CudaBackend::with_device_rollout`] turns that off.
 //! Keyed operands (prepared weights, see [`MatRef::key`]) are copied once and kept resident in a
 //! FIFO cache with a byte budget, since a step multiplies by the same weights hundreds of times
 //! (every rollout decode step, the policy and reference forwards, the backward).
@@ -15,8 +17,12 @@
 //! deterministic for a given shape, handle configuration and GPU, so the same seed gives the same
 //! metrics run to run.
 
+use super::decoder::ResidentDecoder;
+use super::resident::ResidentForward;
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, MatRef};
+use crate::engine::model::PreparedModel;
+use crate::engine::rollout::Decoder;
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -160,6 +166,11 @@ pub struct CudaBackend {
     lanes: Mutex<Vec<Lane>>,
     resident: Mutex<Resident<CudaSlice<f32>>>,
     counters: AtomicCounters,
+    /// Decode the rollout on the device ([`ResidentDecoder`]) rather than on the host.
+    device_rollout: bool,
+    /// Resident forwards (kernels, stream, cuBLAS handle) of finished decoders, one per
+    /// concurrent caller at most, so compiling them is paid once per worker.
+    forwards: Mutex<Vec<ResidentForward>>,
 }
 
 impl CudaBackend {
@@ -179,7 +190,31 @@ impl CudaBackend {
             lanes: Mutex::new(vec![first]),
             resident: Mutex::new(Resident::new(budget)),
             counters: AtomicCounters::default(),
+            device_rollout: true,
+            forwards: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Decode rollouts and evaluations on the device (`true`, the default) or on the host with
+    /// GEMMs here (the A/B baseline of `lockstep bench step`).
+    pub fn with_device_rollout(mut self, on: bool) -> Self {
+        self.device_rollout = on;
+        self
+    }
+
+    /// A resident forward from the pool, or a new one.
+    pub(super) fn take_forward(&self) -> Result<ResidentForward, CudaError> {
+        let popped = self.forwards.lock().ok().and_then(|mut f| f.pop());
+        match popped {
+            Some(f) => Ok(f),
+            None => ResidentForward::new(&self.dev),
+        }
+    }
+
+    pub(super) fn give_forward(&self, f: ResidentForward) {
+        if let Ok(mut pool) = self.forwards.lock() {
+            pool.push(f);
+        }
     }
 
     /// The counters since the last call, reset to zero.
@@ -366,6 +401,23 @@ impl Backend for CudaBackend {
             let (m, k) = a.shape();
             let n = b.shape().1;
             panic!("{}: gemm {m}x{k}x{n} failed: {e}", self.name());
+        }
+    }
+
+    /// The device-resident decoder (unless turned off); a GPU failure setting it up panics as
+    /// `gemm` does.
+    fn decoder<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        seqs: usize,
+        positions: usize,
+    ) -> Option<Box<dyn Decoder + 'a>> {
+        if !self.device_rollout {
+            return None;
+        }
+        match ResidentDecoder::new(self, prep, seqs, positions) {
+            Ok(d) => Some(Box::new(d)),
+            Err(e) => panic!("{}: resident decoder failed: {e}", self.name()),
         }
     }
 }

@@ -6,11 +6,14 @@
 //! - [`quant`]: the quantizers as NVRTC kernels (`quant.cu`), compiled with the spec's exact FP32
 //!   arithmetic and tested byte for byte against `crate::formats` (the one quantizer);
 //! - [`gemm`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) with cuBLAS SGEMM;
+//! - [`resident`]: the policy forward and the decoder with weights and activations on the GPU
+//!   ([`ops`], [`fake_quant`]); [`decoder`]: the rollout's decoder on it;
 //! - [`bench`]: device timings (quantizer bandwidth vs a device-to-device copy).
 //!
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
 pub mod bench;
+pub mod decoder;
 pub mod fake_quant;
 pub mod gemm;
 pub mod ops;

@@ -86,12 +86,15 @@ __device__ float dot8(const float *a, const float *b, u32 len) {
 // A warp per (row, head). The row's probs [s] double as the score buffer: lanes compute the scores
 // of keys lane, lane+32, ...; lane 0 takes the max and the sum in key order (the CPU's
 // `softmax_in_place`); lanes then write P·V one output column each, summing over keys in order.
-// ctx_len [n], ctx_keys [n, s]: the row's key count and the row of its j-th key.
+// Queries are the Q columns of q [n, 3d]; keys and values the K and V columns of kv [nk, 3d]: the
+// same rows in a forward, a decoder's KV cache in a decode step.
+// ctx_len [n], ctx_keys [n, s]: the row's key count and the kv row of its j-th key.
 extern "C" __global__ void attention_forward(float *__restrict__ out, float *__restrict__ probs,
-                                             const float *__restrict__ qkv,
+                                             const float *__restrict__ q,
+                                             const float *__restrict__ kv,
                                              const u32 *__restrict__ ctx_len,
-                                             const u32 *__restrict__ ctx_keys, u32 n, u32 h, u32 d,
-                                             u32 s, float scale) {
+                                             const u32 *__restrict__ ctx_keys, u32 n, u32 nk, u32 h,
+                                             u32 d, u32 s, float scale) {
     const u32 dh = d / h;
     const u64 w3 = 3ull * d;
     for (u64 item = gwarp(); item < (u64)n * h; item += nwarps()) {
@@ -100,10 +103,10 @@ extern "C" __global__ void attention_forward(float *__restrict__ out, float *__r
         u32 len = min(ctx_len[i], s);
         const u32 *keys = ctx_keys + i * s;
         float *p = probs + item * s;
-        const float *q = qkv + i * w3 + hi * dh;
+        const float *qi = q + i * w3 + hi * dh;
         for (u32 j = lane(); j < len; j += 32) {
             u32 key = keys[j];
-            p[j] = key < n ? dot8(q, qkv + key * w3 + d + hi * dh, dh) * scale : NAN_F;
+            p[j] = key < nk ? dot8(qi, kv + key * w3 + d + hi * dh, dh) * scale : NAN_F;
         }
         __syncwarp();
         float mx = NEG_INF;
@@ -125,7 +128,7 @@ extern "C" __global__ void attention_forward(float *__restrict__ out, float *__r
             float o = 0.0f;
             for (u32 j = 0; j < len; j++) {
                 u32 key = keys[j];
-                float v = key < n ? qkv[key * w3 + 2 * d + hi * dh + c] : NAN_F;
+                float v = key < nk ? kv[key * w3 + 2 * d + hi * dh + c] : NAN_F;
                 o = o + p[j] * v;
             }
             out[i * d + hi * dh + c] = o;

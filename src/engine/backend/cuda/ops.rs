@@ -67,12 +67,49 @@ impl DeviceLayout {
             }
         }
         let positions: Vec<u32> = layout.positions().iter().map(|&p| p as u32).collect();
+        Self::from_host(stream, s, &positions, &ctx_len, &ctx_keys)
+    }
+
+    /// One decode step: position `pos` of each of `seqs` sequences whose keys and values sit in a
+    /// cache of `capacity` rows per sequence (sequence `i`'s position `p` at row
+    /// `i * capacity + p`); every query attends to its own sequence's positions `0..=pos`.
+    pub fn decode_step(
+        stream: &Arc<CudaStream>,
+        seqs: usize,
+        capacity: usize,
+        pos: usize,
+    ) -> Result<Self, CudaError> {
+        if pos >= capacity {
+            return Err(shape(format!(
+                "decode step: position {pos} past a cache of {capacity} positions"
+            )));
+        }
+        let s = pos + 1;
+        let cells = checked(seqs, s, "decode step", "sequences x positions")?;
+        checked(seqs, capacity, "decode step", "sequences x capacity")
+            .and_then(|rows| dim("decode step", "cache rows", rows))?;
+        let mut ctx_keys = Vec::with_capacity(cells);
+        for i in 0..seqs {
+            ctx_keys.extend((0..s).map(|p| (i * capacity + p) as u32));
+        }
+        let positions = vec![pos as u32; seqs];
+        let ctx_len = vec![s as u32; seqs];
+        Self::from_host(stream, s, &positions, &ctx_len, &ctx_keys)
+    }
+
+    fn from_host(
+        stream: &Arc<CudaStream>,
+        max_context: usize,
+        positions: &[u32],
+        ctx_len: &[u32],
+        ctx_keys: &[u32],
+    ) -> Result<Self, CudaError> {
         Ok(DeviceLayout {
-            rows,
-            max_context: s,
-            positions: upload(stream, &positions)?,
-            ctx_len: upload(stream, &ctx_len)?,
-            ctx_keys: upload(stream, &ctx_keys)?,
+            rows: positions.len(),
+            max_context,
+            positions: upload(stream, positions)?,
+            ctx_len: upload(stream, ctx_len)?,
+            ctx_keys: upload(stream, ctx_keys)?,
         })
     }
 }
@@ -261,6 +298,26 @@ impl CudaOps {
         h: usize,
         d: usize,
     ) -> Result<(), CudaError> {
+        let keys = layout.rows;
+        self.attention_over(stream, out, probs, qkv, (qkv, keys), layout, h, d)
+    }
+
+    /// As [`CudaOps::attention_forward`], but keys and values come from the K and V columns of
+    /// `kv` ([rows, 3d]: a decoder's KV cache), which `layout`'s key indices address; queries are
+    /// the Q columns of q [layout.rows, 3d]. The CPU counterpart is `ops::attention_step` (same
+    /// sums in the same order).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_over(
+        &self,
+        stream: &Arc<CudaStream>,
+        out: &mut CudaSlice<f32>,
+        probs: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        (kv, kv_rows): (&CudaSlice<f32>, usize),
+        layout: &DeviceLayout,
+        h: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
         let op = "attention_forward";
         if h == 0 || !d.is_multiple_of(h) {
             return Err(shape(format!("{op}: d = {d} is not a multiple of h = {h}")));
@@ -275,11 +332,14 @@ impl CudaOps {
         }
         let nd = checked(n, d, op, "n x d")?;
         need(op, "out", out.len(), nd)?;
-        need(op, "qkv", qkv.len(), checked(nd, 3, op, "n x 3d")?)?;
+        need(op, "q", q.len(), checked(nd, 3, op, "n x 3d")?)?;
+        let kd = checked(kv_rows, d, op, "kv rows x d")?;
+        need(op, "kv", kv.len(), checked(kd, 3, op, "kv rows x 3d")?)?;
         let nh = checked(n, h, op, "n x h")?;
         need(op, "probs", probs.len(), checked(nh, s, op, "n x h x S")?)?;
-        let (n32, h32, d32, s32) = (
+        let (n32, nk32, h32, d32, s32) = (
             dim(op, "rows", n)?,
+            dim(op, "kv rows", kv_rows)?,
             dim(op, "h", h)?,
             dim(op, "d", d)?,
             dim(op, "S", s)?,
@@ -292,13 +352,20 @@ impl CudaOps {
         let mut b = stream.launch_builder(&self.attention);
         b.arg(out)
             .arg(probs)
-            .arg(qkv)
+            .arg(q)
+            .arg(kv)
             .arg(&layout.ctx_len)
             .arg(&layout.ctx_keys);
-        b.arg(&n32).arg(&h32).arg(&d32).arg(&s32).arg(&scale);
+        b.arg(&n32)
+            .arg(&nk32)
+            .arg(&h32)
+            .arg(&d32)
+            .arg(&s32)
+            .arg(&scale);
         // SAFETY: a warp per (row i < n, head < h): probs row (i*h + head)*S .. +S is inside
-        // n*h*S; keys j < min(ctx_len[i], S) are read at i*S + j < n*S = ctx_keys.len(); a key
-        // row is used only if < n, so qkv reads stay below n*3d; out at i*d + head*dh + c, c < dh.
+        // n*h*S; keys j < min(ctx_len[i], S) are read at i*S + j < n*S = ctx_keys.len(); q is
+        // read at row i < n (q holds n*3d); a key row is used only if < kv_rows, so kv reads stay
+        // below kv_rows*3d (checked); out at i*d + head*dh + c, c < dh.
         unsafe { b.launch(cfg_warps(nh)) }?;
         Ok(())
     }

@@ -3,11 +3,15 @@
 //! the routed expert ids come back at the end, with no host round trip in between (routing sorts
 //! the slots on the device into a capacity-padded expert batch: `moe.cu`).
 //!
-//! This is the first piece of the resident engine that the step targets need (docs/cuda.md, "Not
-//! done"): the forward of a step's prepared weights, op for op the CPU's, so the same plan
-//! quantizes the same activations the same way (`CudaFakeQuantizer`, byte-equal to
-//! `formats::fake_quantize`). The backward, the rollout's decode loop and the optimizer still run
-//! through the host path.
+//! The same layers also decode (`ResidentForward::decode_step`, `model::decode_step` on the device):
+//! one new position per sequence, keys and values kept in a device KV cache (`DeviceKvCache`,
+//! BF16-rounded as `model::KvCache` stores them). That is the rollout's and the evaluation's
+//! decoder on a GPU (`CudaBackend`'s `Backend::decoder`).
+//!
+//! These are the first pieces of the resident engine that the step targets need (docs/cuda.md):
+//! op for op the CPU's, so the same plan quantizes the same activations the same way
+//! (`CudaFakeQuantizer`, byte-equal to `formats::fake_quantize`). The backward and the optimizer
+//! still run through the host path.
 //!
 //! What is identical to the CPU forward and what is not: every quantizer and every non-GEMM op
 //! that the CPU computes in a fixed order (norms, embeddings, expert gather and combine) give the
@@ -32,6 +36,7 @@ use cudarc::driver::{
 use std::sync::Arc;
 
 const MOE_SRC: &str = include_str!("moe.cu");
+const KV_SRC: &str = include_str!("kv.cu");
 
 /// A matmul site on the device: its forward operand (already quantized and dequantized by
 /// `linear::prepare_weight`) and the format its input activations are quantized to.
@@ -81,6 +86,40 @@ pub struct ForwardOutput {
     pub routing: Routing,
 }
 
+/// A decoder's keys and values on the device (`kv.cu`): per layer `[seqs · capacity, 3d]`,
+/// sequence i's position p at row `i · capacity + p`, K and V columns rounded to BF16.
+pub struct DeviceKvCache {
+    layers: Vec<CudaSlice<f32>>,
+    seqs: usize,
+    capacity: usize,
+    len: usize,
+    width: usize,
+}
+
+impl DeviceKvCache {
+    /// Positions filled so far (the position the next step writes).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Sequences decoded side by side.
+    pub fn seqs(&self) -> usize {
+        self.seqs
+    }
+}
+
+/// Where one layer's decode step writes its keys and values.
+struct KvSlot<'a> {
+    cache: &'a mut CudaSlice<f32>,
+    seqs: usize,
+    capacity: usize,
+    pos: usize,
+}
+
 /// The kernels, cuBLAS handle and stream of resident forwards on one GPU. All work is queued on
 /// one stream, so its order is the program order.
 pub struct ResidentForward {
@@ -91,6 +130,8 @@ pub struct ResidentForward {
     /// `moe.cu`: `route_slots` and `gather_padded`.
     route_slots: CudaFunction,
     gather_padded: CudaFunction,
+    /// `kv.cu`.
+    kv_store: CudaFunction,
 }
 
 impl ResidentForward {
@@ -109,6 +150,7 @@ impl ResidentForward {
         }
         .result()?;
         let moe = dev.compile("moe", MOE_SRC)?;
+        let kv = dev.compile("kv", KV_SRC)?;
         Ok(ResidentForward {
             fq: CudaFakeQuantizer::new(q)?,
             ops: CudaOps::new(dev)?,
@@ -116,6 +158,7 @@ impl ResidentForward {
             blas,
             route_slots: moe.load_function("route_slots")?,
             gather_padded: moe.load_function("gather_padded")?,
+            kv_store: kv.load_function("kv_store")?,
         })
     }
 
@@ -349,13 +392,16 @@ impl ResidentForward {
         self.linear_forward(fc2, &act, n)
     }
 
-    /// x [n, D] → x + proj(attention(qkv(rmsnorm(x)))).
+    /// x [n, D] → x + proj(attention(qkv(rmsnorm(x)))). Keys and values are the rows' own, or in
+    /// a decode step (`kv`) the cache's, after this step's rows are stored there (BF16-rounded,
+    /// as `model::KvCache::store` does; the queries stay unrounded, as in `model::attn_step`).
     fn attention_block(
         &self,
         w: &DeviceLayer,
         cfg: &ModelConfig,
         x: &CudaSlice<f32>,
         layout: &DeviceLayout,
+        kv: Option<KvSlot<'_>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let (n, d, h) = (layout.rows, cfg.d_model, cfg.n_heads);
         let s = &self.stream;
@@ -365,11 +411,78 @@ impl ResidentForward {
         let qkv = self.linear_forward(&w.linear_qkv, &xn, n)?;
         let mut att = self.zeros(n * d)?;
         let mut probs = self.zeros(n * h * layout.max_context)?;
-        self.ops
-            .attention_forward(s, &mut att, &mut probs, &qkv, layout, h, d)?;
+        match kv {
+            None => self
+                .ops
+                .attention_forward(s, &mut att, &mut probs, &qkv, layout, h, d)?,
+            Some(slot) => {
+                let mut rounded = self.zeros(n * 3 * d)?;
+                self.fq.round_bf16(&qkv, &mut rounded, n * 3 * d)?;
+                self.store_kv(
+                    &rounded,
+                    &mut *slot.cache,
+                    n,
+                    slot.capacity,
+                    slot.pos,
+                    3 * d,
+                )?;
+                let rows = slot.seqs * slot.capacity;
+                self.ops.attention_over(
+                    s,
+                    &mut att,
+                    &mut probs,
+                    &qkv,
+                    (&*slot.cache, rows),
+                    layout,
+                    h,
+                    d,
+                )?;
+            }
+        }
         let mut out = self.linear_forward(&w.linear_proj, &att, n)?;
         self.ops.add_into(s, &mut out, x, n * d)?;
         Ok(out)
+    }
+
+    /// cache row `i · capacity + pos` = x row i, for i < n (rows of `width` floats).
+    fn store_kv(
+        &self,
+        x: &CudaSlice<f32>,
+        cache: &mut CudaSlice<f32>,
+        n: usize,
+        capacity: usize,
+        pos: usize,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let u = |v: usize| {
+            u32::try_from(v).map_err(|_| CudaError::Shape(format!("kv_store: {v} exceeds u32")))
+        };
+        if pos >= capacity || cache.len() < n * capacity * width || x.len() < n * width {
+            return Err(CudaError::Shape(format!(
+                "kv_store: position {pos} of {capacity}, {n} rows of {width}: cache holds {}, rows {}",
+                cache.len(),
+                x.len()
+            )));
+        }
+        if n * width == 0 {
+            return Ok(());
+        }
+        let (n32, cap32, pos32, w32) = (u(n)?, u(capacity)?, u(pos)?, u(width)?);
+        let mut b = self.stream.launch_builder(&self.kv_store);
+        b.arg(cache)
+            .arg(x)
+            .arg(&n32)
+            .arg(&cap32)
+            .arg(&pos32)
+            .arg(&w32);
+        // SAFETY: element idx < n·width reads x[idx] (x holds n·width) and writes cache at
+        // (i·capacity + pos)·width + c < n·capacity·width (pos < capacity, checked above).
+        unsafe {
+            b.launch(LaunchConfig::for_num_elems(
+                ((n * width) as u32).min(1 << 20),
+            ))
+        }?;
+        Ok(())
     }
 
     /// x [n, D] → x + shared(xn) + Σ gate · expert(xn), in `model::moe_forward`'s order, with no
@@ -454,12 +567,118 @@ impl ResidentForward {
         layout: &Layout,
         replay: Option<&Routing>,
     ) -> Result<ForwardOutput, CudaError> {
-        let cfg = &m.config;
-        crate::engine::model::check_layout_inputs(cfg, tokens, layout, replay)
+        crate::engine::model::check_layout_inputs(&m.config, tokens, layout, replay)
             .map_err(|e| CudaError::Shape(e.to_string()))?;
-        let (n, d, v) = (layout.rows(), cfg.d_model, cfg.vocab);
+        let dl = DeviceLayout::upload(&self.stream, layout)?;
+        self.layers_forward(m, tokens, &dl, replay, None)
+    }
+
+    /// An empty KV cache for `seqs` sequences of up to `positions` (at most `max_seq`) positions.
+    pub fn kv_cache(
+        &self,
+        m: &DeviceModel,
+        seqs: usize,
+        positions: usize,
+    ) -> Result<DeviceKvCache, CudaError> {
+        let cfg = &m.config;
+        if positions > cfg.max_seq {
+            return Err(CudaError::Shape(format!(
+                "kv cache: {positions} positions exceed max_seq {}",
+                cfg.max_seq
+            )));
+        }
+        let width = 3 * cfg.d_model;
+        let layers = (0..cfg.n_layers)
+            .map(|_| self.zeros(seqs * positions * width))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(DeviceKvCache {
+            layers,
+            seqs,
+            capacity: positions,
+            len: 0,
+            width,
+        })
+    }
+
+    /// Each sequence's cache copied to `samples` consecutive sequences (`KvCache::repeat_each`:
+    /// a prompt decoded once, then shared by its samples).
+    pub fn repeat_each(&self, cache: &mut DeviceKvCache, samples: usize) -> Result<(), CudaError> {
+        let (seqs, cap, w) = (cache.seqs * samples, cache.capacity, cache.width);
+        let src_row: Vec<u32> = (0..seqs * cap)
+            .map(|r| ((r / cap) / samples * cap + r % cap) as u32)
+            .collect();
+        let rows = u32::try_from(seqs * cap)
+            .map_err(|_| CudaError::Shape(format!("kv cache: {seqs} x {cap} rows exceed u32")))?;
+        let src_rows = (cache.seqs * cap) as u32;
+        let w32 = w as u32;
+        let src_row = self.stream.clone_htod(&src_row)?;
+        for layer in &mut cache.layers {
+            let mut out = self.zeros(seqs * cap * w)?;
+            if seqs * cap * w > 0 {
+                let mut b = self.stream.launch_builder(&self.gather_padded);
+                b.arg(&mut out).arg(&*layer).arg(&src_row);
+                b.arg(&rows).arg(&w32).arg(&src_rows);
+                // SAFETY: grid-stride over i < rows·w (out's length); the layer is read at
+                // src·w + c only for src < src_rows (it holds src_rows·w); src_row holds rows.
+                unsafe {
+                    b.launch(LaunchConfig::for_num_elems(
+                        ((seqs * cap * w) as u32).min(1 << 20),
+                    ))
+                }?;
+            }
+            *layer = out;
+        }
+        cache.seqs = seqs;
+        Ok(())
+    }
+
+    /// `model::decode_step` on the device: one new position for each of the cache's sequences
+    /// (`tokens`, one each) attending over the cached positions; logits `[seqs, V]` and this
+    /// position's routing.
+    pub fn decode_step(
+        &self,
+        m: &DeviceModel,
+        cache: &mut DeviceKvCache,
+        tokens: &[u32],
+        replay: Option<&Routing>,
+    ) -> Result<ForwardOutput, CudaError> {
+        let cfg = &m.config;
+        let bad = |msg: String| CudaError::Shape(format!("decode step: {msg}"));
+        if tokens.len() != cache.seqs {
+            return Err(bad(format!(
+                "{} tokens for a cache of {} sequences",
+                tokens.len(),
+                cache.seqs
+            )));
+        }
+        if cache.len >= cache.capacity {
+            return Err(bad(format!("all {} positions are filled", cache.capacity)));
+        }
+        if cache.layers.len() != cfg.n_layers || cache.width != 3 * cfg.d_model {
+            return Err(bad("cache was made for a different model config".into()));
+        }
+        crate::engine::model::check_tokens(cfg, tokens)
+            .and_then(|()| replay.map_or(Ok(()), |r| r.check(cfg, tokens.len())))
+            .map_err(|e| bad(e.to_string()))?;
+        let dl = DeviceLayout::decode_step(&self.stream, cache.seqs, cache.capacity, cache.len)?;
+        let out = self.layers_forward(m, tokens, &dl, replay, Some(&mut *cache))?;
+        cache.len += 1;
+        Ok(out)
+    }
+
+    /// Embedding, the blocks and the head over `dl`'s rows; keys and values from the rows
+    /// themselves or, decoding, from `cache` (this step's written first).
+    fn layers_forward(
+        &self,
+        m: &DeviceModel,
+        tokens: &[u32],
+        dl: &DeviceLayout,
+        replay: Option<&Routing>,
+        mut cache: Option<&mut DeviceKvCache>,
+    ) -> Result<ForwardOutput, CudaError> {
+        let cfg = &m.config;
+        let (n, d, v) = (dl.rows, cfg.d_model, cfg.vocab);
         let s = &self.stream;
-        let dl = DeviceLayout::upload(s, layout)?;
         let toks = s.clone_htod(tokens)?;
         let mut h = self.zeros(n * d)?;
         self.ops
@@ -471,7 +690,13 @@ impl ResidentForward {
         };
         let mut ids = Vec::with_capacity(cfg.n_layers);
         for (l, w) in m.layers.iter().enumerate() {
-            let mid = self.attention_block(w, cfg, &h, &dl)?;
+            let slot = cache.as_deref_mut().map(|c| KvSlot {
+                seqs: c.seqs,
+                capacity: c.capacity,
+                pos: c.len,
+                cache: &mut c.layers[l],
+            });
+            let mid = self.attention_block(w, cfg, &h, dl, slot)?;
             let r = replay.map(|r| r.layers[l].as_slice());
             let (out, layer_ids) = self.moe_block(w, cfg, &mid, n, r)?;
             ids.push(layer_ids);

@@ -1,0 +1,75 @@
+//! The rollout's decoder on a GPU ([`CudaBackend`]'s [`Backend::decoder`]): the exported model
+//! uploaded once per rollout, keys and values in a device KV cache, every position one
+//! [`ResidentForward::decode_step`]. Only the tokens go in and the logits and routed ids come back
+//! per position; sampling stays on the host (`rollout::generate`, the same code and RNG as on the
+//! CPU).
+//!
+//! [`Backend::decoder`]: crate::engine::backend::Backend::decoder
+
+use super::CudaBackend;
+use super::resident::{DeviceKvCache, DeviceModel, ResidentForward};
+use crate::engine::model::{PreparedModel, Routing};
+use crate::engine::rollout::Decoder;
+
+/// A decode in progress on one GPU. Holds one of the backend's resident forwards (returned to its
+/// pool on drop), the uploaded model and the cache.
+pub struct ResidentDecoder<'a> {
+    backend: &'a CudaBackend,
+    forward: Option<ResidentForward>,
+    model: DeviceModel,
+    cache: DeviceKvCache,
+}
+
+impl<'a> ResidentDecoder<'a> {
+    /// Upload `prep` and an empty cache for `seqs` sequences of up to `positions` positions.
+    pub fn new(
+        backend: &'a CudaBackend,
+        prep: &PreparedModel,
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Self, super::CudaError> {
+        let forward = backend.take_forward()?;
+        let model = forward.upload(prep)?;
+        let cache = forward.kv_cache(&model, seqs, positions)?;
+        Ok(ResidentDecoder {
+            backend,
+            forward: Some(forward),
+            model,
+            cache,
+        })
+    }
+
+    /// GPU failures cannot be returned through the trait: they panic with the device, which
+    /// `engine::run::run_one` turns into a `failed` run with that message (as `gemm` does).
+    fn fail(&self, what: &str, e: super::CudaError) -> ! {
+        panic!(
+            "cuda:{}: resident {what} failed: {e}",
+            self.backend.device().ordinal()
+        )
+    }
+}
+
+impl Decoder for ResidentDecoder<'_> {
+    fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing) {
+        let fw = self.forward.as_ref().expect("held until drop");
+        match fw.decode_step(&self.model, &mut self.cache, tokens, None) {
+            Ok(out) => (out.logits, out.routing),
+            Err(e) => self.fail("decode step", e),
+        }
+    }
+
+    fn repeat_each(&mut self, samples: usize) {
+        let fw = self.forward.as_ref().expect("held until drop");
+        if let Err(e) = fw.repeat_each(&mut self.cache, samples) {
+            self.fail("kv cache copy", e);
+        }
+    }
+}
+
+impl Drop for ResidentDecoder<'_> {
+    fn drop(&mut self) {
+        if let Some(f) = self.forward.take() {
+            self.backend.give_forward(f);
+        }
+    }
+}

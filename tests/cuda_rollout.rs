@@ -1,0 +1,188 @@
+//! The rollout decoded on the GPU (`CudaBackend`'s device decoder: `cuda::decoder` over
+//! `ResidentForward::decode_step`) against the host decoder (`model::decode_step`).
+//!
+//! Without a GPU each test prints why it skips and passes. On a GPU, at the engine's benchmark
+//! shape (32 prompts x 8 samples, 7 prompt tokens, up to 8 response tokens, `small` model):
+//! - the GPU rollout's logprobs equal, to GEMM-order tolerance, what the host decoder gives for
+//!   the same tokens (teacher-forced through a host KV cache, which rounds keys and values to BF16
+//!   as the device cache does), and its routing agrees;
+//! - the same seed gives the same tokens, logprobs and routing, bit for bit;
+//! - with an FP32 plan, sampling from the GPU's and the host's logits picks the same tokens in
+//!   nearly every sequence (the same RNG draws; only a draw within a rounding error of a CDF
+//!   boundary can flip).
+
+mod common;
+
+use lockstep::engine::backend::Backend;
+use lockstep::engine::backend::cpu::CpuBackend;
+use lockstep::engine::backend::cuda::CudaBackend;
+use lockstep::engine::model::{self, KvCache, ModelConfig, Params, PreparedModel, Routing};
+use lockstep::engine::rollout::{Rollout, generate};
+use lockstep::recipe::{ModelPlan, SitePlan};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::sync::OnceLock;
+
+fn gpu(test: &str) -> Option<&'static CudaBackend> {
+    static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    common::gpu_fixture(&B, test, || CudaBackend::new(0))
+}
+
+fn plan(name: &str, layers: usize) -> ModelPlan {
+    match name {
+        "fp32" => ModelPlan::uniform(layers, SitePlan::FP32),
+        _ => lockstep::recipe::presets::preset(name)
+            .unwrap()
+            .resolve(layers)
+            .unwrap(),
+    }
+}
+
+/// 32 prompts of 7 tokens (ids below the task's special tokens).
+fn prompts(seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..32)
+        .map(|_| (0..7).map(|_| rng.random_range(0..12u32)).collect())
+        .collect()
+}
+
+/// The host decoder's logprob of every token given its prefix (positions 1..T), decoding the
+/// rollout's own tokens (teacher forcing), and its routing of every input position.
+fn host_logprobs(prep: &PreparedModel, ro: &Rollout) -> (Vec<f32>, Routing) {
+    let v = prep.config.vocab;
+    let mut cache = KvCache::with_capacity(&prep.config, ro.b, ro.t - 1);
+    let mut lp = vec![0.0f32; ro.b * ro.t];
+    let mut steps = Vec::new();
+    for pos in 0..ro.t - 1 {
+        let input: Vec<u32> = (0..ro.b).map(|s| ro.tokens[s * ro.t + pos]).collect();
+        let (logits, routing) = model::decode_step(&CpuBackend, prep, &mut cache, &input, None);
+        steps.push(routing);
+        for s in 0..ro.b {
+            let row = &logits[s * v..(s + 1) * v];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+            let tok = ro.tokens[s * ro.t + pos + 1] as usize;
+            lp[s * ro.t + pos + 1] = row[tok] - lse;
+        }
+    }
+    (lp, Routing::from_steps(&steps).unwrap())
+}
+
+fn agreement(a: &Routing, b: &Routing) -> f64 {
+    let (mut same, mut all) = (0usize, 0usize);
+    for (la, lb) in a.layers.iter().zip(&b.layers) {
+        same += la.iter().zip(lb).filter(|(x, y)| x == y).count();
+        all += la.len();
+    }
+    same as f64 / all.max(1) as f64
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn gpu_rollout_matches_the_host_decoder_and_repeats_bit_for_bit() {
+    let Some(be) = gpu("gpu_rollout_matches_the_host_decoder_and_repeats_bit_for_bit") else {
+        return;
+    };
+    let cfg = ModelConfig::small();
+    let params = Params::init(&cfg, 21).unwrap();
+    let prompts = prompts(4);
+    // (plan, tolerance on |logprob difference| for the rollout's own tokens): FP32 differs only
+    // by GEMM summation order and `expf`; quantized sites also move the odd activation across a
+    // rounding boundary (the resident forward's logits: 1.6e-3 .. 1.2e-2 of the largest logit).
+    let cases = [
+        ("fp32", 1e-4f32),
+        ("bf16", 0.05),
+        ("mxfp8", 0.1),
+        ("nvfp4-dq", 0.3),
+        ("fp8-block", 0.1),
+    ];
+    let mut failures = Vec::new();
+    for (name, tol) in cases {
+        let prep = PreparedModel::new(&params, &plan(name, cfg.n_layers)).unwrap();
+        let ro = generate(be, &prep, &prompts, 8, 8, 1.0, 17);
+        let again = generate(be, &prep, &prompts, 8, 8, 1.0, 17);
+        let (host_lp, host_routing) = host_logprobs(&prep, &ro);
+        let (mut worst, mut n) = (0.0f32, 0usize);
+        for s in 0..ro.b {
+            for pos in 1..ro.t {
+                if ro.is_response(s, pos) {
+                    let d = (ro.logprobs[s * ro.t + pos] - host_lp[s * ro.t + pos]).abs();
+                    worst = if d.is_nan() { f32::NAN } else { worst.max(d) };
+                    n += 1;
+                }
+            }
+        }
+        let agree = agreement(&ro.routing, &host_routing);
+        eprintln!(
+            "{name}: {n} response tokens, max |logprob - host decoder's| {worst:.3e}, routing agreement {agree:.5}"
+        );
+        if n == 0 {
+            failures.push(format!("{name}: the rollout sampled no response token"));
+        }
+        if worst.is_nan() || worst > tol {
+            failures.push(format!(
+                "{name}: logprobs differ by {worst:.3e} > {tol:.0e}"
+            ));
+        }
+        if agree < 0.97 {
+            failures.push(format!("{name}: only {agree:.4} of expert choices agree"));
+        }
+        if ro.tokens != again.tokens
+            || bits(&ro.logprobs) != bits(&again.logprobs)
+            || ro.routing != again.routing
+        {
+            failures.push(format!("{name}: two GPU rollouts with one seed differ"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn gpu_and_host_rollouts_sample_the_same_tokens_under_fp32() {
+    let Some(be) = gpu("gpu_and_host_rollouts_sample_the_same_tokens_under_fp32") else {
+        return;
+    };
+    let cfg = ModelConfig::small();
+    let prep = PreparedModel::new(
+        &Params::init(&cfg, 22).unwrap(),
+        &plan("fp32", cfg.n_layers),
+    )
+    .unwrap();
+    let prompts = prompts(5);
+    for temperature in [1.0f32, 0.0] {
+        let gpu_ro = generate(be, &prep, &prompts, 8, 8, temperature, 3);
+        let cpu_ro = generate(&CpuBackend, &prep, &prompts, 8, 8, temperature, 3);
+        let same = (0..gpu_ro.b)
+            .filter(|&s| gpu_ro.response(s) == cpu_ro.response(s))
+            .count();
+        eprintln!(
+            "temperature {temperature}: {same} of {} sequences sample the same response on {} and the host",
+            gpu_ro.b,
+            be.name()
+        );
+        assert!(
+            same * 100 >= gpu_ro.b * 95,
+            "temperature {temperature}: only {same} of {} responses agree",
+            gpu_ro.b
+        );
+    }
+}
+
+/// The switch the benchmark's A/B uses: with the device decoder off, the backend has none and
+/// the rollout decodes on the host (GEMMs on the GPU).
+#[test]
+fn the_device_rollout_can_be_turned_off() {
+    let Some(_) = gpu("the_device_rollout_can_be_turned_off") else {
+        return;
+    };
+    let cfg = ModelConfig::tiny();
+    let prep =
+        PreparedModel::new(&Params::init(&cfg, 1).unwrap(), &plan("bf16", cfg.n_layers)).unwrap();
+    let on = CudaBackend::new(0).unwrap();
+    let off = CudaBackend::new(0).unwrap().with_device_rollout(false);
+    assert!(on.decoder(&prep, 2, 4).is_some());
+    assert!(off.decoder(&prep, 2, 4).is_none());
+}
