@@ -89,15 +89,17 @@ fn gpu_rollout_matches_the_host_decoder_and_repeats_bit_for_bit() {
     let cfg = ModelConfig::small();
     let params = Params::init(&cfg, 21).unwrap();
     let prompts = prompts(4);
-    // (plan, tolerance on |logprob difference| for the rollout's own tokens): FP32 differs only
-    // by GEMM summation order and `expf`; quantized sites also move the odd activation across a
-    // rounding boundary (the resident forward's logits: 1.6e-3 .. 1.2e-2 of the largest logit).
+    // (plan, tolerance on |logprob difference| for the rollout's own tokens), about 3x what the
+    // H200 measured on 2026-12-03 (fp32 2.0e-4, bf16 4.4e-2, mxfp8 6.8e-3, nvfp4-dq 5.8e-2,
+    // fp8-block 5.5e-2). GEMM summation order and `expf` move values by an ulp or so, and both
+    // caches round keys and values to BF16, so an ulp can become a BF16 step (even under FP32);
+    // quantized sites also move the odd activation across a rounding boundary of their format.
     let cases = [
-        ("fp32", 1e-4f32),
-        ("bf16", 0.05),
+        ("fp32", 6e-4f32),
+        ("bf16", 0.15),
         ("mxfp8", 0.1),
-        ("nvfp4-dq", 0.3),
-        ("fp8-block", 0.1),
+        ("nvfp4-dq", 0.2),
+        ("fp8-block", 0.2),
     ];
     let mut failures = Vec::new();
     for (name, tol) in cases {

@@ -119,7 +119,7 @@ pub fn run_one_cmd(args: &RunOneArgs) -> Result<bool> {
     let device: lockstep::engine::backend::Device = args.device.parse()?;
     let be = lockstep::engine::backend::open(device)?;
     if matches!(device, lockstep::engine::backend::Device::Cuda(_)) {
-        eprintln!("{}", lockstep::engine::backend::cuda::GEMM_ONLY_NOTE);
+        eprintln!("{}", lockstep::engine::backend::cuda::GPU_NOTE);
     }
     let cache = args.cache.clone().unwrap_or_else(default_cache);
     let id = out

@@ -119,7 +119,7 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
         args.store.display()
     );
     if on_gpu {
-        eprintln!("{}", lockstep::engine::backend::cuda::GEMM_ONLY_NOTE);
+        eprintln!("{}", lockstep::engine::backend::cuda::GPU_NOTE);
     }
     let board = Mutex::new(super::progress::Board::new(total, tty));
     let progress = |p: Progress<'_>| {

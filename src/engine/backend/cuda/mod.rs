@@ -27,10 +27,10 @@ use cudarc::driver::{CudaContext, DriverError};
 use std::sync::Arc;
 
 /// What `lockstep run` and `run-one` print (to stderr) when they compute on a GPU, so nobody takes
-/// `--device cuda` for a speed-up it is not yet (measured in docs/cuda.md).
-pub const GEMM_ONLY_NOTE: &str = "note: on a GPU only the engine's GEMMs run there (everything else \
-    stays on this host's CPU); at the shipped model sizes --device cpu on the same machine is faster \
-    (docs/cuda.md)";
+/// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
+pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there and the trainer's GEMMs run \
+    there; the trainer's other ops stay on this host's CPU, so at small model sizes --device cpu \
+    can be as fast (figures in docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]

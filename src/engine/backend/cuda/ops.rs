@@ -332,9 +332,15 @@ impl CudaOps {
         }
         let nd = checked(n, d, op, "n x d")?;
         need(op, "out", out.len(), nd)?;
-        need(op, "q", q.len(), checked(nd, 3, op, "n x 3d")?)?;
+        // Named as the callers know them: the rows' qkv, and a decoder's cache.
+        need(op, "qkv", q.len(), checked(nd, 3, op, "n x 3d")?)?;
         let kd = checked(kv_rows, d, op, "kv rows x d")?;
-        need(op, "kv", kv.len(), checked(kd, 3, op, "kv rows x 3d")?)?;
+        need(
+            op,
+            "kv cache",
+            kv.len(),
+            checked(kd, 3, op, "kv rows x 3d")?,
+        )?;
         let nh = checked(n, h, op, "n x h")?;
         need(op, "probs", probs.len(), checked(nh, s, op, "n x h x S")?)?;
         let (n32, nk32, h32, d32, s32) = (
