@@ -6,12 +6,12 @@
 
 mod common;
 
+use common::{agreement, bits, plan};
 use lockstep::engine::backend::cpu::CpuBackend;
 use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::resident::{ForwardOutput, ResidentForward};
 use lockstep::engine::layout::Layout;
-use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
-use lockstep::recipe::{ModelPlan, SecondScale, SitePlan};
+use lockstep::engine::model::{ModelConfig, Params, PreparedModel, forward_rows};
 use lockstep::tools::bench::trainer_batch;
 use std::sync::OnceLock;
 
@@ -19,26 +19,6 @@ use std::sync::OnceLock;
 fn gpu(test: &str) -> Option<&'static ResidentForward> {
     static R: OnceLock<Result<ResidentForward, String>> = OnceLock::new();
     common::gpu_fixture(&R, test, || ResidentForward::new(&CudaDevice::open(0)?))
-}
-
-fn plan(name: &str, layers: usize) -> ModelPlan {
-    match name {
-        "fp32" => ModelPlan::uniform(layers, SitePlan::FP32),
-        // Per-tensor second-level activation scales on the experts: the one activation format
-        // that is not row-local, so each expert's rows are quantized apart (as on the CPU).
-        "nvfp4-dq-per-tensor" => {
-            let mut p = plan("nvfp4-dq", layers);
-            for l in &mut p.layers {
-                l.experts_fc1.act_scale = SecondScale::PerTensor;
-                l.experts_fc2.act_scale = SecondScale::PerTensor;
-            }
-            p
-        }
-        _ => lockstep::recipe::presets::preset(name)
-            .unwrap()
-            .resolve(layers)
-            .unwrap(),
-    }
 }
 
 /// Largest |a - b| over the largest |a|.
@@ -49,15 +29,6 @@ fn rel_max_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
         / scale
-}
-
-fn agreement(a: &Routing, b: &Routing) -> f64 {
-    let (mut same, mut all) = (0usize, 0usize);
-    for (la, lb) in a.layers.iter().zip(&b.layers) {
-        same += la.iter().zip(lb).filter(|(x, y)| x == y).count();
-        all += la.len();
-    }
-    same as f64 / all.max(1) as f64
 }
 
 /// For each plan: free routing agrees with the CPU's on nearly every choice; with the CPU's routing
@@ -110,7 +81,6 @@ fn resident_forward_matches_the_cpu_forward() {
         if agree < 0.98 {
             failures.push(format!("{name}: only {agree:.4} of expert choices agree"));
         }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         if bits(&free.logits) != bits(&again.logits) || free.routing != again.routing {
             failures.push(format!("{name}: two GPU forwards differ"));
         }

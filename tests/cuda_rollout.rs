@@ -13,12 +13,12 @@
 
 mod common;
 
+use common::{agreement, bits, plan};
 use lockstep::engine::backend::Backend;
 use lockstep::engine::backend::cpu::CpuBackend;
 use lockstep::engine::backend::cuda::CudaBackend;
 use lockstep::engine::model::{self, KvCache, ModelConfig, Params, PreparedModel, Routing};
 use lockstep::engine::rollout::{Rollout, generate};
-use lockstep::recipe::{ModelPlan, SitePlan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::sync::OnceLock;
@@ -26,16 +26,6 @@ use std::sync::OnceLock;
 fn gpu(test: &str) -> Option<&'static CudaBackend> {
     static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
     common::gpu_fixture(&B, test, || CudaBackend::new(0))
-}
-
-fn plan(name: &str, layers: usize) -> ModelPlan {
-    match name {
-        "fp32" => ModelPlan::uniform(layers, SitePlan::FP32),
-        _ => lockstep::recipe::presets::preset(name)
-            .unwrap()
-            .resolve(layers)
-            .unwrap(),
-    }
 }
 
 /// 32 prompts of 7 tokens (ids below the task's special tokens).
@@ -66,19 +56,6 @@ fn host_logprobs(prep: &PreparedModel, ro: &Rollout) -> (Vec<f32>, Routing) {
         }
     }
     (lp, Routing::from_steps(&steps).unwrap())
-}
-
-fn agreement(a: &Routing, b: &Routing) -> f64 {
-    let (mut same, mut all) = (0usize, 0usize);
-    for (la, lb) in a.layers.iter().zip(&b.layers) {
-        same += la.iter().zip(lb).filter(|(x, y)| x == y).count();
-        all += la.len();
-    }
-    same as f64 / all.max(1) as f64
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 #[test]

@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 use lockstep::engine::backend::cuda::{self, CudaError};
+use lockstep::engine::model::Routing;
 use lockstep::formats::{Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, SecondScale};
+use lockstep::recipe::{ModelPlan, SitePlan};
 use std::sync::OnceLock;
 
 /// A test file's GPU fixture, built once on first use: `None` where there is no GPU (the test
@@ -53,4 +55,40 @@ pub fn all_formats() -> Vec<QuantFormat> {
         }
     }
     v
+}
+
+/// A uniform FP32 plan, a shipped preset, or "nvfp4-dq-per-tensor": nvfp4-dq with per-tensor
+/// second-level activation scales on the experts (the one activation format that is not
+/// row-local, so each expert's rows are quantized apart, as on the CPU).
+pub fn plan(name: &str, layers: usize) -> ModelPlan {
+    match name {
+        "fp32" => ModelPlan::uniform(layers, SitePlan::FP32),
+        "nvfp4-dq-per-tensor" => {
+            let mut p = plan("nvfp4-dq", layers);
+            for l in &mut p.layers {
+                l.experts_fc1.act_scale = SecondScale::PerTensor;
+                l.experts_fc2.act_scale = SecondScale::PerTensor;
+            }
+            p
+        }
+        _ => lockstep::recipe::presets::preset(name)
+            .unwrap()
+            .resolve(layers)
+            .unwrap(),
+    }
+}
+
+/// The fraction of expert choices two routing records share, position by position.
+pub fn agreement(a: &Routing, b: &Routing) -> f64 {
+    let (mut same, mut all) = (0usize, 0usize);
+    for (la, lb) in a.layers.iter().zip(&b.layers) {
+        same += la.iter().zip(lb).filter(|(x, y)| x == y).count();
+        all += la.len();
+    }
+    same as f64 / all.max(1) as f64
+}
+
+/// Bit patterns, to compare floats exactly (NaN included).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
