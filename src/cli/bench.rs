@@ -53,8 +53,9 @@ pub struct StepArgs {
 
 /// Median GRPO step time and its phases on one device. On a GPU, three backends are timed side
 /// by side in the same run: one that copies every GEMM operand on every call, one that keeps the
-/// prepared weights resident, and the default, which also decodes the rollout on the GPU
-/// (`cuda::decoder`), with the GEMM path's counters per step.
+/// prepared weights resident, and the default, which also runs the forward-only passes on the GPU
+/// (the rollout's decoding, `cuda::decoder`, and the BF16 reference forward, `cuda::resident`),
+/// with the GEMM path's counters per step.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
     let model = super::engine::model_preset(&args.model)?;
@@ -72,9 +73,9 @@ pub fn step(args: &StepArgs) -> Result<bool> {
             ),
         ]
         .into_iter()
-        .map(|(label, budget, device_rollout)| {
+        .map(|(label, budget, device_model)| {
             cuda::CudaBackend::with_resident_budget(ordinal, budget)
-                .map(|be| (label, be.with_device_rollout(device_rollout)))
+                .map(|be| (label, be.with_device_model(device_model)))
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(cuda_err)?,

@@ -395,9 +395,13 @@ impl Trainer {
 
         // Old policy logprobs (and the first minibatch's forward, reused below), and the BF16
         // reference's logits for the KL metric: two independent forwards, run side by side so each
-        // fills the other's serial stretches (same bits as one after the other).
-        let ((logits0, cache0), (ref_logits, _)) =
-            rayon::join(|| forward(prep0), || forward(&self.reference));
+        // fills the other's serial stretches (same bits as one after the other). The reference
+        // needs no cache, so a backend with a device-resident forward runs it there.
+        let reference = || match be.forward_logits(&self.reference, &rows, &layout, replay) {
+            Some(logits) => layout.unpack(&logits, v),
+            None => forward(&self.reference).0,
+        };
+        let ((logits0, cache0), ref_logits) = rayon::join(|| forward(prep0), reference);
         let lp0 = token_logprobs(&logits0, ro, v);
         let mask: Vec<bool> = (0..b * t_in)
             .map(|r| ro.is_response(r / t_in, r % t_in + 1))

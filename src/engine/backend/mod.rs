@@ -172,4 +172,17 @@ pub trait Backend: Send + Sync {
     ) -> Option<Box<dyn crate::engine::rollout::Decoder + 'a>> {
         None
     }
+
+    /// The logits `[rows, V]` of [`crate::engine::model::forward_rows`] computed on this
+    /// backend's device, for a forward whose cache nobody needs (the trainer's BF16 reference).
+    /// `None`, the default: the host computes it with this backend's `gemm`.
+    fn forward_logits(
+        &self,
+        _prep: &crate::engine::model::PreparedModel,
+        _tokens: &[u32],
+        _layout: &crate::engine::layout::Layout,
+        _replay: Option<&crate::engine::model::Routing>,
+    ) -> Option<Vec<f32>> {
+        None
+    }
 }

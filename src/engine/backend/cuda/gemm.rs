@@ -7,8 +7,10 @@
 //!
 //! Each call copies its activation operand to the device, multiplies, and copies the result back:
 //! the trainer's model and its element-wise ops still run on the CPU (see `docs/cuda.md` for what
-//! that costs). Rollouts and evaluations decode on the device instead ([`Backend::decoder`]:
-//! `cuda::decoder`), unless [`CudaBackend::with_device_rollout`] turns that off.
+//! that costs). The model's forward-only work runs on the device instead: rollouts and evaluations
+//! decode there ([`Backend::decoder`]: `cuda::decoder`) and the trainer's BF16 reference forward
+//! runs there ([`Backend::forward_logits`]: `cuda::resident`), unless
+//! [`CudaBackend::with_device_model`] turns that off.
 //! Keyed operands (prepared weights, see [`MatRef::key`]) are copied once and kept resident in a
 //! FIFO cache with a byte budget, since a step multiplies by the same weights hundreds of times
 //! (every rollout decode step, the policy and reference forwards, the backward).
@@ -21,7 +23,8 @@ use super::decoder::ResidentDecoder;
 use super::resident::ResidentForward;
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, MatRef};
-use crate::engine::model::PreparedModel;
+use crate::engine::layout::Layout;
+use crate::engine::model::{PreparedModel, Routing};
 use crate::engine::rollout::Decoder;
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
@@ -166,8 +169,9 @@ pub struct CudaBackend {
     lanes: Mutex<Vec<Lane>>,
     resident: Mutex<Resident<CudaSlice<f32>>>,
     counters: AtomicCounters,
-    /// Decode the rollout on the device ([`ResidentDecoder`]) rather than on the host.
-    device_rollout: bool,
+    /// Run the forward-only passes on the device ([`ResidentDecoder`], [`ResidentForward`])
+    /// rather than on the host.
+    device_model: bool,
     /// Resident forwards (kernels, stream, cuBLAS handle) of finished decoders, one per
     /// concurrent caller at most, so compiling them is paid once per worker.
     forwards: Mutex<Vec<ResidentForward>>,
@@ -190,15 +194,16 @@ impl CudaBackend {
             lanes: Mutex::new(vec![first]),
             resident: Mutex::new(Resident::new(budget)),
             counters: AtomicCounters::default(),
-            device_rollout: true,
+            device_model: true,
             forwards: Mutex::new(Vec::new()),
         })
     }
 
-    /// Decode rollouts and evaluations on the device (`true`, the default) or on the host with
-    /// GEMMs here (the A/B baseline of `lockstep bench step`).
-    pub fn with_device_rollout(mut self, on: bool) -> Self {
-        self.device_rollout = on;
+    /// Run the model's forward-only passes (rollout and evaluation decoding, the trainer's BF16
+    /// reference forward) on the device (`true`, the default), or on the host with GEMMs here
+    /// (the A/B baseline of `lockstep bench step`).
+    pub fn with_device_model(mut self, on: bool) -> Self {
+        self.device_model = on;
         self
     }
 
@@ -412,12 +417,38 @@ impl Backend for CudaBackend {
         seqs: usize,
         positions: usize,
     ) -> Option<Box<dyn Decoder + 'a>> {
-        if !self.device_rollout {
+        if !self.device_model {
             return None;
         }
         match ResidentDecoder::new(self, prep, seqs, positions) {
             Ok(d) => Some(Box::new(d)),
             Err(e) => panic!("{}: resident decoder failed: {e}", self.name()),
+        }
+    }
+
+    /// The resident forward (unless turned off): `prep` uploaded, the rows run, the logits back.
+    fn forward_logits(
+        &self,
+        prep: &PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Option<Vec<f32>> {
+        if !self.device_model {
+            return None;
+        }
+        let run = |f: &ResidentForward| {
+            let m = f.upload(prep)?;
+            f.forward(&m, tokens, layout, replay)
+        };
+        let out = self.take_forward().and_then(|f| {
+            let out = run(&f);
+            self.give_forward(f);
+            out
+        });
+        match out {
+            Ok(o) => Some(o.logits),
+            Err(e) => panic!("{}: resident forward failed: {e}", self.name()),
         }
     }
 }

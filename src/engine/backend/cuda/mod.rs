@@ -28,9 +28,9 @@ use std::sync::Arc;
 
 /// What `lockstep run` and `run-one` print (to stderr) when they compute on a GPU, so nobody takes
 /// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
-pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there and the trainer's GEMMs run \
-    there; the trainer's other ops stay on this host's CPU, so at small model sizes --device cpu \
-    can be as fast (figures in docs/cuda.md)";
+pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there, and the trainer's GEMMs and \
+    its BF16 reference forward run there; the trainer's other ops stay on this host's CPU, so at \
+    small model sizes --device cpu can be as fast (figures in docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
