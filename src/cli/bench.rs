@@ -67,7 +67,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
             ("operands copied every call", 0, false),
             ("weights resident", cuda::gemm::RESIDENT_BUDGET, false),
             (
-                "+ rollout decoded on the GPU",
+                "+ decode, reference forward on GPU",
                 cuda::gemm::RESIDENT_BUDGET,
                 true,
             ),
@@ -97,7 +97,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
                 .map_or(f64::NAN, |(_, v)| v * 1e3)
         };
         println!(
-            "  {label:<34} step {:>7.1} ms  export {:>6.1}  rollout {:>6.1}  train {:>6.1}",
+            "  {label:<42} step {:>7.1} ms  export {:>6.1}  rollout {:>6.1}  train {:>6.1}",
             cell("perf/step_time"),
             cell("perf/export_time"),
             cell("perf/rollout_time"),
@@ -130,7 +130,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         print(&format!("{} {label}", be.name()), &times);
         let last = per_step.last().copied().unwrap_or_default();
         println!(
-            "  {:<34} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
+            "  {:<42} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
              resident / {} copied in (last step)",
             "",
             last.calls,
