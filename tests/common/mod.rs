@@ -6,6 +6,8 @@ use lockstep::engine::backend::cuda::{self, CudaError};
 use lockstep::engine::model::Routing;
 use lockstep::formats::{Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, SecondScale};
 use lockstep::recipe::{ModelPlan, SitePlan};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
 use std::sync::OnceLock;
 
 /// A test file's GPU fixture, built once on first use: `None` where there is no GPU (the test
@@ -91,4 +93,64 @@ pub fn agreement(a: &Routing, b: &Routing) -> f64 {
 /// Bit patterns, to compare floats exactly (NaN included).
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Uniform values in [-scale, scale).
+pub fn uniform(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// `Err` naming the first element whose bits differ.
+pub fn same_bits(what: &str, gpu: &[f32], cpu: &[f32]) -> Result<(), String> {
+    if gpu.len() != cpu.len() {
+        return Err(format!("{what}: {} values vs {}", gpu.len(), cpu.len()));
+    }
+    match gpu
+        .iter()
+        .zip(cpu)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: element {i} differs: gpu {:e} ({:#010x}) cpu {:e} ({:#010x})",
+            gpu[i],
+            gpu[i].to_bits(),
+            cpu[i],
+            cpu[i].to_bits()
+        )),
+    }
+}
+
+/// max over elements of |gpu − cpu| / max(|cpu|, floor) (NaN against anything but NaN counts as
+/// infinite), and where it is largest.
+pub fn max_rel(gpu: &[f32], cpu: &[f32], floor: f32) -> (f32, usize) {
+    assert_eq!(gpu.len(), cpu.len());
+    let mut worst = (0.0f32, 0);
+    for (i, (&g, &c)) in gpu.iter().zip(cpu).enumerate() {
+        let r = match (g.is_nan(), c.is_nan()) {
+            (true, true) => 0.0,
+            (false, false) => (g - c).abs() / c.abs().max(floor),
+            _ => f32::INFINITY,
+        };
+        if r > worst.0 {
+            worst = (r, i);
+        }
+    }
+    worst
+}
+
+pub fn assert_rel(what: &str, gpu: &[f32], cpu: &[f32], floor: f32, bound: f32) {
+    let (r, i) = max_rel(gpu, cpu, floor);
+    assert!(
+        r < bound,
+        "{what}: relative error {r:e} >= {bound:e} at element {i} (gpu {:e}, cpu {:e})",
+        gpu[i],
+        cpu[i]
+    );
+}
+
+pub fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
 }

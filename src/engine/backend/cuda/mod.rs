@@ -12,6 +12,7 @@
 //!
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
+pub mod backward;
 pub mod bench;
 pub mod decoder;
 pub mod fake_quant;

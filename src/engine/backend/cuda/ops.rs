@@ -124,12 +124,12 @@ fn upload(stream: &Arc<CudaStream>, v: &[u32]) -> Result<CudaSlice<u32>, CudaErr
     })
 }
 
-fn shape(msg: String) -> CudaError {
+pub(super) fn shape(msg: String) -> CudaError {
     CudaError::Shape(msg)
 }
 
 /// `have >= want`, or a Shape error naming the op and the buffer.
-fn need(op: &str, name: &str, have: usize, want: usize) -> Result<(), CudaError> {
+pub(super) fn need(op: &str, name: &str, have: usize, want: usize) -> Result<(), CudaError> {
     if have < want {
         return Err(shape(format!(
             "{op}: {name} holds {have} elements, needs at least {want}"
@@ -139,17 +139,17 @@ fn need(op: &str, name: &str, have: usize, want: usize) -> Result<(), CudaError>
 }
 
 /// A dimension as the kernels' u32.
-fn dim(op: &str, name: &str, v: usize) -> Result<u32, CudaError> {
+pub(super) fn dim(op: &str, name: &str, v: usize) -> Result<u32, CudaError> {
     u32::try_from(v).map_err(|_| shape(format!("{op}: {name} = {v} exceeds u32")))
 }
 
-fn checked(a: usize, b: usize, op: &str, what: &str) -> Result<usize, CudaError> {
+pub(super) fn checked(a: usize, b: usize, op: &str, what: &str) -> Result<usize, CudaError> {
     a.checked_mul(b)
         .ok_or_else(|| shape(format!("{op}: {what} = {a} x {b} overflows")))
 }
 
 /// A thread per item (grid-stride past `MAX_GRID` blocks).
-fn cfg(items: usize) -> LaunchConfig {
+pub(super) fn cfg(items: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (
             items.div_ceil(THREADS as usize).clamp(1, MAX_GRID) as u32,
@@ -162,7 +162,7 @@ fn cfg(items: usize) -> LaunchConfig {
 }
 
 /// A warp per item.
-fn cfg_warps(items: usize) -> LaunchConfig {
+pub(super) fn cfg_warps(items: usize) -> LaunchConfig {
     cfg(items.saturating_mul(32))
 }
 

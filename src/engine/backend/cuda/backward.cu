@@ -1,0 +1,107 @@
+// Backward counterparts of ops.cu, for the resident trainer: the same rules (each sum the CPU
+// runs in one row or one column runs in one thread in the CPU's order, so those results are the
+// CPU's bits; ops that call expf are held to a tolerance; no float atomics anywhere). Every
+// kernel accumulates (+=) into its gradient buffers, as `engine::ops`'s backward functions do.
+// An out-of-range index turns its output into NaN instead of reading or writing outside a buffer.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NAN_F __int_as_float(0x7FC00000)  // the CPU's f32::NAN
+
+__device__ __forceinline__ u64 gtid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ u64 gstride() { return (u64)gridDim.x * blockDim.x; }
+__device__ __forceinline__ u32 lane() { return threadIdx.x & 31u; }
+__device__ __forceinline__ u64 gwarp() { return gtid() >> 5; }
+__device__ __forceinline__ u64 nwarps() { return gstride() >> 5; }
+
+// ops::rmsnorm_backward, dx part. A warp per row: lane 0 sums dout*g*x in column order (from
+// -0.0, as Rust's `Sum`), then dx[c] += s*dout[c]*g[c] - c3*x[c] with c3 = s*s*s*dot/d.
+extern "C" __global__ void rmsnorm_backward_dx(float *__restrict__ dx, const float *__restrict__ dout,
+                                               const float *__restrict__ x,
+                                               const float *__restrict__ g,
+                                               const float *__restrict__ rstd, u32 n, u32 d,
+                                               float d_f) {
+    for (u64 r = gwarp(); r < n; r += nwarps()) {
+        const float *dor = dout + r * d, *xr = x + r * d;
+        float s = rstd[r];
+        float c3 = 0.0f;
+        if (lane() == 0) {
+            float dot = -0.0f;
+            for (u32 c = 0; c < d; c++) dot = dot + dor[c] * g[c] * xr[c];
+            c3 = s * s * s * dot / d_f;
+        }
+        c3 = __shfl_sync(0xFFFFFFFFu, c3, 0);
+        for (u32 c = lane(); c < d; c += 32) dx[r * d + c] = dx[r * d + c] + (s * dor[c] * g[c] - c3 * xr[c]);
+    }
+}
+
+// ops::rmsnorm_backward, gain part: dg[c] += dout[r, c]*x[r, c]*rstd[r] over rows in order. A
+// thread per column.
+extern "C" __global__ void rmsnorm_backward_dg(float *__restrict__ dg, const float *__restrict__ dout,
+                                               const float *__restrict__ x,
+                                               const float *__restrict__ rstd, u32 n, u32 d) {
+    for (u64 c = gtid(); c < d; c += gstride()) {
+        float acc = dg[c];
+        for (u32 r = 0; r < n; r++) acc = acc + dout[(u64)r * d + c] * x[(u64)r * d + c] * rstd[r];
+        dg[c] = acc;
+    }
+}
+
+// ops::swiglu_backward: dinp [n, 2f] += from dout [n, f]; silu'(g) = sg*(1 + g*(1 - sg)). A thread
+// per (row, column).
+extern "C" __global__ void swiglu_backward(float *__restrict__ dinp, const float *__restrict__ dout,
+                                           const float *__restrict__ inp, u32 n, u32 f) {
+    u64 total = (u64)n * f;
+    for (u64 idx = gtid(); idx < total; idx += gstride()) {
+        u64 i = idx / f, c = idx % f;
+        float gv = inp[i * 2 * f + c], uv = inp[i * 2 * f + f + c], dy = dout[idx];
+        float sg = 1.0f / (1.0f + expf(-gv));
+        dinp[i * 2 * f + c] = dinp[i * 2 * f + c] + dy * uv * sg * (1.0f + gv * (1.0f - sg));
+        dinp[i * 2 * f + f + c] = dinp[i * 2 * f + f + c] + dy * gv * sg;
+    }
+}
+
+// ops::router_backward: for row r, s = sum_j dw[j]*w[j] (from -0.0, in j order), then
+// dlogits[r, id_j] += w_j*(dw_j - s) in j order. A thread per row; a row with an id >= e becomes NaN.
+extern "C" __global__ void router_backward(float *__restrict__ dlogits, const float *__restrict__ dw,
+                                           const u32 *__restrict__ ids, const float *__restrict__ w,
+                                           u32 n, u32 e, u32 k) {
+    for (u64 r = gtid(); r < n; r += gstride()) {
+        const float *dwr = dw + r * k, *wr = w + r * k;
+        const u32 *idr = ids + r * k;
+        float *dl = dlogits + r * e;
+        bool bad = false;
+        for (u32 j = 0; j < k; j++) bad = bad || idr[j] >= e;
+        if (bad) {
+            for (u32 c = 0; c < e; c++) dl[c] = NAN_F;
+            continue;
+        }
+        float s = -0.0f;
+        for (u32 j = 0; j < k; j++) s = s + dwr[j] * wr[j];
+        for (u32 j = 0; j < k; j++) dl[idr[j]] = dl[idr[j]] + wr[j] * (dwr[j] - s);
+    }
+}
+
+// ops::embedding_backward: dwte[tokens[i]] += dout[i], dwpe[positions[i]] += dout[i], rows in
+// order (the CPU's sequential scatter-add). A thread per column, so every element's sum runs in
+// row order; a token or position out of range skips its add and poisons the column with NaN.
+extern "C" __global__ void embedding_backward(float *__restrict__ dwte, float *__restrict__ dwpe,
+                                              const float *__restrict__ dout,
+                                              const u32 *__restrict__ tokens,
+                                              const u32 *__restrict__ positions, u32 n, u32 d,
+                                              u32 vocab, u32 npos) {
+    for (u64 c = gtid(); c < d; c += gstride()) {
+        bool bad = false;
+        for (u32 i = 0; i < n; i++) {
+            u32 t = tokens[i], p = positions[i];
+            float v = dout[(u64)i * d + c];
+            if (t < vocab) dwte[(u64)t * d + c] = dwte[(u64)t * d + c] + v; else bad = true;
+            if (p < npos) dwpe[(u64)p * d + c] = dwpe[(u64)p * d + c] + v; else bad = true;
+        }
+        if (bad) {
+            if (vocab > 0) dwte[c] = NAN_F;
+            if (npos > 0) dwpe[c] = NAN_F;
+        }
+    }
+}

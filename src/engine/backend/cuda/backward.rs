@@ -1,0 +1,186 @@
+//! Backward ops on the device (`backward.cu`), each the counterpart of an `engine::ops` backward
+//! function and of a forward in [`super::ops`]: the first pieces of a resident trainer. Like the
+//! CPU functions they accumulate into their gradient buffers. RMSNorm, the router and the
+//! embedding give the CPU's bits (their sums run in one thread in the CPU's order); SwiGLU calls
+//! `expf`, so it agrees to a tolerance. Tested against the CPU in `tests/cuda_backward.rs`.
+//!
+//! Not here yet: attention's backward (its key and value gradients gather over every query row
+//! of a layout group, which needs the groups on the device) and the linear layers' (GEMMs plus
+//! the gradient quantization of `engine::linear`).
+
+use super::ops::{cfg, cfg_warps, checked, dim, need, shape};
+use super::{CudaDevice, CudaError};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, PushKernelArg};
+use std::sync::Arc;
+
+const SRC: &str = include_str!("backward.cu");
+
+/// The loaded kernels of `backward.cu`.
+pub struct CudaBackwardOps {
+    rmsnorm_dx: CudaFunction,
+    rmsnorm_dg: CudaFunction,
+    swiglu: CudaFunction,
+    router: CudaFunction,
+    embedding: CudaFunction,
+}
+
+impl CudaBackwardOps {
+    /// Compile and load `backward.cu` on `dev`.
+    pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
+        let m = dev.compile("backward", SRC)?;
+        let f = |name: &str| m.load_function(name);
+        Ok(CudaBackwardOps {
+            rmsnorm_dx: f("rmsnorm_backward_dx")?,
+            rmsnorm_dg: f("rmsnorm_backward_dg")?,
+            swiglu: f("swiglu_backward")?,
+            router: f("router_backward")?,
+            embedding: f("embedding_backward")?,
+        })
+    }
+
+    /// dx [n, d] +=, dg [d] += from dout [n, d]; x, g, rstd as the forward left them
+    /// ([`crate::engine::ops::rmsnorm_backward`]). Bit-identical: a warp per row with the row's
+    /// sum in one lane, then a thread per column summing over rows in order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dx: &mut CudaSlice<f32>,
+        dg: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        rstd: &CudaSlice<f32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        let op = "rmsnorm_backward";
+        let nd = checked(n, d, op, "n x d")?;
+        need(op, "dx", dx.len(), nd)?;
+        need(op, "dout", dout.len(), nd)?;
+        need(op, "x", x.len(), nd)?;
+        need(op, "dg", dg.len(), d)?;
+        need(op, "g", g.len(), d)?;
+        need(op, "rstd", rstd.len(), n)?;
+        let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        if nd == 0 {
+            return Ok(());
+        }
+        let d_f = d as f32;
+        let mut b = stream.launch_builder(&self.rmsnorm_dx);
+        b.arg(&mut *dx).arg(dout).arg(x).arg(g).arg(rstd);
+        b.arg(&n32).arg(&d32).arg(&d_f);
+        // SAFETY: a warp per row r < n: dx, dout, x at r*d + c, c < d (n*d each, checked), g at
+        // c < d, rstd at r < n.
+        unsafe { b.launch(cfg_warps(n)) }?;
+        let mut b = stream.launch_builder(&self.rmsnorm_dg);
+        b.arg(dg).arg(dout).arg(x).arg(rstd).arg(&n32).arg(&d32);
+        // SAFETY: a thread per column c < d (dg holds d); dout and x read at r*d + c, r < n.
+        unsafe { b.launch(cfg(d)) }?;
+        Ok(())
+    }
+
+    /// dinp [n, 2f] += from dout [n, f], inp [n, 2f] the forward's input
+    /// ([`crate::engine::ops::swiglu_backward`]). Within an ulp or two of the CPU (`expf`).
+    pub fn swiglu_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dinp: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        let op = "swiglu_backward";
+        let nf = checked(n, f, op, "n x f")?;
+        let n2f = checked(nf, 2, op, "n x 2f")?;
+        need(op, "dinp", dinp.len(), n2f)?;
+        need(op, "inp", inp.len(), n2f)?;
+        need(op, "dout", dout.len(), nf)?;
+        let (n32, f32_) = (dim(op, "n", n)?, dim(op, "f", f)?);
+        if nf == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(&self.swiglu);
+        b.arg(dinp).arg(dout).arg(inp).arg(&n32).arg(&f32_);
+        // SAFETY: element idx < n*f reads dout[idx] (n*f) and touches dinp/inp at i*2f + c and
+        // i*2f + f + c, i < n, c < f: below n*2f (checked).
+        unsafe { b.launch(cfg(nf)) }?;
+        Ok(())
+    }
+
+    /// dlogits [n, e] += from dweights [n, k], with the forward's ids and weights
+    /// ([`crate::engine::ops::router_backward`]). Bit-identical; a row with an id >= e is NaN.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dlogits: &mut CudaSlice<f32>,
+        dweights: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        weights: &CudaSlice<f32>,
+        n: usize,
+        e: usize,
+        k: usize,
+    ) -> Result<(), CudaError> {
+        let op = "router_backward";
+        if k == 0 || k > e {
+            return Err(shape(format!("{op}: top-k {k} of {e} experts")));
+        }
+        let nk = checked(n, k, op, "n x k")?;
+        need(op, "dlogits", dlogits.len(), checked(n, e, op, "n x e")?)?;
+        need(op, "dweights", dweights.len(), nk)?;
+        need(op, "ids", ids.len(), nk)?;
+        need(op, "weights", weights.len(), nk)?;
+        let (n32, e32, k32) = (dim(op, "n", n)?, dim(op, "e", e)?, dim(op, "k", k)?);
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(&self.router);
+        b.arg(dlogits).arg(dweights).arg(ids).arg(weights);
+        b.arg(&n32).arg(&e32).arg(&k32);
+        // SAFETY: a thread per row r < n reads dweights/ids/weights at r*k + j, j < k (n*k each)
+        // and writes dlogits at r*e + id only for id < e (else r*e + c, c < e): below n*e.
+        unsafe { b.launch(cfg(n)) }?;
+        Ok(())
+    }
+
+    /// dwte [V, d] +=, dwpe [S, d] += from dout [n, d] at each row's token and position
+    /// ([`crate::engine::ops::embedding_backward`]). Bit-identical: a thread per column adds the
+    /// rows in order. A token or position out of range turns column c of row 0 of both tables
+    /// into NaN rather than writing outside them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dwte: &mut CudaSlice<f32>,
+        dwpe: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        tokens: &CudaSlice<u32>,
+        positions: &CudaSlice<u32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        let op = "embedding_backward";
+        if d == 0 {
+            return Err(shape(format!("{op}: d = 0")));
+        }
+        need(op, "dout", dout.len(), checked(n, d, op, "n x d")?)?;
+        need(op, "tokens", tokens.len(), n)?;
+        need(op, "positions", positions.len(), n)?;
+        let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        let vocab = dim(op, "dwte rows", dwte.len() / d)?;
+        let npos = dim(op, "dwpe rows", dwpe.len() / d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = stream.launch_builder(&self.embedding);
+        b.arg(dwte).arg(dwpe).arg(dout).arg(tokens).arg(positions);
+        b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos);
+        // SAFETY: a thread per column c < d; dout read at i*d + c, i < n; dwte/dwpe touched at
+        // t*d + c, p*d + c only for t < vocab = dwte.len()/d, p < npos = dwpe.len()/d, or at c
+        // (row 0) when that table has a row.
+        unsafe { b.launch(cfg(d)) }?;
+        Ok(())
+    }
+}
