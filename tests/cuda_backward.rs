@@ -2,18 +2,21 @@
 //! (`engine::ops`) at the engine's shapes (D 128, F 256, 2272 rows, 8 experts, top-2), each
 //! accumulating into a gradient that already holds values, as the trainer's do.
 //!
-//! Bit-identical to the CPU: RMSNorm (dx and dg), the router and the embedding (their sums run in
-//! one thread in the CPU's order). Within a tolerance: SwiGLU (the GPU's `expf`).
+//! Bit-identical to the CPU: RMSNorm (dx and dg), the router, the embedding and attention (their
+//! sums run in one thread in the CPU's order; attention reads the forward's softmax weights, so no
+//! `expf`). Within a tolerance: SwiGLU (the GPU's `expf`).
 //!
 //! Each test prints why and returns when no GPU is usable. On a GPU machine:
 //! `cargo test --release --test cuda_backward -- --nocapture`.
 
 mod common;
 
-use common::{assert_rel, max_abs, same_bits, uniform};
+use common::{assert_rel, max_abs, ragged, same_bits, uniform};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use lockstep::engine::backend::cuda::backward::CudaBackwardOps;
+use lockstep::engine::backend::cuda::backward::{CudaBackwardOps, DeviceGroups};
+use lockstep::engine::backend::cuda::ops::DeviceLayout;
 use lockstep::engine::backend::cuda::{CudaDevice, CudaError};
+use lockstep::engine::layout::Layout;
 use lockstep::engine::ops;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -21,6 +24,7 @@ use std::sync::{Arc, OnceLock};
 
 const D: usize = 128;
 const F: usize = 256;
+const H: usize = 4;
 const E: usize = 8;
 const K: usize = 2;
 /// The benchmark batch's trainer rows.
@@ -249,4 +253,46 @@ fn backward_shape_errors_name_the_buffer() {
         ),
         "top-k",
     );
+}
+
+/// Attention's backward on a plain and two ragged shared-prefix layouts (a key row of a shared
+/// prompt gathers gradients from every sample of its group), the forward's softmax weights from
+/// the CPU.
+#[test]
+fn attention_backward_matches_cpu_bit_for_bit() {
+    let Some(g) = gpu("attention_backward_matches_cpu_bit_for_bit") else {
+        return;
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let layouts = [
+        ("plain", Layout::plain(16, 15)),
+        ("ragged 256x16", ragged(&mut rng, 256, 16, 8, 8)),
+        ("ragged 64x32", ragged(&mut rng, 64, 32, 8, 12)),
+    ];
+    for (what, layout) in layouts {
+        let (n, s) = (layout.rows(), layout.max_context());
+        let qkv = uniform(&mut rng, n * 3 * D, 1.0);
+        let (mut out, mut probs) = (vec![0.0; n * D], vec![0.0; n * H * s]);
+        ops::attention_forward(&mut out, &mut probs, &qkv, &layout, H, D);
+        let dout = uniform(&mut rng, n * D, 1.0);
+        let mut dqkv = uniform(&mut rng, n * 3 * D, 0.5);
+        let mut gd = g.up(&dqkv);
+        ops::attention_backward(&mut dqkv, &dout, &qkv, &probs, &layout, H, D);
+        let dl = DeviceLayout::upload(&g.stream, &layout).unwrap();
+        let groups = DeviceGroups::upload(&g.stream, &layout).unwrap();
+        g.ops
+            .attention_backward(
+                &g.stream,
+                &mut gd,
+                &g.up(&dout),
+                &g.up(&qkv),
+                &g.up(&probs),
+                &dl,
+                &groups,
+                H,
+                D,
+            )
+            .unwrap();
+        same_bits(&format!("{what}: dqkv"), &g.down(&gd), &dqkv).unwrap();
+    }
 }

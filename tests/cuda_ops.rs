@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{assert_rel, max_abs, same_bits, uniform};
+use common::{assert_rel, max_abs, ragged, same_bits, uniform};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use lockstep::engine::backend::cuda::ops::{CudaOps, DeviceLayout};
 use lockstep::engine::backend::cuda::{CudaDevice, CudaError};
@@ -61,36 +61,6 @@ impl Gpu {
         self.stream.synchronize().unwrap();
         v
     }
-}
-
-/// A ragged shared-prefix layout at the benchmark's shape: `b` sequences of `t` positions in
-/// groups of `n` sharing a `prefix`-token prompt, sequence s keeping `used[s]` positions (some end
-/// inside the prompt, some run to the end).
-fn ragged(rng: &mut ChaCha8Rng, b: usize, t: usize, n: usize, prefix: usize) -> Layout {
-    let mut tokens = vec![0u32; b * t];
-    for s in 0..b {
-        for p in 0..t {
-            tokens[s * t + p] = if p < prefix {
-                (s / n * 7 + p) as u32
-            } else {
-                rng.random_range(0..32)
-            };
-        }
-    }
-    let used: Vec<usize> = (0..b)
-        .map(|s| match s % 5 {
-            0 => t,
-            1 => prefix - 1,
-            _ => rng.random_range(prefix..=t),
-        })
-        .collect();
-    let l = Layout::shared_prefix(&tokens, b, t, n, prefix, Some(&used));
-    assert_ne!(
-        l,
-        Layout::plain(b, t),
-        "the test layout must share prefixes"
-    );
-    l
 }
 
 #[test]

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use lockstep::engine::backend::cuda::{self, CudaError};
+use lockstep::engine::layout::Layout;
 use lockstep::engine::model::Routing;
 use lockstep::formats::{Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, SecondScale};
 use lockstep::recipe::{ModelPlan, SitePlan};
@@ -153,4 +154,34 @@ pub fn assert_rel(what: &str, gpu: &[f32], cpu: &[f32], floor: f32, bound: f32) 
 
 pub fn max_abs(v: &[f32]) -> f32 {
     v.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+/// A ragged shared-prefix layout at the benchmark's shape: `b` sequences of `t` positions in
+/// groups of `n` sharing a `prefix`-token prompt, sequence s keeping `used[s]` positions (some end
+/// inside the prompt, some run to the end).
+pub fn ragged(rng: &mut ChaCha8Rng, b: usize, t: usize, n: usize, prefix: usize) -> Layout {
+    let mut tokens = vec![0u32; b * t];
+    for s in 0..b {
+        for p in 0..t {
+            tokens[s * t + p] = if p < prefix {
+                (s / n * 7 + p) as u32
+            } else {
+                rng.random_range(0..32)
+            };
+        }
+    }
+    let used: Vec<usize> = (0..b)
+        .map(|s| match s % 5 {
+            0 => t,
+            1 => prefix - 1,
+            _ => rng.random_range(prefix..=t),
+        })
+        .collect();
+    let l = Layout::shared_prefix(&tokens, b, t, n, prefix, Some(&used));
+    assert_ne!(
+        l,
+        Layout::plain(b, t),
+        "the test layout must share prefixes"
+    );
+    l
 }

@@ -105,3 +105,112 @@ extern "C" __global__ void embedding_backward(float *__restrict__ dwte, float *_
         }
     }
 }
+
+// `ops::dot`: 8 partial sums over chunks of 8, combined pairwise in a fixed order, then the
+// remainder added one by one (the same function as in ops.cu).
+__device__ float dot8(const float *a, const float *b, u32 len) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    u32 chunks = len / 8;
+    for (u32 c = 0; c < chunks; c++) {
+#pragma unroll
+        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[c * 8 + l] * b[c * 8 + l];
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (u32 i = chunks * 8; i < len; i++) s = s + a[i] * b[i];
+    return s;
+}
+
+// ops::attention_backward, part 1: a warp per (query row i, head). dP_j = dO_i . V_key(j);
+// sum = P . dP (the CPU's `dot`); dS_j = P_j (dP_j - sum) scale, kept in ds [n, h, S] for part 2;
+// then dQ_i += sum_j dS_j K_key(j) in j order (a lane per column). Keys >= n poison the row.
+extern "C" __global__ void attention_backward_dq(float *__restrict__ dqkv, float *__restrict__ ds,
+                                                 const float *__restrict__ dout,
+                                                 const float *__restrict__ qkv,
+                                                 const float *__restrict__ probs,
+                                                 const u32 *__restrict__ ctx_len,
+                                                 const u32 *__restrict__ ctx_keys, u32 n, u32 h,
+                                                 u32 d, u32 s, float scale) {
+    const u32 dh = d / h;
+    const u64 w3 = 3ull * d;
+    for (u64 item = gwarp(); item < (u64)n * h; item += nwarps()) {
+        u64 i = item / h;
+        u32 hi = (u32)(item % h);
+        u32 len = min(ctx_len[i], s);
+        const u32 *keys = ctx_keys + i * s;
+        const float *p = probs + item * s;
+        float *dsr = ds + item * s;
+        const float *d_o = dout + i * d + hi * dh;
+        for (u32 j = lane(); j < len; j += 32) {
+            u32 key = keys[j];
+            dsr[j] = key < n ? dot8(d_o, qkv + key * w3 + 2 * d + hi * dh, dh) : NAN_F;
+        }
+        __syncwarp();
+        float sum = 0.0f;
+        if (lane() == 0) sum = dot8(p, dsr, len);
+        sum = __shfl_sync(0xFFFFFFFFu, sum, 0);
+        for (u32 j = lane(); j < len; j += 32) dsr[j] = p[j] * (dsr[j] - sum) * scale;
+        __syncwarp();
+        for (u32 c = lane(); c < dh; c += 32) {
+            float *dq = dqkv + i * w3 + hi * dh + c;
+            float acc = *dq;
+            for (u32 j = 0; j < len; j++) {
+                u32 key = keys[j];
+                acc = acc + dsr[j] * (key < n ? qkv[key * w3 + d + hi * dh + c] : NAN_F);
+            }
+            *dq = acc;
+        }
+        __syncwarp();
+    }
+}
+
+// ops::attention_backward, part 2: a warp per (key row k, head). The query rows of k's layout
+// group (group_first[k] .. group_end[k]) that attend to k add, in row order, dS_ij Q_i to dK_k
+// and P_ij dO_i to dV_k (a lane per column): the CPU's order, since it walks a group's query rows
+// in order and each attends to a key once.
+extern "C" __global__ void attention_backward_dkv(float *__restrict__ dqkv,
+                                                  const float *__restrict__ ds,
+                                                  const float *__restrict__ dout,
+                                                  const float *__restrict__ qkv,
+                                                  const float *__restrict__ probs,
+                                                  const u32 *__restrict__ ctx_len,
+                                                  const u32 *__restrict__ ctx_keys,
+                                                  const u32 *__restrict__ group_first,
+                                                  const u32 *__restrict__ group_end, u32 n, u32 h,
+                                                  u32 d, u32 s) {
+    const u32 dh = d / h;
+    const u64 w3 = 3ull * d;
+    for (u64 item = gwarp(); item < (u64)n * h; item += nwarps()) {
+        u32 k = (u32)(item / h), hi = (u32)(item % h);
+        u32 first = group_first[k], end = min(group_end[k], n);
+        for (u32 c0 = 0; c0 < dh; c0 += 32) {
+            u32 c = c0 + lane();
+            float dk = 0.0f, dv = 0.0f;
+            if (c < dh) {
+                dk = dqkv[(u64)k * w3 + d + hi * dh + c];
+                dv = dqkv[(u64)k * w3 + 2 * d + hi * dh + c];
+            }
+            for (u32 i = first; i < end; i++) {
+                u32 len = min(ctx_len[i], s);
+                // The lane that holds k in row i's context (at most one: keys are distinct).
+                u32 hit = 0;
+                for (u32 j0 = 0; j0 < len; j0 += 32) {
+                    u32 j = j0 + lane();
+                    hit |= __ballot_sync(0xFFFFFFFFu, j < len && ctx_keys[(u64)i * s + j] == k);
+                    if (hit) {
+                        u32 jj = j0 + (__ffs(hit) - 1);
+                        u64 pr = ((u64)i * h + hi) * s + jj;
+                        if (c < dh) {
+                            dk = dk + ds[pr] * qkv[(u64)i * w3 + hi * dh + c];
+                            dv = dv + probs[pr] * dout[(u64)i * d + hi * dh + c];
+                        }
+                        break;
+                    }
+                }
+            }
+            if (c < dh) {
+                dqkv[(u64)k * w3 + d + hi * dh + c] = dk;
+                dqkv[(u64)k * w3 + 2 * d + hi * dh + c] = dv;
+            }
+        }
+    }
+}

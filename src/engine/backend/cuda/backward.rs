@@ -4,12 +4,16 @@
 //! embedding give the CPU's bits (their sums run in one thread in the CPU's order); SwiGLU calls
 //! `expf`, so it agrees to a tolerance. Tested against the CPU in `tests/cuda_backward.rs`.
 //!
-//! Not here yet: attention's backward (its key and value gradients gather over every query row
-//! of a layout group, which needs the groups on the device) and the linear layers' (GEMMs plus
-//! the gradient quantization of `engine::linear`).
+//! Attention's backward is bit-identical too: it reads the forward's softmax weights instead of
+//! recomputing them, so no `expf` is involved, and its key and value gradients gather over each
+//! layout group's query rows in the CPU's order ([`DeviceGroups`]).
+//!
+//! Not here yet: the linear layers' backward (GEMMs plus the gradient quantization of
+//! `engine::linear`).
 
-use super::ops::{cfg, cfg_warps, checked, dim, need, shape};
+use super::ops::{DeviceLayout, cfg, cfg_warps, checked, dim, need, shape};
 use super::{CudaDevice, CudaError};
+use crate::engine::layout::Layout;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, PushKernelArg};
 use std::sync::Arc;
 
@@ -22,6 +26,41 @@ pub struct CudaBackwardOps {
     swiglu: CudaFunction,
     router: CudaFunction,
     embedding: CudaFunction,
+    attention_dq: CudaFunction,
+    attention_dkv: CudaFunction,
+}
+
+/// Each row's layout group on the device (`[first, end)` row ranges): attention's key and value
+/// gradients gather over the query rows of the key's group.
+pub struct DeviceGroups {
+    first: CudaSlice<u32>,
+    end: CudaSlice<u32>,
+}
+
+impl DeviceGroups {
+    pub fn upload(stream: &Arc<CudaStream>, layout: &Layout) -> Result<Self, CudaError> {
+        let n = layout.rows();
+        let (mut first, mut end) = (vec![0u32; n], vec![0u32; n]);
+        for g in 0..layout.groups() {
+            let rows = layout.group_rows(g);
+            for r in rows.clone() {
+                first[r] = rows.start as u32;
+                end[r] = rows.end as u32;
+            }
+        }
+        dim("layout", "rows", n)?;
+        let up = |v: &[u32]| -> Result<CudaSlice<u32>, CudaError> {
+            Ok(if v.is_empty() {
+                stream.null()?
+            } else {
+                stream.clone_htod(v)?
+            })
+        };
+        Ok(DeviceGroups {
+            first: up(&first)?,
+            end: up(&end)?,
+        })
+    }
 }
 
 impl CudaBackwardOps {
@@ -35,6 +74,8 @@ impl CudaBackwardOps {
             swiglu: f("swiglu_backward")?,
             router: f("router_backward")?,
             embedding: f("embedding_backward")?,
+            attention_dq: f("attention_backward_dq")?,
+            attention_dkv: f("attention_backward_dkv")?,
         })
     }
 
@@ -181,6 +222,80 @@ impl CudaBackwardOps {
         // t*d + c, p*d + c only for t < vocab = dwte.len()/d, p < npos = dwpe.len()/d, or at c
         // (row 0) when that table has a row.
         unsafe { b.launch(cfg(d)) }?;
+        Ok(())
+    }
+
+    /// dqkv [n, 3d] += from dout [n, d], with the forward's qkv [n, 3d] and softmax weights probs
+    /// [n, h, S] over `layout`'s rows ([`crate::engine::ops::attention_backward`]): dP = dO·Vᵀ,
+    /// dS = P∘(dP − rowsum(P∘dP))/√Dh, dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO. Bit-identical: the
+    /// CPU's `dot`, its sums in its order, no `expf`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        dqkv: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        probs: &CudaSlice<f32>,
+        layout: &DeviceLayout,
+        groups: &DeviceGroups,
+        h: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        let op = "attention_backward";
+        if h == 0 || !d.is_multiple_of(h) {
+            return Err(shape(format!("{op}: d = {d} is not a multiple of h = {h}")));
+        }
+        let (n, s) = (layout.rows, layout.max_context);
+        if layout.ctx_len.len() != n || layout.ctx_keys.len() != checked(n, s, op, "rows x S")? {
+            return Err(shape(format!(
+                "{op}: DeviceLayout of {n} rows x {s} keys has ctx_len {} and ctx_keys {}",
+                layout.ctx_len.len(),
+                layout.ctx_keys.len()
+            )));
+        }
+        need(
+            op,
+            "group rows",
+            groups.first.len().min(groups.end.len()),
+            n,
+        )?;
+        let nd = checked(n, d, op, "n x d")?;
+        let n3d = checked(nd, 3, op, "n x 3d")?;
+        need(op, "dqkv", dqkv.len(), n3d)?;
+        need(op, "qkv", qkv.len(), n3d)?;
+        need(op, "dout", dout.len(), nd)?;
+        let nh = checked(n, h, op, "n x h")?;
+        let nhs = checked(nh, s, op, "n x h x S")?;
+        need(op, "probs", probs.len(), nhs)?;
+        let (n32, h32, d32, s32) = (
+            dim(op, "rows", n)?,
+            dim(op, "h", h)?,
+            dim(op, "d", d)?,
+            dim(op, "S", s)?,
+        );
+        if nh == 0 || d == 0 || s == 0 {
+            return Ok(());
+        }
+        let scale: f32 = 1.0 / ((d / h) as f32).sqrt();
+        let mut ds = stream.alloc_zeros::<f32>(nhs)?;
+        let mut b = stream.launch_builder(&self.attention_dq);
+        b.arg(&mut *dqkv).arg(&mut ds).arg(dout).arg(qkv).arg(probs);
+        b.arg(&layout.ctx_len).arg(&layout.ctx_keys);
+        b.arg(&n32).arg(&h32).arg(&d32).arg(&s32).arg(&scale);
+        // SAFETY: a warp per (row i < n, head): ds and probs at (i*h + head)*S + j, j < S
+        // (n*h*S each); ctx_keys at i*S + j; qkv read at key rows < n only; dout at i*d + ..
+        // and dqkv at i*3d + .. within n*d and n*3d (checked).
+        unsafe { b.launch(cfg_warps(nh)) }?;
+        let mut b = stream.launch_builder(&self.attention_dkv);
+        b.arg(dqkv).arg(&ds).arg(dout).arg(qkv).arg(probs);
+        b.arg(&layout.ctx_len).arg(&layout.ctx_keys);
+        b.arg(&groups.first).arg(&groups.end);
+        b.arg(&n32).arg(&h32).arg(&d32).arg(&s32);
+        // SAFETY: a warp per (key row k < n, head): group rows i < min(end, n); ctx_keys at
+        // i*S + j, j < S; ds/probs at (i*h + head)*S + j; qkv, dout, dqkv at rows i, k < n
+        // within n*3d, n*d (checked); group_first/end hold n entries (checked).
+        unsafe { b.launch(cfg_warps(nh)) }?;
         Ok(())
     }
 }
