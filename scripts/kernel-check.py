@@ -10,6 +10,7 @@ and shared memory. It needs the PyPI packages `cuda-bindings`, `nvidia-cuda-nvrt
 itself never runs this. Exit status 1 on a compile error, with NVRTC's log.
 """
 import argparse
+import os
 import sys
 
 from cuda.bindings import nvjitlink, nvrtc
@@ -26,6 +27,8 @@ def check(res, what):
 
 def compile_ptx(path, arch):
     src = open(path, "rb").read()
+    if b"// needs: prelude.cuh" in src:  # as CudaDevice::compile_with_prelude does
+        src = open(os.path.join(os.path.dirname(path), "prelude.cuh"), "rb").read() + b"\n" + src
     (prog,) = check(nvrtc.nvrtcCreateProgram(src, path.encode(), 0, [], []), "create")
     opts = [b"--fmad=false", b"--ftz=false", b"--prec-div=true", b"--prec-sqrt=true",
             f"--gpu-architecture=compute_{arch}".encode()]

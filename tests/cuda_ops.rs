@@ -12,8 +12,8 @@
 
 mod common;
 
-use common::{assert_rel, max_abs, ragged, same_bits, uniform};
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use common::{StreamIo, assert_rel, max_abs, ragged, same_bits, uniform};
+use cudarc::driver::CudaStream;
 use lockstep::engine::backend::cuda::ops::{CudaOps, DeviceLayout};
 use lockstep::engine::backend::cuda::{CudaDevice, CudaError};
 use lockstep::engine::layout::Layout;
@@ -46,20 +46,9 @@ fn gpu(test: &str) -> Option<&'static Gpu> {
     })
 }
 
-impl Gpu {
-    fn up<T: DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
-        self.stream.clone_htod(v).unwrap()
-    }
-
-    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> CudaSlice<T> {
-        self.stream.alloc_zeros(n).unwrap()
-    }
-
-    /// Waits for the stream, so every queued kernel has finished.
-    fn down<T: DeviceRepr + Default + Clone>(&self, d: &CudaSlice<T>) -> Vec<T> {
-        let v = self.stream.clone_dtoh(d).unwrap();
-        self.stream.synchronize().unwrap();
-        v
+impl StreamIo for Gpu {
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 }
 

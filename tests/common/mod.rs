@@ -2,6 +2,7 @@
 //! copy, and uses a subset of it).
 #![allow(dead_code)]
 
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use lockstep::engine::backend::cuda::{self, CudaError};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::Routing;
@@ -9,7 +10,7 @@ use lockstep::formats::{Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFor
 use lockstep::recipe::{ModelPlan, SitePlan};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// A test file's GPU fixture, built once on first use: `None` where there is no GPU (the test
 /// prints `skipping <test>: <why>` and passes); a GPU that is present but fails to set up fails
@@ -184,4 +185,24 @@ pub fn ragged(rng: &mut ChaCha8Rng, b: usize, t: usize, n: usize, prefix: usize)
         "the test layout must share prefixes"
     );
     l
+}
+
+/// Copies between the host and a test fixture's stream (a fixture implements `stream`).
+pub trait StreamIo {
+    fn stream(&self) -> &Arc<CudaStream>;
+
+    fn up<T: DeviceRepr>(&self, v: &[T]) -> CudaSlice<T> {
+        self.stream().clone_htod(v).unwrap()
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> CudaSlice<T> {
+        self.stream().alloc_zeros(n).unwrap()
+    }
+
+    /// Waits for the stream, so every queued kernel has finished.
+    fn down<T: DeviceRepr + Default + Clone>(&self, d: &CudaSlice<T>) -> Vec<T> {
+        let v = self.stream().clone_dtoh(d).unwrap();
+        self.stream().synchronize().unwrap();
+        v
+    }
 }

@@ -4,16 +4,7 @@
 // kernel accumulates (+=) into its gradient buffers, as `engine::ops`'s backward functions do.
 // An out-of-range index turns its output into NaN instead of reading or writing outside a buffer.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-#define NAN_F __int_as_float(0x7FC00000)  // the CPU's f32::NAN
-
-__device__ __forceinline__ u64 gtid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
-__device__ __forceinline__ u64 gstride() { return (u64)gridDim.x * blockDim.x; }
-__device__ __forceinline__ u32 lane() { return threadIdx.x & 31u; }
-__device__ __forceinline__ u64 gwarp() { return gtid() >> 5; }
-__device__ __forceinline__ u64 nwarps() { return gstride() >> 5; }
+// needs: prelude.cuh (u32/u64, NAN_F, the grid-stride and warp index helpers, dot8)
 
 // ops::rmsnorm_backward, dx part. A warp per row: lane 0 sums dout*g*x in column order (from
 // -0.0, as Rust's `Sum`), then dx[c] += s*dout[c]*g[c] - c3*x[c] with c3 = s*s*s*dot/d.
@@ -104,20 +95,6 @@ extern "C" __global__ void embedding_backward(float *__restrict__ dwte, float *_
             if (npos > 0) dwpe[c] = NAN_F;
         }
     }
-}
-
-// `ops::dot`: 8 partial sums over chunks of 8, combined pairwise in a fixed order, then the
-// remainder added one by one (the same function as in ops.cu).
-__device__ float dot8(const float *a, const float *b, u32 len) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    u32 chunks = len / 8;
-    for (u32 c = 0; c < chunks; c++) {
-#pragma unroll
-        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[c * 8 + l] * b[c * 8 + l];
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (u32 i = chunks * 8; i < len; i++) s = s + a[i] * b[i];
-    return s;
 }
 
 // ops::attention_backward, part 1: a warp per (query row i, head). dP_j = dO_i . V_key(j);

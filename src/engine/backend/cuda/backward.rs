@@ -67,7 +67,7 @@ impl DeviceGroups {
 impl CudaBackwardOps {
     /// Compile and load `backward.cu` on `dev`.
     pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
-        let m = dev.compile("backward", SRC)?;
+        let m = dev.compile_with_prelude("backward", SRC)?;
         let f = |name: &str| m.load_function(name);
         Ok(CudaBackwardOps {
             rmsnorm_dx: f("rmsnorm_backward_dx")?,
@@ -247,14 +247,7 @@ impl CudaBackwardOps {
         if h == 0 || !d.is_multiple_of(h) {
             return Err(shape(format!("{op}: d = {d} is not a multiple of h = {h}")));
         }
-        let (n, s) = (layout.rows, layout.max_context);
-        if layout.ctx_len.len() != n || layout.ctx_keys.len() != checked(n, s, op, "rows x S")? {
-            return Err(shape(format!(
-                "{op}: DeviceLayout of {n} rows x {s} keys has ctx_len {} and ctx_keys {}",
-                layout.ctx_len.len(),
-                layout.ctx_keys.len()
-            )));
-        }
+        let (n, s) = layout.check(op)?;
         need(
             op,
             "group rows",

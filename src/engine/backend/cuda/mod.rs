@@ -199,6 +199,16 @@ impl CudaDevice {
         })?;
         Ok(self.ctx.load_module(ptx)?)
     }
+
+    /// [`CudaDevice::compile`] with `prelude.cuh` (the engine-op kernels' shared typedefs,
+    /// index helpers and `dot8`) put in front of `src`.
+    pub(crate) fn compile_with_prelude(
+        &self,
+        module: &'static str,
+        src: &str,
+    ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+        self.compile(module, &format!("{}\n{src}", include_str!("prelude.cuh")))
+    }
 }
 
 /// Parse `cuda` or `cuda:N` (the part after `--device`); `None` for anything else.

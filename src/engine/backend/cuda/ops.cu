@@ -11,17 +11,7 @@
 // ids, attention keys) are checked here: an out-of-range index turns its output into NaN (the
 // CPU would panic) instead of reading outside a buffer.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-#define NAN_F __int_as_float(0x7FC00000)  // the CPU's f32::NAN
-#define NEG_INF __int_as_float(0xFF800000)
-
-__device__ __forceinline__ u64 gtid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
-__device__ __forceinline__ u64 gstride() { return (u64)gridDim.x * blockDim.x; }
-__device__ __forceinline__ u32 lane() { return threadIdx.x & 31u; }
-__device__ __forceinline__ u64 gwarp() { return gtid() >> 5; }
-__device__ __forceinline__ u64 nwarps() { return gstride() >> 5; }
+// needs: prelude.cuh (u32/u64, NAN_F, NEG_INF, the grid-stride and warp index helpers, dot8)
 
 // out[i] = wte[tokens[i]] + wpe[positions[i]]; a thread per element.
 extern "C" __global__ void embedding_forward(float *__restrict__ out, const u32 *__restrict__ tokens,
@@ -67,20 +57,6 @@ extern "C" __global__ void swiglu_forward(float *__restrict__ out, const float *
         float sg = 1.0f / (1.0f + expf(-gv));
         out[idx] = gv * sg * uv;
     }
-}
-
-// `ops::dot`: 8 partial sums over chunks of 8, combined pairwise in a fixed order, then the
-// remainder added one by one.
-__device__ float dot8(const float *a, const float *b, u32 len) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    u32 chunks = len / 8;
-    for (u32 c = 0; c < chunks; c++) {
-#pragma unroll
-        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[c * 8 + l] * b[c * 8 + l];
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (u32 i = chunks * 8; i < len; i++) s = s + a[i] * b[i];
-    return s;
 }
 
 // A warp per (row, head). The row's probs [s] double as the score buffer: lanes compute the scores

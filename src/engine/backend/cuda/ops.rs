@@ -97,6 +97,19 @@ impl DeviceLayout {
         Self::from_host(stream, s, &positions, &ctx_len, &ctx_keys)
     }
 
+    /// `(rows, max_context)`, after checking that the context arrays have that shape.
+    pub(super) fn check(&self, op: &str) -> Result<(usize, usize), CudaError> {
+        let (n, s) = (self.rows, self.max_context);
+        if self.ctx_len.len() != n || self.ctx_keys.len() != checked(n, s, op, "rows x S")? {
+            return Err(shape(format!(
+                "{op}: DeviceLayout of {n} rows x {s} keys has ctx_len {} and ctx_keys {}",
+                self.ctx_len.len(),
+                self.ctx_keys.len()
+            )));
+        }
+        Ok((n, s))
+    }
+
     fn from_host(
         stream: &Arc<CudaStream>,
         max_context: usize,
@@ -169,7 +182,7 @@ pub(super) fn cfg_warps(items: usize) -> LaunchConfig {
 impl CudaOps {
     /// Compile and load `ops.cu` on `dev` (once per device).
     pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
-        let m = dev.compile("ops", SRC)?;
+        let m = dev.compile_with_prelude("ops", SRC)?;
         let f = |name: &str| m.load_function(name);
         Ok(CudaOps {
             embedding: f("embedding_forward")?,
@@ -322,14 +335,7 @@ impl CudaOps {
         if h == 0 || !d.is_multiple_of(h) {
             return Err(shape(format!("{op}: d = {d} is not a multiple of h = {h}")));
         }
-        let (n, s) = (layout.rows, layout.max_context);
-        if layout.ctx_len.len() != n || layout.ctx_keys.len() != checked(n, s, op, "rows x S")? {
-            return Err(shape(format!(
-                "{op}: DeviceLayout of {n} rows x {s} keys has ctx_len {} and ctx_keys {}",
-                layout.ctx_len.len(),
-                layout.ctx_keys.len()
-            )));
-        }
+        let (n, s) = layout.check(op)?;
         let nd = checked(n, d, op, "n x d")?;
         need(op, "out", out.len(), nd)?;
         // Named as the callers know them: the rows' qkv, and a decoder's cache.
