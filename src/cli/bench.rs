@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use lockstep::engine::backend::{Backend, Device, cuda, open};
+use lockstep::engine::backend::{Backend, CpuBackend, Device, cuda, open};
 
 /// Quantizer kernels vs a device-to-device copy on the GPU.
 pub fn quantize_gpu(device: &str, size: Option<usize>, reps: usize) -> Result<bool> {
@@ -55,7 +55,8 @@ pub struct StepArgs {
 /// by side in the same run: one that copies every GEMM operand on every call, one that keeps the
 /// prepared weights resident, and the default, which also runs the forward-only passes on the GPU
 /// (the rollout's decoding, `cuda::decoder`, and the BF16 reference forward, `cuda::resident`),
-/// with the GEMM path's counters per step.
+/// with the GEMM path's counters per step; then this host's CPU at the same shape and the
+/// CPU/GPU step-time ratios, all in one run.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
     let model = super::engine::model_preset(&args.model)?;
@@ -117,6 +118,13 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         print(&be.name(), &times);
         return Ok(true);
     }
+    let step_ms = |times: &[(String, f64)]| {
+        times
+            .iter()
+            .find(|(n, _)| n == "perf/step_time")
+            .map_or(f64::NAN, |(_, v)| v * 1e3)
+    };
+    let mut gpu_steps = Vec::new();
     for (label, be) in &gpu {
         let mut per_step = Vec::new();
         let times = lockstep::tools::bench::engine_step_times(
@@ -128,6 +136,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         )
         .context("engine step")?;
         print(&format!("{} {label}", be.name()), &times);
+        gpu_steps.push((label, step_ms(&times)));
         let last = per_step.last().copied().unwrap_or_default();
         println!(
             "  {:<42} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
@@ -139,6 +148,15 @@ pub fn step(args: &StepArgs) -> Result<bool> {
             last.resident_hits,
             last.resident_uploads
         );
+    }
+    // The same shape on this host's CPU, in the same run, so the ratios compare like with like.
+    let cpu = CpuBackend;
+    let times = lockstep::tools::bench::engine_step_times(&cpu, &model, recipe, args.steps, || {})
+        .context("engine step on the CPU")?;
+    print("cpu (this host, same run)", &times);
+    let cpu_ms = step_ms(&times);
+    for (label, ms) in gpu_steps {
+        println!("  cpu/gpu step time, {label}: {:.2}x", cpu_ms / ms);
     }
     Ok(true)
 }
@@ -205,13 +223,7 @@ pub fn forward(args: &ForwardArgs) -> Result<bool> {
         let plan = lockstep::recipe::file::load(name)?.resolve(cfg.n_layers)?;
         let prep = PreparedModel::new(&params, &plan)?;
         let cpu = median_secs::<anyhow::Error>(args.reps, || {
-            forward_rows(
-                &lockstep::engine::backend::CpuBackend,
-                &prep,
-                &rows,
-                &layout,
-                None,
-            );
+            forward_rows(&CpuBackend, &prep, &rows, &layout, None);
             Ok(())
         })?;
         let Some(rf) = &resident else {
