@@ -2,7 +2,8 @@
 //! values of the CPU's `lockstep::formats::fake_quantize(.., Axis::Row, ..)` for every format, on
 //! activation-like tensors with outliers, zeros, subnormals, NaN and Inf and on whole blocks of
 //! special values; `round_bf16` matches the CPU on a sweep of FP32 bit patterns; bad shapes are
-//! errors and zero rows are a no-op.
+//! errors and zero rows are a no-op. Column fake quantization (`fake_quantize_cols`, and with the
+//! rows zero-padded to the block multiple) gives `fake_quantize(.., Axis::Col, ..)`'s values.
 //!
 //! Each test prints why and returns when no GPU is usable (CPU-only CI). On a GPU machine:
 //! `cargo test --release --test cuda_fake_quant -- --nocapture`.
@@ -101,6 +102,44 @@ fn input(kind: usize, rows: usize, cols: usize, seed: u64) -> Vec<f32> {
     x
 }
 
+/// Which fake quantization a comparison runs.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// Blocks along rows (`fake_quantize_rows`).
+    Rows,
+    /// Blocks along columns (`fake_quantize_cols`).
+    Cols,
+    /// Blocks along columns, rows zero-padded to the block multiple (`fake_quantize_cols_padded`,
+    /// the CPU reference built here as `linear.rs` builds it).
+    ColsPadded,
+}
+
+/// The CPU's values for `mode`.
+fn cpu_reference(
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    fmt: &QuantFormat,
+    mode: Mode,
+) -> Result<Vec<f32>, lockstep::formats::FormatError> {
+    let n = rows * cols;
+    let mut want = vec![0.0f32; n];
+    match mode {
+        Mode::Rows => fake_quantize(x, rows, cols, fmt, Axis::Row, &mut want).map(|_| want),
+        Mode::Cols => fake_quantize(x, rows, cols, fmt, Axis::Col, &mut want).map(|_| want),
+        Mode::ColsPadded => {
+            let m = fmt.required_multiple();
+            let rp = rows.div_ceil(m) * m;
+            let mut padded = vec![0.0f32; rp * cols];
+            padded[..n].copy_from_slice(x);
+            let mut out = vec![0.0f32; rp * cols];
+            fake_quantize(&padded, rp, cols, fmt, Axis::Col, &mut out)?;
+            out.truncate(n);
+            Ok(out)
+        }
+    }
+}
+
 /// Upload, fake-quantize on the GPU, download; `Err` with the first difference from the CPU.
 fn compare(
     fq: &CudaFakeQuantizer,
@@ -109,14 +148,28 @@ fn compare(
     cols: usize,
     fmt: &QuantFormat,
 ) -> Result<(), String> {
+    compare_mode(fq, x, rows, cols, fmt, Mode::Rows)
+}
+
+fn compare_mode(
+    fq: &CudaFakeQuantizer,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    fmt: &QuantFormat,
+    mode: Mode,
+) -> Result<(), String> {
     let n = rows * cols;
-    let mut want = vec![0.0f32; n];
-    fake_quantize(x, rows, cols, fmt, Axis::Row, &mut want).map_err(|e| format!("cpu: {e}"))?;
+    let want = cpu_reference(x, rows, cols, fmt, mode).map_err(|e| format!("cpu: {e}"))?;
     let s = fq.quantizer().stream();
     let dx = s.clone_htod(x).map_err(|e| format!("upload: {e}"))?;
     let mut dout = s.alloc_zeros::<f32>(n).map_err(|e| format!("alloc: {e}"))?;
-    fq.fake_quantize_rows(&dx, rows, cols, fmt, &mut dout)
-        .map_err(|e| format!("gpu: {e}"))?;
+    match mode {
+        Mode::Rows => fq.fake_quantize_rows(&dx, rows, cols, fmt, &mut dout),
+        Mode::Cols => fq.fake_quantize_cols(&dx, rows, cols, fmt, &mut dout),
+        Mode::ColsPadded => fq.fake_quantize_cols_padded(&dx, rows, cols, fmt, &mut dout),
+    }
+    .map_err(|e| format!("gpu: {e}"))?;
     let got = s.clone_dtoh(&dout).map_err(|e| format!("download: {e}"))?;
     s.synchronize().map_err(|e| format!("sync: {e}"))?;
     match want
@@ -126,7 +179,7 @@ fn compare(
     {
         None => Ok(()),
         Some(i) => Err(format!(
-            "{} {rows}x{cols}: first difference at {i} (row {}, col {}): x {:#010x}, \
+            "{} {mode:?} {rows}x{cols}: first difference at {i} (row {}, col {}): x {:#010x}, \
              cpu {:#010x}, gpu {:#010x}",
             fmt.name(),
             i / cols,
@@ -183,6 +236,47 @@ fn gpu_fake_quantize_matches_cpu_for_every_format() {
         checked >= 5 * 4 * 23,
         "only {checked} fake quantizations ran"
     );
+}
+
+/// Column fake quantization (the `Quantized` backward mode's dgrad/wgrad operands), plain and
+/// with the token dimension zero-padded to the block multiple, for every format.
+#[test]
+fn gpu_fake_quantize_cols_matches_cpu_for_every_format() {
+    let Some(fq) = gpu("gpu_fake_quantize_cols_matches_cpu_for_every_format") else {
+        return;
+    };
+    let cases = [
+        (Mode::Cols, 256, 96),
+        (Mode::Cols, 128, 40),
+        (Mode::Cols, 2048, 8),
+        (Mode::ColsPadded, 37, 128),
+        (Mode::ColsPadded, 300, 24),
+        (Mode::ColsPadded, 1, 256),
+    ];
+    let (mut checked, mut failures) = (0, Vec::new());
+    for (ci, &(mode, rows, cols)) in cases.iter().enumerate() {
+        for kind in 0..5 {
+            let x = input(kind, rows, cols, (ci * 5 + kind) as u64 + 101);
+            for fmt in common::all_formats() {
+                if cpu_reference(&x, rows, cols, &fmt, mode).is_err() {
+                    continue;
+                }
+                checked += 1;
+                if let Err(e) = compare_mode(fq, &x, rows, cols, &fmt, mode) {
+                    failures.push(format!("input kind {kind}: {e}"));
+                }
+            }
+        }
+    }
+    for f in failures.iter().take(20) {
+        eprintln!("FAIL {f}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} column fake quantizations differ",
+        failures.len()
+    );
+    assert!(checked >= 6 * 5 * 20, "only {checked} ran");
 }
 
 #[test]

@@ -225,6 +225,69 @@ impl CudaFakeQuantizer {
 
     /// The scratch of (rows, cols, fmt), made most recently used; allocated on a miss, evicting
     /// the least recently used beyond `SCRATCH_SLOTS` (its buffers are freed in stream order).
+    /// `out[..rows*cols]` = `fake_quantize(x, rows, cols, fmt, Axis::Col, out)` bit for bit:
+    /// blocks along columns, computed as the CPU computes them (row quantization of the
+    /// transpose, dequantized, transposed back). `rows` must satisfy the format's block multiple
+    /// (`CudaError::Format` otherwise, the CPU's message). Asynchronous, on the quantizer's stream.
+    pub fn fake_quantize_cols(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        validate_len(rows, rows, 1, fmt, Axis::Col)?;
+        let n = rows
+            .checked_mul(cols)
+            .ok_or_else(|| CudaError::Shape(format!("{rows} x {cols} elements overflow")))?;
+        check_len("x", x.len(), n)?;
+        check_len("out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let s = self.q.stream();
+        let (mut t, mut tq) = (s.alloc_zeros::<f32>(n)?, s.alloc_zeros::<f32>(n)?);
+        self.q.transpose_into(x, rows, cols, &mut t)?;
+        self.fake_quantize_rows(&t, cols, rows, fmt, &mut tq)?;
+        self.q.transpose_into(&tq, cols, rows, out)
+    }
+
+    /// `linear.rs`'s `fake_quantize_col_padded` on the device: column fake quantization of
+    /// `[rows, cols]` with `rows` padded by zero rows up to the format's block multiple (zero rows
+    /// change no amax, so no code), the padding dropped again. What the `Quantized` backward mode
+    /// uses for operands whose contraction dimension is a token count.
+    pub fn fake_quantize_cols_padded(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let m = fmt.required_multiple();
+        let padded = rows.div_ceil(m) * m;
+        if padded == rows {
+            return self.fake_quantize_cols(x, rows, cols, fmt, out);
+        }
+        let n = rows * cols;
+        check_len("x", x.len(), n)?;
+        check_len("out", out.len(), n)?;
+        let s = self.q.stream();
+        let (mut xp, mut op) = (
+            s.alloc_zeros::<f32>(padded * cols)?,
+            s.alloc_zeros::<f32>(padded * cols)?,
+        );
+        if n > 0 {
+            s.memcpy_dtod(&x.slice(..n), &mut xp.slice_mut(..n))?;
+        }
+        self.fake_quantize_cols(&xp, padded, cols, fmt, &mut op)?;
+        if n > 0 {
+            s.memcpy_dtod(&op.slice(..n), &mut out.slice_mut(..n))?;
+        }
+        Ok(())
+    }
+
     fn slot<'a>(
         &self,
         cache: &'a mut Vec<Scratch>,

@@ -545,6 +545,31 @@ impl CudaQuantizer {
         Ok(())
     }
 
+    /// `out[..rows*cols]` = the transpose of `x`'s `[rows, cols]` (row-major), on this
+    /// quantizer's stream: the transpose its column quantizations use.
+    pub(crate) fn transpose_into(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let n = rows
+            .checked_mul(cols)
+            .ok_or_else(|| CudaError::Shape(format!("transpose: {rows} x {cols} overflows")))?;
+        if x.len() < n || out.len() < n {
+            return Err(CudaError::Shape(format!(
+                "transpose of {rows} x {cols}: input holds {}, output {}",
+                x.len(),
+                out.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.transpose(x, rows, cols, out)
+    }
+
     /// Read a device result back into the CPU's [`QuantizedTensor`] (waits for the stream).
     pub fn to_host(&self, q: &DeviceQuantized) -> Result<QuantizedTensor, CudaError> {
         let s = &self.stream;
