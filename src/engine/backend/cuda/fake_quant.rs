@@ -288,6 +288,42 @@ impl CudaFakeQuantizer {
         Ok(())
     }
 
+    /// `linear.rs`'s `fake_quantize_col_padded_t` on the device: row fake quantization of
+    /// `[rows, cols]` with `cols` zero-padded to the format's block multiple, the padding dropped
+    /// again (dy of a site whose output width does not divide into blocks: the 8-wide router).
+    /// The padding is done by transposing, since a row-major copy into wider rows is strided.
+    pub fn fake_quantize_rows_padded(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let m = fmt.required_multiple();
+        let padded = cols.div_ceil(m) * m;
+        if padded == cols {
+            return self.fake_quantize_rows(x, rows, cols, fmt, out);
+        }
+        let n = rows * cols;
+        check_len("x", x.len(), n)?;
+        check_len("out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let s = self.q.stream();
+        let wide = rows * padded;
+        let mut t = s.alloc_zeros::<f32>(n)?;
+        self.q.transpose_into(x, rows, cols, &mut t)?; // [cols, rows]
+        let mut tp = s.alloc_zeros::<f32>(wide)?; // [padded, rows]: zero rows past cols
+        s.memcpy_dtod(&t, &mut tp.slice_mut(..n))?;
+        let (mut xp, mut qp) = (s.alloc_zeros::<f32>(wide)?, s.alloc_zeros::<f32>(wide)?);
+        self.q.transpose_into(&tp, padded, rows, &mut xp)?; // [rows, padded]
+        self.fake_quantize_rows(&xp, rows, padded, fmt, &mut qp)?;
+        self.q.transpose_into(&qp, rows, padded, &mut tp)?; // [padded, rows]
+        self.q.transpose_into(&tp, cols, rows, out) // its first cols rows, back to [rows, cols]
+    }
+
     fn slot<'a>(
         &self,
         cache: &'a mut Vec<Scratch>,

@@ -17,6 +17,7 @@ pub mod bench;
 pub mod decoder;
 pub mod fake_quant;
 pub mod gemm;
+pub mod linear;
 pub mod ops;
 pub mod quant;
 pub mod resident;

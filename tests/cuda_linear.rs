@@ -1,0 +1,125 @@
+//! The precision-aware linear layer on the device (`cuda::linear::CudaLinear`) against the CPU's
+//! (`engine::linear`): every precision x backward mode, on a 64-wide site with an odd token count
+//! (the `Quantized` mode pads the token dimension) and on an 8-wide router-like site (its dgrad
+//! pads dy's columns).
+//!
+//! The operand the forward keeps for the wgrad (`x_bwd`) is the CPU's bit for bit (it is a pure
+//! quantization); the output, dx and dW (accumulated onto a non-zero dW) agree to summation order.
+//!
+//! Each test prints why and returns when no GPU is usable. On a GPU machine:
+//! `cargo test --release --test cuda_linear -- --nocapture`.
+
+mod common;
+
+use common::{max_abs, max_rel, same_bits, uniform};
+use lockstep::engine::backend::CpuBackend;
+use lockstep::engine::backend::cuda::CudaDevice;
+use lockstep::engine::backend::cuda::linear::CudaLinear;
+use lockstep::engine::linear;
+use lockstep::recipe::{BackwardMode, Precision, SecondScale, SitePlan};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::sync::OnceLock;
+
+fn gpu(test: &str) -> Option<&'static CudaLinear> {
+    static G: OnceLock<Result<CudaLinear, String>> = OnceLock::new();
+    common::gpu_fixture(&G, test, || CudaLinear::new(&CudaDevice::open(0)?))
+}
+
+fn plans() -> Vec<SitePlan> {
+    let mut v = vec![SitePlan::FP32];
+    for precision in [
+        Precision::Bf16,
+        Precision::Mxfp8,
+        Precision::Nvfp4,
+        Precision::Fp8Block,
+    ] {
+        for backward in [
+            BackwardMode::HighPrecision,
+            BackwardMode::Dequantized,
+            BackwardMode::Quantized,
+        ] {
+            v.push(SitePlan {
+                precision,
+                backward,
+                ..SitePlan::FP32
+            });
+        }
+    }
+    // NVFP4 with per-tensor activation scales and two shards.
+    v.push(SitePlan {
+        precision: Precision::Nvfp4,
+        backward: BackwardMode::Quantized,
+        act_scale: SecondScale::PerTensor,
+        shards: 2,
+        ..SitePlan::FP32
+    });
+    v
+}
+
+#[test]
+fn device_linear_forward_and_backward_match_the_cpu_layer() {
+    let Some(lin) = gpu("device_linear_forward_and_backward_match_the_cpu_layer") else {
+        return;
+    };
+    let s = lin.stream();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut failures = Vec::new();
+    // (tokens, in, out): an expert-like site with an odd token count, and the router's shape.
+    for (n, k, m) in [(37, 128, 64), (300, 128, 8)] {
+        for plan in plans() {
+            let what = format!("{:?}/{:?} n {n} k {k} m {m}", plan.precision, plan.backward);
+            let w = uniform(&mut rng, m * k, 0.2);
+            let x = uniform(&mut rng, n * k, 2.0);
+            let dy = uniform(&mut rng, n * m, 1.0);
+            let dw0 = uniform(&mut rng, m * k, 0.1);
+            let pw = linear::prepare_weight(&plan, &w, m, k);
+            let mut y = vec![0.0f32; n * m];
+            let cache = linear::forward(&CpuBackend, &plan, &x, n, &pw, &mut y);
+            let (mut dx, mut dw) = (vec![0.0f32; n * k], dw0.clone());
+            linear::backward(&CpuBackend, &plan, &cache, &pw, &dy, Some(&mut dx), &mut dw);
+
+            let dev_w = lin.upload(&pw).unwrap();
+            let (gy, gcache) = lin
+                .forward(&plan, &s.clone_htod(&x).unwrap(), n, &dev_w)
+                .unwrap();
+            let (mut gdx, mut gdw) = (
+                s.alloc_zeros::<f32>(n * k).unwrap(),
+                s.clone_htod(&dw0).unwrap(),
+            );
+            lin.backward(
+                &plan,
+                &gcache,
+                &dev_w,
+                &s.clone_htod(&dy).unwrap(),
+                Some(&mut gdx),
+                &mut gdw,
+            )
+            .unwrap();
+            let down = |b: &cudarc::driver::CudaSlice<f32>, len: usize| {
+                let v = s.clone_dtoh(&b.slice(..len)).unwrap();
+                s.synchronize().unwrap();
+                v
+            };
+            if let Err(e) = same_bits(&what, &down(&gcache.x_bwd, n * k), &cache.x_bwd) {
+                failures.push(format!("x_bwd: {e}"));
+            }
+            // Summation order only: FP32 sums of up to 300 products, relative to the largest value.
+            let checks = [
+                ("y", down(&gy, n * m), y),
+                ("dx", down(&gdx, n * k), dx),
+                ("dw", down(&gdw, m * k), dw),
+            ];
+            for (name, got, want) in checks {
+                let (r, i) = max_rel(&got, &want, max_abs(&want));
+                if r.is_nan() || r >= 1e-5 {
+                    failures.push(format!(
+                        "{what}: {name} off by {r:e} of its largest value at {i} (gpu {:e}, cpu {:e})",
+                        got[i], want[i]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
