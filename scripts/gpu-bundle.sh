@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build what a GPU machine needs for issue 7's checks (it has no cargo), here:
+# target/gpuz/bundle.tgz holds b/lockstep, one binary per GPU test file (b/cuda_*), a copy of
+# tests/golden and scripts/gpu-check.sh. Carry target/gpuz to the device and run there:
+#   tar xzf target/gpuz/bundle.tgz -C /tmp && /tmp/b/gpu-check.sh /tmp/b "$OUT"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tests=$(ls tests/cuda_*.rs | xargs -n1 basename | sed 's/\.rs$//')
+cargo build --release
+args=()
+for t in $tests; do args+=(--test "$t"); done
+cargo test --release --no-run "${args[@]}" 2>&1 | grep Executable
+rm -rf target/gpuz/b && mkdir -p target/gpuz/b
+cp target/release/lockstep target/gpuz/b/
+for t in $tests; do
+  # The newest binary of that test (cargo keeps older hashes around).
+  cp "$(ls -t target/release/deps/"$t"-* | grep -v '\.d$' | head -1)" "target/gpuz/b/$t"
+done
+strip target/gpuz/b/*
+cp -r tests/golden target/gpuz/b/golden
+cp scripts/gpu-check.sh target/gpuz/b/
+# The test binaries look for tests/golden under the folder they were built in.
+pwd > target/gpuz/b/built_in
+tar czf target/gpuz/bundle.tgz -C target/gpuz b
+rm -rf target/gpuz/b
+ls -la target/gpuz/bundle.tgz

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 7's GPU checks in one device call (see docs/cuda.md): every GPU test binary, memcheck on
+# the newest ones, and the benchmarks with their side-by-side ratios. Logs go to OUT, four files
+# (the device tool brings back at most eight): machine.txt, tests.log, memcheck.log, bench.log.
+# Usage: gpu-check.sh DIR OUT [quick], DIR the unpacked bundle of scripts/gpu-bundle.sh; `quick`
+# runs the tests only.
+set -uo pipefail
+DIR=${1:?bundle folder}
+OUT=${2:?output folder}
+mkdir -p "$OUT"
+BUILT=$(cat "$DIR/built_in")
+mkdir -p "$BUILT/tests" && rm -rf "$BUILT/tests/golden" && cp -r "$DIR/golden" "$BUILT/tests/golden"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/machine.txt" 2>&1
+status=0
+for t in "$DIR"/cuda_*; do
+  name=$(basename "$t")
+  echo "==== $name" >> "$OUT/tests.log"
+  timeout 300 "$t" --test-threads 1 --nocapture > /tmp/gpu-check-test.log 2>&1 || status=1
+  cat /tmp/gpu-check-test.log >> "$OUT/tests.log"
+  echo "$name: $(grep -E '^test result' /tmp/gpu-check-test.log | tail -1)"
+done
+[ "${3:-}" = quick ] && exit $status
+SAN=/usr/local/cuda/bin/compute-sanitizer
+if [ -x "$SAN" ]; then
+  for name in cuda_backward cuda_linear; do
+    [ -x "$DIR/$name" ] || continue
+    echo "==== $name" >> "$OUT/memcheck.log"
+    timeout 300 "$SAN" --tool memcheck "$DIR/$name" --test-threads 1 > /tmp/gpu-check-mc.log 2>&1
+    cat /tmp/gpu-check-mc.log >> "$OUT/memcheck.log"
+    echo "memcheck $name: $(grep 'ERROR SUMMARY' /tmp/gpu-check-mc.log)"
+  done
+fi
+{
+  "$DIR/lockstep" bench step --device cuda --model small --steps 3
+  "$DIR/lockstep" bench forward --device cuda --reps 10 --recipes bf16,nvfp4-dq,mxfp8,fp8-block
+} > "$OUT/bench.log" 2>&1 || status=1
+cat "$OUT/bench.log"
+exit $status
