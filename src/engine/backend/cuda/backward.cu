@@ -191,3 +191,58 @@ extern "C" __global__ void attention_backward_dkv(float *__restrict__ dqkv,
         }
     }
 }
+
+// optim::AdamW::update for one tensor, a thread per element, the CPU's expression order:
+// g' = g*scale; m = b1*m + (1-b1)*g'; v = b2*v + (1-b2)*g'*g';
+// step = lr*((m/bc1)/(sqrt(v/bc2) + eps) + wd*p); p -= step. Constants (1-b1, 1-b2, bc1, bc2) come
+// from the host in FP32, as the CPU computes them. Each block also writes its partial sums of
+// step^2 and p^2 (after the update) in FP64, block-reduced in a fixed tree order, for
+// `adamw_sums` to add in block order: deterministic, but not the CPU's sequential sum. Launched
+// with 256-thread blocks (backward.rs `cfg`), the size of the shared arrays.
+extern "C" __global__ void adamw_step(float *__restrict__ p, float *__restrict__ m,
+                                      float *__restrict__ v, const float *__restrict__ g, u64 n,
+                                      float scale, float b1, float b2, float omb1, float omb2,
+                                      float bc1, float bc2, float lr, float eps, float wd,
+                                      double *__restrict__ partial) {
+    __shared__ double su[256], sw[256];
+    double upd = 0.0, wsq = 0.0;
+    for (u64 i = gtid(); i < n; i += gstride()) {
+        float gi = g[i] * scale;
+        float mi = b1 * m[i] + omb1 * gi;
+        float vi = b2 * v[i] + omb2 * gi * gi;
+        float step = lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * p[i]);
+        float pi = p[i] - step;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        upd += (double)step * (double)step;
+        wsq += (double)pi * (double)pi;
+    }
+    su[threadIdx.x] = upd;
+    sw[threadIdx.x] = wsq;
+    __syncthreads();
+    for (u32 half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            su[threadIdx.x] += su[threadIdx.x + half];
+            sw[threadIdx.x] += sw[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        partial[2 * blockIdx.x] = su[0];
+        partial[2 * blockIdx.x + 1] = sw[0];
+    }
+}
+
+// sums[0..2] += the blocks' partial sums, in block order (one thread).
+extern "C" __global__ void adamw_sums(const double *__restrict__ partial, u32 blocks,
+                                      double *__restrict__ sums) {
+    if (gtid() != 0) return;
+    double u = sums[0], w = sums[1];
+    for (u32 b = 0; b < blocks; b++) {
+        u += partial[2 * b];
+        w += partial[2 * b + 1];
+    }
+    sums[0] = u;
+    sums[1] = w;
+}
