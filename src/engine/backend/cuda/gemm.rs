@@ -132,19 +132,24 @@ struct Lane {
     c: CudaSlice<f32>,
 }
 
+/// A cuBLAS handle on `stream` in `CUBLAS_PEDANTIC_MATH`: FP32 operands and accumulation, no
+/// TF32 or other reduced-precision path, whatever `NVIDIA_TF32_OVERRIDE` says. Every cuBLAS
+/// handle of the engine is made here.
+pub(crate) fn pedantic_blas(stream: &Arc<CudaStream>) -> Result<CudaBlas, CudaError> {
+    let blas = CudaBlas::new(stream.clone())?;
+    // SAFETY: the handle is valid (just created) and owned by the caller from here on; setting
+    // its math mode is a plain configuration call with no memory access.
+    let st = unsafe {
+        cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_PEDANTIC_MATH)
+    };
+    st.result()?;
+    Ok(blas)
+}
+
 impl Lane {
     fn new(dev: &CudaDevice) -> Result<Self, CudaError> {
         let stream = dev.context().new_stream()?;
-        let blas = CudaBlas::new(stream.clone())?;
-        // SAFETY: the handle is valid (just created) and owned by this lane; setting its math mode
-        // is a plain configuration call with no memory access.
-        let st = unsafe {
-            cudarc::cublas::sys::cublasSetMathMode(
-                *blas.handle(),
-                cublasMath_t::CUBLAS_PEDANTIC_MATH,
-            )
-        };
-        st.result()?;
+        let blas = pedantic_blas(&stream)?;
         Ok(Lane {
             a: stream.alloc_zeros(1)?,
             b: stream.alloc_zeros(1)?,

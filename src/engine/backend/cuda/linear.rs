@@ -13,7 +13,7 @@ use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::PreparedWeight;
 use crate::formats::QuantFormat;
 use crate::recipe::{BackwardMode, Precision, SitePlan};
-use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
+use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -49,15 +49,7 @@ impl CudaLinear {
     pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
         let q = Arc::new(CudaQuantizer::new(dev)?);
         let stream = q.stream().clone();
-        let blas = CudaBlas::new(stream.clone())?;
-        // SAFETY: a plain configuration call on the handle just created and owned here.
-        unsafe {
-            cudarc::cublas::sys::cublasSetMathMode(
-                *blas.handle(),
-                cublasMath_t::CUBLAS_PEDANTIC_MATH,
-            )
-        }
-        .result()?;
+        let blas = super::gemm::pedantic_blas(&stream)?;
         Ok(CudaLinear {
             fq: CudaFakeQuantizer::new(q)?,
             stream,

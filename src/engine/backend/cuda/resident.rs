@@ -28,7 +28,7 @@ use crate::engine::model::{ModelConfig, PreparedModel, Routing};
 use crate::formats::QuantFormat;
 use crate::formats::SecondScale;
 use crate::recipe::SitePlan;
-use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
+use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -140,15 +140,7 @@ impl ResidentForward {
     pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
         let q = Arc::new(CudaQuantizer::new(dev)?);
         let stream = q.stream().clone();
-        let blas = CudaBlas::new(stream.clone())?;
-        // SAFETY: a plain configuration call on the handle just created and owned here.
-        unsafe {
-            cudarc::cublas::sys::cublasSetMathMode(
-                *blas.handle(),
-                cublasMath_t::CUBLAS_PEDANTIC_MATH,
-            )
-        }
-        .result()?;
+        let blas = super::gemm::pedantic_blas(&stream)?;
         let moe = dev.compile("moe", MOE_SRC)?;
         let kv = dev.compile("kv", KV_SRC)?;
         Ok(ResidentForward {
