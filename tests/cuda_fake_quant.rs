@@ -112,6 +112,9 @@ enum Mode {
     /// Blocks along columns, rows zero-padded to the block multiple (`fake_quantize_cols_padded`,
     /// the CPU reference built here as `linear.rs` builds it).
     ColsPadded,
+    /// Blocks along rows, columns zero-padded to the block multiple (`fake_quantize_rows_padded`,
+    /// likewise).
+    RowsPadded,
 }
 
 /// The CPU's values for `mode`.
@@ -136,6 +139,19 @@ fn cpu_reference(
             fake_quantize(&padded, rp, cols, fmt, Axis::Col, &mut out)?;
             out.truncate(n);
             Ok(out)
+        }
+        Mode::RowsPadded => {
+            let m = fmt.required_multiple();
+            let cp = cols.div_ceil(m) * m;
+            let mut padded = vec![0.0f32; rows * cp];
+            for r in 0..rows {
+                padded[r * cp..r * cp + cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+            }
+            let mut out = vec![0.0f32; rows * cp];
+            fake_quantize(&padded, rows, cp, fmt, Axis::Row, &mut out)?;
+            Ok((0..rows)
+                .flat_map(|r| out[r * cp..r * cp + cols].to_vec())
+                .collect())
         }
     }
 }
@@ -168,6 +184,7 @@ fn compare_mode(
         Mode::Rows => fq.fake_quantize_rows(&dx, rows, cols, fmt, &mut dout),
         Mode::Cols => fq.fake_quantize_cols(&dx, rows, cols, fmt, &mut dout),
         Mode::ColsPadded => fq.fake_quantize_cols_padded(&dx, rows, cols, fmt, &mut dout),
+        Mode::RowsPadded => fq.fake_quantize_rows_padded(&dx, rows, cols, fmt, &mut dout),
     }
     .map_err(|e| format!("gpu: {e}"))?;
     let got = s.clone_dtoh(&dout).map_err(|e| format!("download: {e}"))?;
@@ -239,7 +256,8 @@ fn gpu_fake_quantize_matches_cpu_for_every_format() {
 }
 
 /// Column fake quantization (the `Quantized` backward mode's dgrad/wgrad operands), plain and
-/// with the token dimension zero-padded to the block multiple, for every format.
+/// with the token dimension zero-padded to the block multiple, and row fake quantization with
+/// the columns zero-padded (dy of the 8-wide router), for every format.
 #[test]
 fn gpu_fake_quantize_cols_matches_cpu_for_every_format() {
     let Some(fq) = gpu("gpu_fake_quantize_cols_matches_cpu_for_every_format") else {
@@ -252,6 +270,8 @@ fn gpu_fake_quantize_cols_matches_cpu_for_every_format() {
         (Mode::ColsPadded, 37, 128),
         (Mode::ColsPadded, 300, 24),
         (Mode::ColsPadded, 1, 256),
+        (Mode::RowsPadded, 300, 8),
+        (Mode::RowsPadded, 37, 40),
     ];
     let (mut checked, mut failures) = (0, Vec::new());
     for (ci, &(mode, rows, cols)) in cases.iter().enumerate() {
@@ -276,7 +296,7 @@ fn gpu_fake_quantize_cols_matches_cpu_for_every_format() {
         "{} of {checked} column fake quantizations differ",
         failures.len()
     );
-    assert!(checked >= 6 * 5 * 20, "only {checked} ran");
+    assert!(checked >= 8 * 5 * 20, "only {checked} ran");
 }
 
 #[test]

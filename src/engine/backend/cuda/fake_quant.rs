@@ -291,7 +291,8 @@ impl CudaFakeQuantizer {
     /// `linear.rs`'s `fake_quantize_col_padded_t` on the device: row fake quantization of
     /// `[rows, cols]` with `cols` zero-padded to the format's block multiple, the padding dropped
     /// again (dy of a site whose output width does not divide into blocks: the 8-wide router).
-    /// The padding is done by transposing, since a row-major copy into wider rows is strided.
+    /// Blocks along a row of `x` are blocks along a column of its transpose, so this is
+    /// [`Self::fake_quantize_cols_padded`] of the transpose, transposed back.
     pub fn fake_quantize_rows_padded(
         &self,
         x: &CudaSlice<f32>,
@@ -301,8 +302,7 @@ impl CudaFakeQuantizer {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let m = fmt.required_multiple();
-        let padded = cols.div_ceil(m) * m;
-        if padded == cols {
+        if cols.is_multiple_of(m) {
             return self.fake_quantize_rows(x, rows, cols, fmt, out);
         }
         let n = rows * cols;
@@ -312,16 +312,10 @@ impl CudaFakeQuantizer {
             return Ok(());
         }
         let s = self.q.stream();
-        let wide = rows * padded;
-        let mut t = s.alloc_zeros::<f32>(n)?;
+        let (mut t, mut tq) = (s.alloc_zeros::<f32>(n)?, s.alloc_zeros::<f32>(n)?);
         self.q.transpose_into(x, rows, cols, &mut t)?; // [cols, rows]
-        let mut tp = s.alloc_zeros::<f32>(wide)?; // [padded, rows]: zero rows past cols
-        s.memcpy_dtod(&t, &mut tp.slice_mut(..n))?;
-        let (mut xp, mut qp) = (s.alloc_zeros::<f32>(wide)?, s.alloc_zeros::<f32>(wide)?);
-        self.q.transpose_into(&tp, padded, rows, &mut xp)?; // [rows, padded]
-        self.fake_quantize_rows(&xp, rows, padded, fmt, &mut qp)?;
-        self.q.transpose_into(&qp, rows, padded, &mut tp)?; // [padded, rows]
-        self.q.transpose_into(&tp, cols, rows, out) // its first cols rows, back to [rows, cols]
+        self.fake_quantize_cols_padded(&t, cols, rows, fmt, &mut tq)?;
+        self.q.transpose_into(&tq, cols, rows, out)
     }
 
     fn slot<'a>(
