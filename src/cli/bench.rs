@@ -90,13 +90,15 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         rayon::current_num_threads(),
         args.steps
     );
+    // A phase's median in ms (NaN if the step did not record it).
+    let ms = |times: &[(String, f64)], k: &str| {
+        times
+            .iter()
+            .find(|(n, _)| n == k)
+            .map_or(f64::NAN, |(_, v)| v * 1e3)
+    };
     let print = |label: &str, times: &[(String, f64)]| {
-        let cell = |k: &str| {
-            times
-                .iter()
-                .find(|(n, _)| n == k)
-                .map_or(f64::NAN, |(_, v)| v * 1e3)
-        };
+        let cell = |k: &str| ms(times, k);
         println!(
             "  {label:<42} step {:>7.1} ms  export {:>6.1}  rollout {:>6.1}  train {:>6.1}",
             cell("perf/step_time"),
@@ -118,12 +120,6 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         print(&be.name(), &times);
         return Ok(true);
     }
-    let step_ms = |times: &[(String, f64)]| {
-        times
-            .iter()
-            .find(|(n, _)| n == "perf/step_time")
-            .map_or(f64::NAN, |(_, v)| v * 1e3)
-    };
     let mut gpu_steps = Vec::new();
     for (label, be) in &gpu {
         let mut per_step = Vec::new();
@@ -136,7 +132,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         )
         .context("engine step")?;
         print(&format!("{} {label}", be.name()), &times);
-        gpu_steps.push((label, step_ms(&times)));
+        gpu_steps.push((label, ms(&times, "perf/step_time")));
         let last = per_step.last().copied().unwrap_or_default();
         println!(
             "  {:<42} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
@@ -154,7 +150,7 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     let times = lockstep::tools::bench::engine_step_times(&cpu, &model, recipe, args.steps, || {})
         .context("engine step on the CPU")?;
     print("cpu (this host, same run)", &times);
-    let cpu_ms = step_ms(&times);
+    let cpu_ms = ms(&times, "perf/step_time");
     for (label, ms) in gpu_steps {
         println!("  cpu/gpu step time, {label}: {:.2}x", cpu_ms / ms);
     }
