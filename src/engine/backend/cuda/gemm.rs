@@ -168,10 +168,35 @@ fn ensure(stream: &Arc<CudaStream>, buf: &mut CudaSlice<f32>, n: usize) -> Resul
     Ok(())
 }
 
+/// Costly device objects (a lane, a resident forward with its compiled kernels), each used by one
+/// caller at a time and handed back for the next: as many get built as callers ever overlap.
+struct Pool<T>(Mutex<Vec<T>>);
+
+impl<T> Pool<T> {
+    fn new(items: Vec<T>) -> Self {
+        Pool(Mutex::new(items))
+    }
+
+    /// One from the pool, or a new one from `make`.
+    fn take(&self, make: impl FnOnce() -> Result<T, CudaError>) -> Result<T, CudaError> {
+        let popped = self.0.lock().ok().and_then(|mut v| v.pop());
+        match popped {
+            Some(t) => Ok(t),
+            None => make(),
+        }
+    }
+
+    fn give(&self, t: T) {
+        if let Ok(mut v) = self.0.lock() {
+            v.push(t);
+        }
+    }
+}
+
 /// The engine on one GPU.
 pub struct CudaBackend {
     dev: Arc<CudaDevice>,
-    lanes: Mutex<Vec<Lane>>,
+    lanes: Pool<Lane>,
     resident: Mutex<Resident<CudaSlice<f32>>>,
     counters: AtomicCounters,
     /// Run the forward-only passes on the device ([`ResidentDecoder`], [`ResidentForward`])
@@ -179,7 +204,7 @@ pub struct CudaBackend {
     device_model: bool,
     /// Resident forwards (kernels, stream, cuBLAS handle) of finished decoders, one per
     /// concurrent caller at most, so compiling them is paid once per worker.
-    forwards: Mutex<Vec<ResidentForward>>,
+    forwards: Pool<ResidentForward>,
 }
 
 impl CudaBackend {
@@ -196,11 +221,11 @@ impl CudaBackend {
         let first = Lane::new(&dev)?;
         Ok(CudaBackend {
             dev,
-            lanes: Mutex::new(vec![first]),
+            lanes: Pool::new(vec![first]),
             resident: Mutex::new(Resident::new(budget)),
             counters: AtomicCounters::default(),
             device_model: true,
-            forwards: Mutex::new(Vec::new()),
+            forwards: Pool::new(Vec::new()),
         })
     }
 
@@ -214,17 +239,11 @@ impl CudaBackend {
 
     /// A resident forward from the pool, or a new one.
     pub(super) fn take_forward(&self) -> Result<ResidentForward, CudaError> {
-        let popped = self.forwards.lock().ok().and_then(|mut f| f.pop());
-        match popped {
-            Some(f) => Ok(f),
-            None => ResidentForward::new(&self.dev),
-        }
+        self.forwards.take(|| ResidentForward::new(&self.dev))
     }
 
     pub(super) fn give_forward(&self, f: ResidentForward) {
-        if let Ok(mut pool) = self.forwards.lock() {
-            pool.push(f);
-        }
+        self.forwards.give(f);
     }
 
     /// The counters since the last call, reset to zero.
@@ -265,20 +284,6 @@ impl CudaBackend {
         &self.dev
     }
 
-    fn take_lane(&self) -> Result<Lane, CudaError> {
-        let popped = self.lanes.lock().ok().and_then(|mut l| l.pop());
-        match popped {
-            Some(l) => Ok(l),
-            None => Lane::new(&self.dev),
-        }
-    }
-
-    fn give_lane(&self, lane: Lane) {
-        if let Ok(mut l) = self.lanes.lock() {
-            l.push(lane);
-        }
-    }
-
     /// `c = a · b` (or `c += a · b`) on the GPU, FP32 operands and accumulation.
     pub fn try_gemm(
         &self,
@@ -297,10 +302,10 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        let mut lane = self.take_lane()?;
+        let mut lane = self.lanes.take(|| Lane::new(&self.dev))?;
         let r = self.gemm_in_lane(&mut lane, a, b, c, accumulate, (m, k, n));
         if r.is_ok() {
-            self.give_lane(lane); // a lane whose call failed is dropped, not reused
+            self.lanes.give(lane); // a lane whose call failed is dropped, not reused
         }
         r
     }
