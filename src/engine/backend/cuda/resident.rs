@@ -20,7 +20,7 @@
 //! pick another expert (tests measure both).
 
 use super::fake_quant::CudaFakeQuantizer;
-use super::ops::{CudaOps, DeviceLayout};
+use super::ops::{CudaOps, DeviceLayout, dim};
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::layout::Layout;
 use crate::engine::linear::PreparedWeight;
@@ -446,9 +446,6 @@ impl ResidentForward {
         pos: usize,
         width: usize,
     ) -> Result<(), CudaError> {
-        let u = |v: usize| {
-            u32::try_from(v).map_err(|_| CudaError::Shape(format!("kv_store: {v} exceeds u32")))
-        };
         if pos >= capacity || cache.len() < n * capacity * width || x.len() < n * width {
             return Err(CudaError::Shape(format!(
                 "kv_store: position {pos} of {capacity}, {n} rows of {width}: cache holds {}, rows {}",
@@ -459,7 +456,13 @@ impl ResidentForward {
         if n * width == 0 {
             return Ok(());
         }
-        let (n32, cap32, pos32, w32) = (u(n)?, u(capacity)?, u(pos)?, u(width)?);
+        let op = "kv_store";
+        let (n32, cap32, pos32, w32) = (
+            dim(op, "rows", n)?,
+            dim(op, "capacity", capacity)?,
+            dim(op, "position", pos)?,
+            dim(op, "width", width)?,
+        );
         let mut b = self.stream.launch_builder(&self.kv_store);
         b.arg(cache)
             .arg(x)
@@ -469,11 +472,7 @@ impl ResidentForward {
             .arg(&w32);
         // SAFETY: element idx < n·width reads x[idx] (x holds n·width) and writes cache at
         // (i·capacity + pos)·width + c < n·capacity·width (pos < capacity, checked above).
-        unsafe {
-            b.launch(LaunchConfig::for_num_elems(
-                ((n * width) as u32).min(1 << 20),
-            ))
-        }?;
+        unsafe { b.launch(LaunchConfig::for_num_elems((n * width).min(1 << 20) as u32)) }?;
         Ok(())
     }
 
@@ -514,11 +513,10 @@ impl ResidentForward {
         let cap = n;
         let mut slot_row = s.alloc_zeros::<u32>((n * k).max(1))?;
         let mut src_row = s.alloc_zeros::<u32>((e * cap).max(1))?;
-        let u = |v: usize| {
-            u32::try_from(v).map_err(|_| CudaError::Shape(format!("moe: {v} exceeds u32")))
-        };
-        let (nk32, k32, e32, cap32, n32, d32) = (u(n * k)?, u(k)?, u(e)?, u(cap)?, u(n)?, u(d)?);
-        let rows32 = u(e * cap)?;
+        let op = "moe";
+        let (nk32, k32, e32) = (dim(op, "slots", n * k)?, dim(op, "k", k)?, dim(op, "e", e)?);
+        let (cap32, n32, d32) = (dim(op, "cap", cap)?, dim(op, "n", n)?, dim(op, "d", d)?);
+        let rows32 = dim(op, "expert rows", e * cap)?;
         let mut b = s.launch_builder(&self.route_slots);
         b.arg(&ids).arg(&mut slot_row).arg(&mut src_row);
         b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32);
@@ -533,7 +531,7 @@ impl ResidentForward {
         // src < n (xn holds n·d); src_row holds e·cap entries.
         unsafe {
             b.launch(LaunchConfig::for_num_elems(
-                ((e * cap * d) as u32).min(1 << 20),
+                (e * cap * d).min(1 << 20) as u32
             ))
         }?;
         let shared = self.ffn(&w.shared_fc1, &w.shared_fc2, &xn, n)?;
@@ -599,10 +597,10 @@ impl ResidentForward {
         let src_row: Vec<u32> = (0..seqs * cap)
             .map(|r| ((r / cap) / samples * cap + r % cap) as u32)
             .collect();
-        let rows = u32::try_from(seqs * cap)
-            .map_err(|_| CudaError::Shape(format!("kv cache: {seqs} x {cap} rows exceed u32")))?;
-        let src_rows = (cache.seqs * cap) as u32;
-        let w32 = w as u32;
+        let op = "kv cache";
+        let rows = dim(op, "rows", seqs * cap)?;
+        let src_rows = dim(op, "rows", cache.seqs * cap)?;
+        let w32 = dim(op, "width", w)?;
         let src_row = self.stream.clone_htod(&src_row)?;
         for layer in &mut cache.layers {
             let mut out = self.zeros(seqs * cap * w)?;
@@ -614,7 +612,7 @@ impl ResidentForward {
                 // src·w + c only for src < src_rows (it holds src_rows·w); src_row holds rows.
                 unsafe {
                     b.launch(LaunchConfig::for_num_elems(
-                        ((seqs * cap * w) as u32).min(1 << 20),
+                        (seqs * cap * w).min(1 << 20) as u32
                     ))
                 }?;
             }
