@@ -2,8 +2,8 @@
 //! function and of a forward in [`super::ops`]: the first pieces of a resident trainer. Like the
 //! CPU functions they accumulate into their gradient buffers. RMSNorm, the router and the
 //! embedding give the CPU's bits (their sums run in one thread in the CPU's order); SwiGLU calls
-//! `expf`, so it agrees to a tolerance. Tested against the CPU in `tests/cuda_backward.rs`, which
-//! had not yet run on a GPU when this was written (2026-12-03; see docs/cuda.md).
+//! `expf`, so it agrees to a tolerance. Tested against the CPU in `tests/cuda_backward.rs` (passing
+//! on the H200, 2026-12-03; see docs/cuda.md).
 //!
 //! Attention's backward is bit-identical too: it reads the forward's softmax weights instead of
 //! recomputing them, so no `expf` is involved, and its key and value gradients gather over each
