@@ -22,7 +22,7 @@ done
 [ "${3:-}" = quick ] && exit $status
 SAN=/usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
-  for name in cuda_backward cuda_linear; do
+  for name in cuda_train cuda_linear; do
     [ -x "$DIR/$name" ] || continue
     echo "==== $name" >> "$OUT/memcheck.log"
     timeout 300 "$SAN" --tool memcheck "$DIR/$name" --test-threads 1 > /tmp/gpu-check-mc.log 2>&1
@@ -32,6 +32,7 @@ if [ -x "$SAN" ]; then
 fi
 {
   "$DIR/lockstep" bench step --device cuda --model small --steps 3
+  "$DIR/lockstep" bench step --device cuda --model small --steps 3 --recipe nvfp4-dq
   "$DIR/lockstep" bench forward --device cuda --reps 10 --recipes bf16,nvfp4-dq,mxfp8,fp8-block
 } > "$OUT/bench.log" 2>&1 || status=1
 cat "$OUT/bench.log"

@@ -1,14 +1,18 @@
-//! The two places where a backend can run the model on its own device (`Backend::decoder` for the
-//! rollout and the evaluation, `Backend::forward_logits` for the trainer's BF16 reference) are
-//! really used, and using them changes nothing else: a backend that answers both with the host's
-//! own computations gives the plain CPU backend's bits, and counts that it was asked.
+//! The three places where a backend can run the model on its own device (`Backend::decoder` for
+//! the rollout and the evaluation, `Backend::forward_logits` for the trainer's BF16 reference,
+//! `Backend::train_forward` for the trainer's policy forward and backward) are really used, and
+//! using them changes nothing else: a backend that answers them with the host's own computations
+//! gives the plain CPU backend's bits, and counts that it was asked.
 //!
-//! `CudaBackend` answers both with the GPU (`tests/cuda_rollout.rs` checks those on a GPU); this
-//! file checks the engine's side of the contract everywhere, CI included.
+//! `CudaBackend` answers them with the GPU (`tests/cuda_rollout.rs` and `tests/cuda_train.rs`
+//! check those on a GPU); this file checks the engine's side of the contract everywhere, CI
+//! included.
 
 use lockstep::engine::backend::{Backend, CpuBackend, MatRef};
 use lockstep::engine::layout::Layout;
-use lockstep::engine::model::{self, KvCache, ModelConfig, Params, PreparedModel, Routing};
+use lockstep::engine::model::{
+    self, HostPass, KvCache, ModelConfig, Params, PreparedModel, Routing, TrainPass,
+};
 use lockstep::engine::rollout::{Decoder, generate};
 use lockstep::engine::task::Task;
 use lockstep::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
@@ -20,6 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 struct Hooked {
     decode_steps: AtomicUsize,
     reference_forwards: AtomicUsize,
+    train_passes: AtomicUsize,
 }
 
 struct CountingDecoder<'a> {
@@ -71,6 +76,23 @@ impl Backend for Hooked {
         self.reference_forwards.fetch_add(1, Ordering::Relaxed);
         Some(model::forward_rows(&CpuBackend, prep, tokens, layout, replay).0)
     }
+
+    fn train_forward<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Option<Box<dyn TrainPass + 'a>> {
+        self.train_passes.fetch_add(1, Ordering::Relaxed);
+        Some(Box::new(HostPass::forward(
+            &CpuBackend,
+            prep,
+            tokens,
+            layout,
+            replay,
+        )))
+    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -98,13 +120,16 @@ fn the_rollout_decodes_through_the_backends_decoder() {
 }
 
 #[test]
-fn the_trainer_takes_the_reference_logits_from_the_backend() {
+fn the_trainer_takes_its_forwards_from_the_backend() {
     let cfg = ModelConfig::tiny();
     let grpo = GrpoConfig {
         prompts_per_step: 4,
         samples_per_prompt: 4,
         max_response_tokens: Task::Add(2).answer_len() + 1,
         eval_every: 0,
+        // From a random init every reward is 0, so every advantage is; the KL term to the BF16
+        // reference gives the backward something to carry.
+        kl_coef: 0.1,
         ..Default::default()
     };
     let trainer = || {
@@ -128,7 +153,11 @@ fn the_trainer_takes_the_reference_logits_from_the_backend() {
             b.deterministic_scalars(),
             "step {step}"
         );
+        // Per-layer gradient norms and quantization counts come through the pass too.
+        assert_eq!(a.layers, b.layers, "step {step}");
+        assert!(a.layers.iter().any(|l| l.grad_norm > 0.0));
     }
     assert_eq!(hooked.reference_forwards.load(Ordering::Relaxed), 2);
+    assert_eq!(hooked.train_passes.load(Ordering::Relaxed), 2);
     assert!(hooked.decode_steps.load(Ordering::Relaxed) > 0);
 }

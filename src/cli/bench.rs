@@ -51,11 +51,12 @@ pub struct StepArgs {
     pub steps: usize,
 }
 
-/// Median GRPO step time and its phases on one device. On a GPU, three backends are timed side
+/// Median GRPO step time and its phases on one device. On a GPU, four backends are timed side
 /// by side in the same run: one that copies every GEMM operand on every call, one that keeps the
-/// prepared weights resident, and the default, which also runs the forward-only passes on the GPU
-/// (the rollout's decoding, `cuda::decoder`, and the BF16 reference forward, `cuda::resident`),
-/// with the GEMM path's counters per step; then this host's CPU at the same shape and the
+/// prepared weights resident, one that also runs the forward-only passes on the GPU (the
+/// rollout's decoding, `cuda::decoder`, and the BF16 reference forward, `cuda::resident`), and
+/// the default, which also runs the trainer's policy forward and backward there
+/// (`cuda::train`), with the GEMM path's counters per step; then this host's CPU at the same shape and the
 /// CPU/GPU step-time ratios, all in one run.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
@@ -65,18 +66,34 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
     let gpu = match device {
         Device::Cuda(ordinal) => [
-            ("operands copied every call", 0, false),
-            ("weights resident", cuda::gemm::RESIDENT_BUDGET, false),
+            ("operands copied every call", 0, false, false),
+            (
+                "weights resident",
+                cuda::gemm::RESIDENT_BUDGET,
+                false,
+                false,
+            ),
             (
                 "+ decode, reference forward on GPU",
                 cuda::gemm::RESIDENT_BUDGET,
                 true,
+                false,
+            ),
+            (
+                "+ trainer forward/backward on GPU",
+                cuda::gemm::RESIDENT_BUDGET,
+                true,
+                true,
             ),
         ]
         .into_iter()
-        .map(|(label, budget, device_model)| {
-            cuda::CudaBackend::with_resident_budget(ordinal, budget)
-                .map(|be| (label, be.with_device_model(device_model)))
+        .map(|(label, budget, device_model, device_train)| {
+            cuda::CudaBackend::with_resident_budget(ordinal, budget).map(|be| {
+                let be = be
+                    .with_device_model(device_model)
+                    .with_device_trainer(device_train);
+                (label, be)
+            })
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(cuda_err)?,

@@ -827,25 +827,94 @@ impl ForwardCache {
     /// the recipe names sites (`decoder.layers.{i}.mlp.experts.linear_fc1`, ..., `output_layer`); the
     /// routed experts of a layer are merged into their site.
     pub fn quant_stats(&self) -> Vec<(String, QuantStats)> {
-        let mut out = Vec::with_capacity(7 * self.layers.len() + 1);
-        for (i, l) in self.layers.iter().enumerate() {
-            let site = |s: &str| format!("decoder.layers.{i}.{s}");
+        let mut stats = Vec::with_capacity(7 * self.layers.len() + 1);
+        for l in &self.layers {
             let merged = |f: fn(&ExpertCache) -> &LinearCache| {
                 l.moe
                     .experts
                     .iter()
                     .fold(QuantStats::default(), |acc, ex| acc.merge(f(ex).stats))
             };
-            out.push((site(LAYER_TENSORS[1]), l.attn.qkv_lin.stats));
-            out.push((site(LAYER_TENSORS[2]), l.attn.proj_lin.stats));
-            out.push((site(LAYER_TENSORS[4]), l.moe.router_lin.stats));
-            out.push((site(LAYER_TENSORS[5]), merged(|ex| &ex.ffn.fc1_lin)));
-            out.push((site(LAYER_TENSORS[6]), merged(|ex| &ex.ffn.fc2_lin)));
-            out.push((site(LAYER_TENSORS[7]), l.moe.shared.fc1_lin.stats));
-            out.push((site(LAYER_TENSORS[8]), l.moe.shared.fc2_lin.stats));
+            stats.extend([
+                l.attn.qkv_lin.stats,
+                l.attn.proj_lin.stats,
+                l.moe.router_lin.stats,
+                merged(|ex| &ex.ffn.fc1_lin),
+                merged(|ex| &ex.ffn.fc2_lin),
+                l.moe.shared.fc1_lin.stats,
+                l.moe.shared.fc2_lin.stats,
+            ]);
         }
-        out.push(("output_layer".to_string(), self.out_lin.stats));
-        out
+        stats.push(self.out_lin.stats);
+        quant_sites(self.layers.len())
+            .into_iter()
+            .zip(stats)
+            .collect()
+    }
+}
+
+/// The matmul sites a forward's activation counts are reported for, in the order of
+/// [`ForwardCache::quant_stats`]: per layer qkv, proj, router, routed experts' fc1 and fc2, shared
+/// expert's fc1 and fc2; then the output layer.
+pub fn quant_sites(n_layers: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(7 * n_layers + 1);
+    for i in 0..n_layers {
+        for t in [1, 2, 4, 5, 6, 7, 8] {
+            out.push(format!("decoder.layers.{i}.{}", LAYER_TENSORS[t]));
+        }
+    }
+    out.push("output_layer".to_string());
+    out
+}
+
+/// The trainer's policy forward, wherever it ran: its logits, its activation counts, and the
+/// backward that goes with it. [`HostPass`] is `forward_rows` + `backward`;
+/// `Backend::train_forward` lets a backend run both on a device instead.
+pub trait TrainPass: Send {
+    /// Logits `[rows, V]` in the layout's row order.
+    fn logits(&self) -> &[f32];
+    /// As [`ForwardCache::quant_stats`].
+    fn quant_stats(&self) -> Vec<(String, QuantStats)>;
+    /// Gradients w.r.t. the master weights from dL/dlogits `[rows, V]` (as [`backward`]).
+    fn backward(&self, dlogits: &[f32]) -> Params;
+}
+
+/// [`TrainPass`] on the host: [`forward_rows`] kept, [`backward`] on demand.
+pub struct HostPass<'a> {
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
+    logits: Vec<f32>,
+    cache: ForwardCache,
+}
+
+impl<'a> HostPass<'a> {
+    /// [`forward_rows`] (no routing record: the trainer does not read it).
+    pub fn forward(
+        be: &'a dyn Backend,
+        prep: &'a PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Self {
+        let (logits, cache, _) = forward_rows(be, prep, tokens, layout, replay);
+        HostPass {
+            be,
+            prep,
+            logits,
+            cache,
+        }
+    }
+}
+
+impl TrainPass for HostPass<'_> {
+    fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+    fn quant_stats(&self) -> Vec<(String, QuantStats)> {
+        self.cache.quant_stats()
+    }
+    fn backward(&self, dlogits: &[f32]) -> Params {
+        backward(self.be, self.prep, &self.cache, dlogits)
     }
 }
 

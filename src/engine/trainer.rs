@@ -13,7 +13,7 @@ use super::backend::Backend;
 use super::contract;
 use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
-use super::model::{self, ModelConfig, Params, PreparedModel, Routing};
+use super::model::{self, HostPass, ModelConfig, Params, PreparedModel, Routing, TrainPass};
 use super::optim::AdamW;
 use super::rollout::{self, Rollout};
 use super::task::{Split, Task};
@@ -351,10 +351,10 @@ impl Trainer {
     }
 
     /// Forward/backward/update over the rollout; returns true if the loss went non-finite.
-    fn train_on(
+    fn train_on<'p>(
         &mut self,
-        be: &dyn Backend,
-        prep0: &PreparedModel,
+        be: &'p dyn Backend,
+        prep0: &'p PreparedModel,
         ro: &Rollout,
         adv: &[f32],
         rec: &mut StepRecord,
@@ -387,11 +387,6 @@ impl Trainer {
             None
         };
         let replay = replay.as_ref();
-        // Logits of every sequence position, [B·T, V] sequence-major, and the cache of the forward.
-        let forward = |prep: &PreparedModel| {
-            let (logits, cache, _) = model::forward_rows(be, prep, &rows, &layout, replay);
-            (layout.unpack(&logits, v), cache)
-        };
 
         // Old policy logprobs (and the first minibatch's forward, reused below), and the BF16
         // reference's logits for the KL metric: two independent forwards, run side by side so each
@@ -399,9 +394,16 @@ impl Trainer {
         // needs no cache, so a backend with a device-resident forward runs it there.
         let reference = || match be.forward_logits(&self.reference, &rows, &layout, replay) {
             Some(logits) => layout.unpack(&logits, v),
-            None => forward(&self.reference).0,
+            None => {
+                let (logits, _, _) =
+                    model::forward_rows(be, &self.reference, &rows, &layout, replay);
+                layout.unpack(&logits, v)
+            }
         };
-        let ((logits0, cache0), ref_logits) = rayon::join(|| forward(prep0), reference);
+        let ((logits0, cache0), ref_logits) = rayon::join(
+            || policy_forward(be, prep0, &rows, &layout, replay),
+            reference,
+        );
         let lp0 = token_logprobs(&logits0, ro, v);
         let mask: Vec<bool> = (0..b * t_in)
             .map(|r| ro.is_response(r / t_in, r % t_in + 1))
@@ -446,7 +448,7 @@ impl Trainer {
         }
 
         // Minibatches of whole groups; the first reuses the forward above.
-        let mut first = Some((logits0, cache0));
+        let mut first: Option<(Vec<f32>, Box<dyn TrainPass + 'p>)> = Some((logits0, cache0));
         let groups = b / c.samples_per_prompt;
         let mb = c.minibatches.clamp(1, groups.max(1));
         let (mut clip_n, mut ppo_kl, mut tis_sum, mut tis_clip, mut loss_sum) =
@@ -460,13 +462,12 @@ impl Trainer {
                 .filter(|s| (s / c.samples_per_prompt) * mb / groups.max(1) == k)
                 .collect();
             let fresh;
-            let (prep, logits, cache) = match first.take() {
-                Some((l, ca)) => (prep0, l, ca),
+            let (logits, cache) = match first.take() {
+                Some(first) => first,
                 None => {
                     fresh = PreparedModel::new(&self.params, &self.plan)
                         .expect("plan checked at construction");
-                    let (l, ca) = forward(&fresh);
-                    (&fresh, l, ca)
+                    policy_forward(be, &fresh, &rows, &layout, replay)
                 }
             };
             let lp = token_logprobs(&logits, ro, v);
@@ -525,7 +526,7 @@ impl Trainer {
             let logp_full = log_softmax(&logits, b * t_in, v);
             let mut dlogits = vec![0.0f32; b * t_in * v];
             super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp_full, b * t_in, v);
-            let grads = model::backward(be, prep, &cache, &layout.fold(&dlogits, v));
+            let grads = cache.backward(&layout.fold(&dlogits, v));
             // Norms per site and layer, global norm (before clipping).
             let mut sq_total = 0.0f64;
             let mut finite = true;
@@ -638,6 +639,23 @@ impl Trainer {
             decay.get(name).copied().unwrap_or(0.0)
         })
     }
+}
+
+/// The trainer's policy forward over `layout`'s rows: logits of every sequence position, [B·T, V]
+/// sequence-major, and the pass that holds the forward's cache for the backward: the backend's own
+/// (a device-resident forward and backward) or the host's.
+fn policy_forward<'a>(
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
+    rows: &[u32],
+    layout: &Layout,
+    replay: Option<&Routing>,
+) -> (Vec<f32>, Box<dyn TrainPass + 'a>) {
+    let pass = be
+        .train_forward(prep, rows, layout, replay)
+        .unwrap_or_else(|| Box::new(HostPass::forward(be, prep, rows, layout, replay)));
+    let v = prep.config.vocab;
+    (layout.unpack(pass.logits(), v), pass)
 }
 
 /// The rollout's routing record (sequence-major) in the rows of `layout`.

@@ -185,4 +185,18 @@ pub trait Backend: Send + Sync {
     ) -> Option<Vec<f32>> {
         None
     }
+
+    /// The trainer's policy forward, keeping what its backward needs, run by the backend (a
+    /// device-resident forward and backward); `None`, the default, runs `model::HostPass` (the
+    /// host model with this backend's GEMMs). Same rows, logits and gradients as the host pass up
+    /// to the backend's GEMM summation order.
+    fn train_forward<'a>(
+        &'a self,
+        _prep: &'a crate::engine::model::PreparedModel,
+        _tokens: &[u32],
+        _layout: &crate::engine::layout::Layout,
+        _replay: Option<&crate::engine::model::Routing>,
+    ) -> Option<Box<dyn crate::engine::model::TrainPass + 'a>> {
+        None
+    }
 }

@@ -99,6 +99,37 @@ extern "C" __global__ void bf16_round(const float *__restrict__ x, float *__rest
         out[i] = bitsf((u32)bf16_rne(x[i]) << 16);
 }
 
+// bf16_round that also counts as `tensor::fake_quantize_bf16` does (`Bf16Counts::add`): acc[1] +=
+// finite inputs that round to infinity, acc[2] += nonzero inputs that round to zero, acc[0] += n.
+// Integer atomics: the totals do not depend on the order.
+extern "C" __global__ void bf16_round_count(const float *__restrict__ x, float *__restrict__ out,
+                                            u64 n, u64 *__restrict__ acc) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 sat = 0, under = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float v = x[i];
+        float r = bitsf((u32)bf16_rne(v) << 16);
+        out[i] = r;
+        bool finite = (fbits(v) & 0x7F800000u) != 0x7F800000u;
+        bool inf = (fbits(r) & 0x7FFFFFFFu) == 0x7F800000u;
+        sat += (u64)(finite && inf);
+        under += (u64)(v != 0.0f && r == 0.0f);
+    }
+    if (sat) atomicAdd(acc + 1, sat);
+    if (under) atomicAdd(acc + 2, under);
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(acc, n);
+}
+
+// acc[0..3] += src[0..3]: a quantizer's counts (elements, saturated, underflowed) added to a
+// running total. One thread.
+extern "C" __global__ void stats_add(u64 *__restrict__ acc, const u64 *__restrict__ src) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        acc[0] += src[0];
+        acc[1] += src[1];
+        acc[2] += src[2];
+    }
+}
+
 // ---- MXFP8: mxfp8::dequantize_block, x' = decode(code) · 2^(b-127) --------------------------------
 // A thread per four elements (one u32 of codes, one float4 out); `n4` = n/4, n a multiple of 32,
 // so scale byte i/8 belongs to all four. ELEM: 0 E4M3, 1 E5M2.

@@ -28,6 +28,9 @@ const SCRATCH_SLOTS: usize = 16;
 /// The loaded kernels of `dequant.cu`.
 struct Kernels {
     bf16: CudaFunction,
+    /// `bf16_round` counting saturation and underflow, and the add of a quantizer's counts.
+    bf16_count: CudaFunction,
+    stats_add: CudaFunction,
     /// Indexed by element: E4M3, E5M2.
     mxfp8: [CudaFunction; 2],
     nvfp4: CudaFunction,
@@ -78,6 +81,8 @@ impl CudaFakeQuantizer {
         let f = |name: &str| m.load_function(name);
         let k = Kernels {
             bf16: f("bf16_round")?,
+            bf16_count: f("bf16_round_count")?,
+            stats_add: f("stats_add")?,
             mxfp8: [f("mxfp8_dq_e4m3")?, f("mxfp8_dq_e5m2")?],
             nvfp4: f("nvfp4_dq")?,
             fp8_block: f("fp8_block_dq")?,
@@ -137,6 +142,36 @@ impl CudaFakeQuantizer {
         fmt: &QuantFormat,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.rows_counted(x, rows, cols, fmt, out, None)
+    }
+
+    /// [`Self::fake_quantize_rows`] that also adds the quantization's counts (elements,
+    /// saturated, underflowed: the `QuantStats` the CPU's `fake_quantize` returns) to `acc`
+    /// (3 values, on the device; the trainer's per-site quantization metrics).
+    pub fn fake_quantize_rows_counted(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+        acc: &mut CudaSlice<u64>,
+    ) -> Result<(), CudaError> {
+        self.rows_counted(x, rows, cols, fmt, out, Some(acc))
+    }
+
+    fn rows_counted(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+        acc: Option<&mut CudaSlice<u64>>,
+    ) -> Result<(), CudaError> {
+        if let Some(a) = &acc {
+            check_len("counts", a.len(), 3)?;
+        }
         // The column conditions of the CPU (cols > 0, block multiple, shards > 0), whatever rows.
         validate_len(cols, 1, cols, fmt, Axis::Row)?;
         let n = rows
@@ -148,7 +183,16 @@ impl CudaFakeQuantizer {
             return Ok(());
         }
         if let QuantFormat::Bf16 = fmt {
-            return self.round_bf16(x, out, n);
+            let Some(acc) = acc else {
+                return self.round_bf16(x, out, n);
+            };
+            let n64 = n as u64;
+            let mut b = self.q.stream().launch_builder(&self.k.bf16_count);
+            b.arg(x).arg(out).arg(&n64).arg(acc);
+            // SAFETY: grid-stride loop over i < n; `x` and `out` hold at least n floats, `acc`
+            // at least 3 counts (checked).
+            unsafe { b.launch(cfg(blocks(n, self.grid))) }?;
+            return Ok(());
         }
         let s = self.q.stream();
         let mut cache = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
@@ -164,6 +208,12 @@ impl CudaFakeQuantizer {
             &*buf
         };
         self.q.quantize_into(src, q)?;
+        if let Some(acc) = acc {
+            let mut b = s.launch_builder(&self.k.stats_add);
+            b.arg(acc).arg(q.stats());
+            // SAFETY: one thread adds 3 counts; both buffers hold 3 (checked, `alloc`).
+            unsafe { b.launch(cfg(1)) }?;
+        }
         let dnan = self.default_nan;
         let (n64, rows64, cols64) = (n as u64, rows as u64, cols as u64);
         match *fmt {

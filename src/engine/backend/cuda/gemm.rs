@@ -21,10 +21,11 @@
 
 use super::decoder::ResidentDecoder;
 use super::resident::ResidentForward;
+use super::train::{ResidentPass, ResidentTrainer};
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, MatRef};
 use crate::engine::layout::Layout;
-use crate::engine::model::{PreparedModel, Routing};
+use crate::engine::model::{PreparedModel, Routing, TrainPass};
 use crate::engine::rollout::Decoder;
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
@@ -205,6 +206,10 @@ pub struct CudaBackend {
     /// Resident forwards (kernels, stream, cuBLAS handle) of finished decoders, one per
     /// concurrent caller at most, so compiling them is paid once per worker.
     forwards: Pool<ResidentForward>,
+    /// Run the trainer's policy forward and backward on the device ([`ResidentPass`]).
+    device_train: bool,
+    /// Resident trainers, pooled as the forwards are.
+    trainers: Pool<ResidentTrainer>,
 }
 
 impl CudaBackend {
@@ -226,6 +231,8 @@ impl CudaBackend {
             counters: AtomicCounters::default(),
             device_model: true,
             forwards: Pool::new(Vec::new()),
+            device_train: true,
+            trainers: Pool::new(Vec::new()),
         })
     }
 
@@ -235,6 +242,23 @@ impl CudaBackend {
     pub fn with_device_model(mut self, on: bool) -> Self {
         self.device_model = on;
         self
+    }
+
+    /// Run the trainer's policy forward and backward on the device (`true`, the default, when
+    /// the device model is on too), or on the host with GEMMs here (an A/B baseline of
+    /// `lockstep bench step`).
+    pub fn with_device_trainer(mut self, on: bool) -> Self {
+        self.device_train = on;
+        self
+    }
+
+    /// A resident trainer from the pool, or a new one.
+    pub(super) fn take_trainer(&self) -> Result<ResidentTrainer, CudaError> {
+        self.trainers.take(|| ResidentTrainer::new(&self.dev))
+    }
+
+    pub(super) fn give_trainer(&self, t: ResidentTrainer) {
+        self.trainers.give(t);
     }
 
     /// A resident forward from the pool, or a new one.
@@ -459,6 +483,24 @@ impl Backend for CudaBackend {
         match out {
             Ok(o) => Some(o.logits),
             Err(e) => panic!("{}: resident forward failed: {e}", self.name()),
+        }
+    }
+
+    /// The resident trainer's forward (unless the device model or trainer is turned off); its
+    /// backward runs on the device too.
+    fn train_forward<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Option<Box<dyn TrainPass + 'a>> {
+        if !(self.device_model && self.device_train) {
+            return None;
+        }
+        match ResidentPass::new(self, prep, tokens, layout, replay) {
+            Ok(p) => Some(Box::new(p)),
+            Err(e) => panic!("{}: resident trainer failed: {e}", self.name()),
         }
     }
 }

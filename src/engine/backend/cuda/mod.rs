@@ -18,9 +18,11 @@ pub mod decoder;
 pub mod fake_quant;
 pub mod gemm;
 pub mod linear;
+pub mod moe;
 pub mod ops;
 pub mod quant;
 pub mod resident;
+pub mod train;
 
 pub use gemm::CudaBackend;
 pub use quant::{CudaQuantizer, DeviceQuantized};

@@ -116,6 +116,11 @@ impl DeviceQuantized {
         &self.scales_u8
     }
 
+    /// The counts of the last `quantize_into`: elements, saturated, underflowed (`QuantStats`).
+    pub(crate) fn stats(&self) -> &CudaSlice<u64> {
+        &self.stats
+    }
+
     /// FP8 block scaling: the stored decode multipliers (`scale_inv`), one per tile, row-major
     /// over the tile grid (`[rows, ceil(cols/128)]` or `[ceil(rows/128), ceil(cols/128)]`).
     pub(crate) fn tile_scales(&self) -> &CudaSlice<f32> {

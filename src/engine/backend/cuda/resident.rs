@@ -20,6 +20,7 @@
 //! pick another expert (tests measure both).
 
 use super::fake_quant::CudaFakeQuantizer;
+use super::moe::ExpertBatch;
 use super::ops::{CudaOps, DeviceLayout, dim};
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::layout::Layout;
@@ -35,7 +36,6 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
-const MOE_SRC: &str = include_str!("moe.cu");
 const KV_SRC: &str = include_str!("kv.cu");
 
 /// A matmul site on the device: its forward operand (already quantized and dequantized by
@@ -127,9 +127,8 @@ pub struct ResidentForward {
     fq: CudaFakeQuantizer,
     ops: CudaOps,
     blas: CudaBlas,
-    /// `moe.cu`: `route_slots` and `gather_padded`.
-    route_slots: CudaFunction,
-    gather_padded: CudaFunction,
+    /// `moe.cu`: routing to the capacity-padded expert batch, and its row gather.
+    experts: ExpertBatch,
     /// `kv.cu`.
     kv_store: CudaFunction,
 }
@@ -141,15 +140,13 @@ impl ResidentForward {
         let q = Arc::new(CudaQuantizer::new(dev)?);
         let stream = q.stream().clone();
         let blas = super::gemm::pedantic_blas(&stream)?;
-        let moe = dev.compile("moe", MOE_SRC)?;
         let kv = dev.compile("kv", KV_SRC)?;
         Ok(ResidentForward {
             fq: CudaFakeQuantizer::new(q)?,
             ops: CudaOps::new(dev)?,
             stream,
             blas,
-            route_slots: moe.load_function("route_slots")?,
-            gather_padded: moe.load_function("gather_padded")?,
+            experts: ExpertBatch::new(dev)?,
             kv_store: kv.load_function("kv_store")?,
         })
     }
@@ -511,29 +508,10 @@ impl ResidentForward {
             replay.as_ref(),
         )?;
         let cap = n;
-        let mut slot_row = s.alloc_zeros::<u32>((n * k).max(1))?;
-        let mut src_row = s.alloc_zeros::<u32>((e * cap).max(1))?;
-        let op = "moe";
-        let (nk32, k32, e32) = (dim(op, "slots", n * k)?, dim(op, "k", k)?, dim(op, "e", e)?);
-        let (cap32, n32, d32) = (dim(op, "cap", cap)?, dim(op, "n", n)?, dim(op, "d", d)?);
-        let rows32 = dim(op, "expert rows", e * cap)?;
-        let mut b = s.launch_builder(&self.route_slots);
-        b.arg(&ids).arg(&mut slot_row).arg(&mut src_row);
-        b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32);
-        // SAFETY: thread ex < e reads ids[0..n·k) and writes slot_row[s] (s < n·k) and
-        // src_row[ex·cap + r] for r < cap; both buffers hold those many entries.
-        unsafe { b.launch(LaunchConfig::for_num_elems(e32)) }?;
+        let slots = self.experts.route(s, &ids, (n, k, e), cap)?;
         let mut xe = self.zeros(e * cap * d)?;
-        let mut b = s.launch_builder(&self.gather_padded);
-        b.arg(&mut xe).arg(&xn).arg(&src_row);
-        b.arg(&rows32).arg(&d32).arg(&n32);
-        // SAFETY: grid-stride over i < e·cap·d (xe's length); x is read at src·d + c only for
-        // src < n (xn holds n·d); src_row holds e·cap entries.
-        unsafe {
-            b.launch(LaunchConfig::for_num_elems(
-                (e * cap * d).min(1 << 20) as u32
-            ))
-        }?;
+        self.experts
+            .gather(s, &mut xe, &xn, &slots.src_row, e * cap, d, n)?;
         let shared = self.ffn(&w.shared_fc1, &w.shared_fc2, &xn, n)?;
         let f = w.experts_fc2.in_dim;
         let h = self.experts_forward(&w.experts_fc1, &xe, e, cap)?;
@@ -543,7 +521,17 @@ impl ResidentForward {
         let y_all = self.experts_forward(&w.experts_fc2, &act, e, cap)?;
         let mut out = self.zeros(n * d)?;
         self.ops.moe_combine(
-            s, &mut out, &shared, &y_all, &slot_row, &ids, &weights, x, n, k, d,
+            s,
+            &mut out,
+            &shared,
+            &y_all,
+            &slots.slot_row,
+            &ids,
+            &weights,
+            x,
+            n,
+            k,
+            d,
         )?;
         Ok((out, ids))
     }
@@ -597,25 +585,18 @@ impl ResidentForward {
         let src_row: Vec<u32> = (0..seqs * cap)
             .map(|r| ((r / cap) / samples * cap + r % cap) as u32)
             .collect();
-        let op = "kv cache";
-        let rows = dim(op, "rows", seqs * cap)?;
-        let src_rows = dim(op, "rows", cache.seqs * cap)?;
-        let w32 = dim(op, "width", w)?;
         let src_row = self.stream.clone_htod(&src_row)?;
         for layer in &mut cache.layers {
             let mut out = self.zeros(seqs * cap * w)?;
-            if seqs * cap * w > 0 {
-                let mut b = self.stream.launch_builder(&self.gather_padded);
-                b.arg(&mut out).arg(&*layer).arg(&src_row);
-                b.arg(&rows).arg(&w32).arg(&src_rows);
-                // SAFETY: grid-stride over i < rows·w (out's length); the layer is read at
-                // src·w + c only for src < src_rows (it holds src_rows·w); src_row holds rows.
-                unsafe {
-                    b.launch(LaunchConfig::for_num_elems(
-                        (seqs * cap * w).min(1 << 20) as u32
-                    ))
-                }?;
-            }
+            self.experts.gather(
+                &self.stream,
+                &mut out,
+                &*layer,
+                &src_row,
+                seqs * cap,
+                w,
+                cache.seqs * cap,
+            )?;
             *layer = out;
         }
         cache.seqs = seqs;

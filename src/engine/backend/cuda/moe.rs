@@ -1,0 +1,107 @@
+//! The capacity-padded expert batch (`moe.cu`), shared by the resident forward, decoder and
+//! trainer: the routed slots of a layer go to rows of a batch where expert e owns rows
+//! `[e·cap, (e+1)·cap)` (its tokens in token order, then zero rows), so every expert site runs as
+//! one strided batched GEMM with no host round trip.
+
+use super::ops::dim;
+use super::{CudaDevice, CudaError};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+const SRC: &str = include_str!("moe.cu");
+
+/// A slot's or a batch row's entry when it has none (`moe.cu`'s 0xFFFFFFFF).
+pub const NO_ROW: u32 = u32::MAX;
+
+/// `moe.cu`'s kernels.
+pub struct ExpertBatch {
+    route_slots: CudaFunction,
+    gather_padded: CudaFunction,
+}
+
+/// Where each slot went: `slot_row[n·k]` (batch row of slot t·k + j) and `src_row[e·cap]` (token
+/// of each batch row, [`NO_ROW`] for padding).
+pub struct Slots {
+    pub slot_row: CudaSlice<u32>,
+    pub src_row: CudaSlice<u32>,
+    pub cap: usize,
+}
+
+impl ExpertBatch {
+    pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
+        let m = dev.compile("moe", SRC)?;
+        Ok(ExpertBatch {
+            route_slots: m.load_function("route_slots")?,
+            gather_padded: m.load_function("gather_padded")?,
+        })
+    }
+
+    /// Route the `n·k` slots of `ids` (`[n, k]` expert ids) to a batch of `e` experts with `cap`
+    /// rows each (`cap >= n`: a token picks an expert at most once, so none overflows).
+    pub fn route(
+        &self,
+        stream: &Arc<CudaStream>,
+        ids: &CudaSlice<u32>,
+        (n, k, e): (usize, usize, usize),
+        cap: usize,
+    ) -> Result<Slots, CudaError> {
+        let op = "moe";
+        if cap < n || ids.len() < n * k {
+            return Err(CudaError::Shape(format!(
+                "{op}: capacity {cap} for {n} tokens, {} ids for {n} x {k}",
+                ids.len()
+            )));
+        }
+        let mut slot_row = stream.alloc_zeros::<u32>((n * k).max(1))?;
+        let mut src_row = stream.alloc_zeros::<u32>((e * cap).max(1))?;
+        let (nk32, k32, e32) = (dim(op, "slots", n * k)?, dim(op, "k", k)?, dim(op, "e", e)?);
+        let cap32 = dim(op, "cap", cap)?;
+        dim(op, "expert rows", e * cap)?;
+        let mut b = stream.launch_builder(&self.route_slots);
+        b.arg(ids).arg(&mut slot_row).arg(&mut src_row);
+        b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32);
+        // SAFETY: thread ex < e reads ids[0..n·k) and writes slot_row[s] (s < n·k) and
+        // src_row[ex·cap + r] for r < cap; both buffers hold those many entries.
+        unsafe { b.launch(LaunchConfig::for_num_elems(e32)) }?;
+        Ok(Slots {
+            slot_row,
+            src_row,
+            cap,
+        })
+    }
+
+    /// `dst[row] = x[src_row[row]]` for `rows` rows of `d` floats, a zero row where `src_row` is
+    /// [`NO_ROW`] or not below `n` (x's rows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather(
+        &self,
+        stream: &Arc<CudaStream>,
+        dst: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        src_row: &CudaSlice<u32>,
+        rows: usize,
+        d: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let op = "gather_padded";
+        if dst.len() < rows * d || src_row.len() < rows || x.len() < n * d {
+            return Err(CudaError::Shape(format!(
+                "{op}: {rows} rows of {d} from {n}: dst holds {}, src_row {}, x {}",
+                dst.len(),
+                src_row.len(),
+                x.len()
+            )));
+        }
+        if rows * d == 0 {
+            return Ok(());
+        }
+        let (rows32, d32, n32) = (dim(op, "rows", rows)?, dim(op, "d", d)?, dim(op, "n", n)?);
+        let mut b = stream.launch_builder(&self.gather_padded);
+        b.arg(dst).arg(x).arg(src_row);
+        b.arg(&rows32).arg(&d32).arg(&n32);
+        // SAFETY: grid-stride over i < rows·d (dst's length, checked); x is read at src·d + c only
+        // for src < n (x holds n·d, checked); src_row holds rows entries (checked).
+        unsafe { b.launch(LaunchConfig::for_num_elems((rows * d).min(1 << 20) as u32)) }?;
+        Ok(())
+    }
+}
