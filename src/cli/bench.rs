@@ -117,11 +117,15 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     let print = |label: &str, times: &[(String, f64)]| {
         let cell = |k: &str| ms(times, k);
         println!(
-            "  {label:<42} step {:>7.1} ms  export {:>6.1}  rollout {:>6.1}  train {:>6.1}",
+            "  {label:<42} step {:>7.1} ms  export {:>6.1}  rollout {:>6.1}  train {:>6.1} \
+             (forward {:.1}, backward {:.1}, optimizer {:.1})",
             cell("perf/step_time"),
             cell("perf/export_time"),
             cell("perf/rollout_time"),
-            cell("perf/train_time")
+            cell("perf/train_time"),
+            cell("perf/train_forward_time"),
+            cell("perf/train_backward_time"),
+            cell("perf/optimizer_time")
         );
     };
     if gpu.is_empty() {

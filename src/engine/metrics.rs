@@ -10,7 +10,8 @@
 //! `train/update_weight_ratio`, `quant/saturated`, `quant/underflowed`, `contract/violations`,
 //! `eval/accuracy` (held-out, greedy; on evaluation steps only), and wall-clock `perf/*` keys
 //! (`perf/rollout_time`, `perf/train_time`, `perf/export_time`, `perf/step_time`,
-//! `perf/rollout_tokens_per_s`, `perf/train_tokens_per_s`). `perf/*` are the only keys that differ
+//! `perf/rollout_tokens_per_s`, `perf/train_tokens_per_s`, and the train phase's parts
+//! `perf/train_forward_time`, `perf/train_backward_time`, `perf/optimizer_time`). `perf/*` are the only keys that differ
 //! between two runs of the same seed.
 
 use serde::{Deserialize, Serialize};

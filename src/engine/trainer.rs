@@ -400,10 +400,12 @@ impl Trainer {
                 layout.unpack(&logits, v)
             }
         };
+        let t_fwd = Instant::now();
         let ((logits0, cache0), ref_logits) = rayon::join(
             || policy_forward(be, prep0, &rows, &layout, replay),
             reference,
         );
+        rec.set("perf/train_forward_time", t_fwd.elapsed().as_secs_f64());
         let lp0 = token_logprobs(&logits0, ro, v);
         let mask: Vec<bool> = (0..b * t_in)
             .map(|r| ro.is_response(r / t_in, r % t_in + 1))
@@ -457,6 +459,7 @@ impl Trainer {
         let mut global_norm = 0.0;
         let (mut upd_sq, mut w_sq) = (0.0f64, 0.0f64);
         let mut diverged = false;
+        let (mut backward_time, mut optimizer_time) = (0.0, 0.0);
         for k in 0..mb {
             let seqs: Vec<usize> = (0..b)
                 .filter(|s| (s / c.samples_per_prompt) * mb / groups.max(1) == k)
@@ -526,7 +529,10 @@ impl Trainer {
             let logp_full = log_softmax(&logits, b * t_in, v);
             let mut dlogits = vec![0.0f32; b * t_in * v];
             super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp_full, b * t_in, v);
+            let t_bwd = Instant::now();
             let grads = cache.backward(&layout.fold(&dlogits, v));
+            backward_time += t_bwd.elapsed().as_secs_f64();
+            let t_opt = Instant::now();
             // Norms per site and layer, global norm (before clipping).
             let mut sq_total = 0.0f64;
             let mut finite = true;
@@ -557,7 +563,12 @@ impl Trainer {
             let (u, w) = self.adam_update(&grads, scale as f32);
             upd_sq += u;
             w_sq = w;
+            optimizer_time += t_opt.elapsed().as_secs_f64();
         }
+        // Where the train phase goes: forward (policy and reference side by side), backward,
+        // gradient norms with the optimizer.
+        rec.set("perf/train_backward_time", backward_time);
+        rec.set("perf/optimizer_time", optimizer_time);
         rec.set("train/loss", loss_sum);
         rec.set("train/pg_clipfrac", clip_n / n_tok);
         rec.set("train/ppo_kl", ppo_kl / n_tok);

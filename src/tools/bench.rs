@@ -124,6 +124,9 @@ pub fn engine_step_times(
         "perf/export_time",
         "perf/rollout_time",
         "perf/train_time",
+        "perf/train_forward_time",
+        "perf/train_backward_time",
+        "perf/optimizer_time",
     ];
     Ok(keys
         .iter()
