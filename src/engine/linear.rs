@@ -52,6 +52,10 @@ impl PreparedWeight {
     pub fn w_bwd(&self) -> &[f32] {
         &self.w_bwd
     }
+    /// Names this preparation's contents: clones share it, every new preparation gets a new one.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
     fn fwd_operand(&self) -> MatRef<'_> {
         MatRef::new(&self.w_fwd, self.out_dim, self.in_dim).keyed(self.key)
     }

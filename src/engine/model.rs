@@ -513,6 +513,12 @@ fn prepare_experts(
 }
 
 impl PreparedModel {
+    /// Names this prepared model's contents (immutable once prepared): clones share it, every
+    /// new preparation gets a new one. A device backend keys its uploaded copy by it.
+    pub fn key(&self) -> u64 {
+        self.output_layer.key()
+    }
+
     /// Quantizes every matmul site of `params` per `plan` (experts one at a time, each with its own
     /// scales, as grouped-GEMM experts are).
     pub fn new(params: &Params, plan: &ModelPlan) -> Result<PreparedModel, ModelError> {
