@@ -493,13 +493,13 @@ impl Backend for CudaBackend {
                 None => Arc::new(f.upload(prep)?),
             };
             let out = f.forward(&m, tokens, layout, replay)?;
-            if let Ok(mut v) = self.uploaded.lock() {
-                if !v.iter().any(|(k, _)| *k == key) {
-                    if v.len() >= UPLOADED_MODELS {
-                        v.remove(0);
-                    }
-                    v.push((key, m));
+            if let Ok(mut v) = self.uploaded.lock()
+                && !v.iter().any(|(k, _)| *k == key)
+            {
+                if v.len() >= UPLOADED_MODELS {
+                    v.remove(0);
                 }
+                v.push((key, m));
             }
             Ok(out)
         };
