@@ -22,10 +22,13 @@ done
 [ "${3:-}" = quick ] && exit $status
 SAN=/usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
-  for name in cuda_train cuda_linear; do
+  # The newest kernels' tests (the trainer's: its pass test alone, the end-to-end one is long).
+  for spec in "cuda_train resident_pass" "cuda_linear"; do
+    set -- $spec
+    name=$1
     [ -x "$DIR/$name" ] || continue
-    echo "==== $name" >> "$OUT/memcheck.log"
-    timeout 300 "$SAN" --tool memcheck "$DIR/$name" --test-threads 1 > /tmp/gpu-check-mc.log 2>&1
+    echo "==== $spec" >> "$OUT/memcheck.log"
+    timeout 200 "$SAN" --tool memcheck "$DIR/$name" ${2:-} --test-threads 1 > /tmp/gpu-check-mc.log 2>&1
     cat /tmp/gpu-check-mc.log >> "$OUT/memcheck.log"
     echo "memcheck $name: $(grep 'ERROR SUMMARY' /tmp/gpu-check-mc.log)"
   done
