@@ -142,25 +142,13 @@ impl CudaFakeQuantizer {
         fmt: &QuantFormat,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.rows_counted(x, rows, cols, fmt, out, None)
+        self.fake_quantize_rows_counted(x, rows, cols, fmt, out, None)
     }
 
     /// [`Self::fake_quantize_rows`] that also adds the quantization's counts (elements,
     /// saturated, underflowed: the `QuantStats` the CPU's `fake_quantize` returns) to `acc`
-    /// (3 values, on the device; the trainer's per-site quantization metrics).
+    /// (3 values, on the device; the trainer's per-site quantization metrics) when given.
     pub fn fake_quantize_rows_counted(
-        &self,
-        x: &CudaSlice<f32>,
-        rows: usize,
-        cols: usize,
-        fmt: &QuantFormat,
-        out: &mut CudaSlice<f32>,
-        acc: &mut CudaSlice<u64>,
-    ) -> Result<(), CudaError> {
-        self.rows_counted(x, rows, cols, fmt, out, Some(acc))
-    }
-
-    fn rows_counted(
         &self,
         x: &CudaSlice<f32>,
         rows: usize,

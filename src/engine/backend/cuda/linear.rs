@@ -271,13 +271,12 @@ impl CudaLinear {
         if rows == 0 {
             return Ok(());
         }
-        match (kind, acc) {
-            (Quant::Rows, Some(acc)) => self
+        match kind {
+            Quant::Rows => self
                 .fq
                 .fake_quantize_rows_counted(x, rows, cols, fmt, out, acc),
-            (Quant::Rows, None) => self.fq.fake_quantize_rows(x, rows, cols, fmt, out),
-            (Quant::RowsPadded, _) => self.fq.fake_quantize_rows_padded(x, rows, cols, fmt, out),
-            (Quant::ColsPadded, _) => self.fq.fake_quantize_cols_padded(x, rows, cols, fmt, out),
+            Quant::RowsPadded => self.fq.fake_quantize_rows_padded(x, rows, cols, fmt, out),
+            Quant::ColsPadded => self.fq.fake_quantize_cols_padded(x, rows, cols, fmt, out),
         }
     }
 

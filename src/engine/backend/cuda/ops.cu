@@ -204,16 +204,9 @@ extern "C" __global__ void moe_combine(float *__restrict__ out, const float *__r
         u64 t = idx / d, c = idx % d;
         const u32 *id = ids + t * k;
         float o = shared_y[idx];
-        // Visit slots in increasing (id, j): each step takes the smallest pair above the last.
         u64 last = 0;
         for (u32 step = 0; step < k; step++) {
-            u64 best = ~0ull;
-            for (u32 j = 0; j < k; j++) {
-                u64 key = ((u64)id[j] << 32) | j;
-                if ((step == 0 || key > last) && key < best) best = key;
-            }
-            last = best;
-            u64 s = t * k + (u32)(best & 0xFFFFFFFFull);
+            u64 s = t * k + next_slot_in_expert_order(id, k, step, &last);
             u32 row = slot_row[s];
             float v = row < y_rows ? y_all[(u64)row * d + c] : NAN_F;
             o = o + weights[s] * v;

@@ -430,6 +430,37 @@ impl CudaOps {
         Ok(())
     }
 
+    /// [`Self::router_forward`] into fresh buffers: the chosen experts `[n, k]` and their gate
+    /// weights, `replay` (host ids, `[n, k]`) copied to the device first. The softmax
+    /// probabilities are not kept (no backward reads them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &self,
+        stream: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        n: usize,
+        e: usize,
+        k: usize,
+        replay: Option<&[u32]>,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>), CudaError> {
+        let mut probs = stream.alloc_zeros::<f32>((n * e).max(1))?;
+        let mut ids = stream.alloc_zeros::<u32>((n * k).max(1))?;
+        let mut weights = stream.alloc_zeros::<f32>((n * k).max(1))?;
+        let replay = replay.map(|r| stream.clone_htod(r)).transpose()?;
+        self.router_forward(
+            stream,
+            &mut probs,
+            &mut ids,
+            &mut weights,
+            logits,
+            n,
+            e,
+            k,
+            replay.as_ref(),
+        )?;
+        Ok((ids, weights))
+    }
+
     /// dst[..len] += src[..len] (the model's `add_into`). Bit-identical.
     pub fn add_into(
         &self,

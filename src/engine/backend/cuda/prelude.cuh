@@ -27,3 +27,16 @@ __device__ float dot8(const float *a, const float *b, u32 len) {
     for (u32 i = chunks * 8; i < len; i++) s = s + a[i] * b[i];
     return s;
 }
+
+// The j of token t's next slot in increasing (expert id, j) order, after the one `*last` holds
+// (step 0: the first): the order of the CPU's loops over experts and their token-ordered slot
+// lists (`moe_forward`'s combine, `moe_backward`'s scatter). `id` is the token's k expert ids.
+__device__ __forceinline__ u32 next_slot_in_expert_order(const u32 *id, u32 k, u32 step, u64 *last) {
+    u64 best = ~0ull;
+    for (u32 j = 0; j < k; j++) {
+        u64 key = ((u64)id[j] << 32) | j;
+        if ((step == 0 || key > *last) && key < best) best = key;
+    }
+    *last = best;
+    return (u32)(best & 0xFFFFFFFFull);
+}

@@ -492,21 +492,7 @@ impl ResidentForward {
         self.ops
             .rmsnorm_forward(s, &mut xn, &mut rstd, x, &w.mlp_norm, n, d)?;
         let logits = self.linear_forward(&w.router, &xn, n)?;
-        let mut probs = self.zeros(n * e)?;
-        let mut ids = s.alloc_zeros::<u32>((n * k).max(1))?;
-        let mut weights = self.zeros(n * k)?;
-        let replay = replay.map(|r| s.clone_htod(r)).transpose()?;
-        self.ops.router_forward(
-            s,
-            &mut probs,
-            &mut ids,
-            &mut weights,
-            &logits,
-            n,
-            e,
-            k,
-            replay.as_ref(),
-        )?;
+        let (ids, weights) = self.ops.route(s, &logits, n, e, k, replay)?;
         let cap = n;
         let slots = self.experts.route(s, &ids, (n, k, e), cap)?;
         let mut xe = self.zeros(e * cap * d)?;

@@ -4,7 +4,7 @@
 // CPU's sums runs in one thread in the CPU's order, so the results are the CPU's bits; no float
 // atomics; a slot row outside the batch gives NaN instead of an access outside a buffer.
 
-// needs: prelude.cuh (u32/u64, NAN_F, the grid-stride and warp index helpers)
+// needs: prelude.cuh (u32/u64, NAN_F, the grid-stride and warp index helpers, the slot order)
 
 // `model::expert_backward`'s first loop, for every slot at once. A warp per slot s: lane 0 sums
 // dgate[s] = sum_c dh[t, c] * y_all[row, c] (from -0.0, in column order, as Rust's `Sum`), and
@@ -48,13 +48,7 @@ extern "C" __global__ void expert_dx_scatter(float *__restrict__ dxn,
         float o = dxn[idx];
         u64 last = 0;
         for (u32 step = 0; step < k; step++) {
-            u64 best = ~0ull;
-            for (u32 j = 0; j < k; j++) {
-                u64 key = ((u64)id[j] << 32) | j;
-                if ((step == 0 || key > last) && key < best) best = key;
-            }
-            last = best;
-            u32 row = slot_row[t * k + (u32)(best & 0xFFFFFFFFull)];
+            u32 row = slot_row[t * k + next_slot_in_expert_order(id, k, step, &last)];
             o = o + (row < rows ? dxe_all[(u64)row * d + c] : NAN_F);
         }
         dxn[idx] = o;

@@ -305,21 +305,7 @@ impl ResidentTrainer {
         let (logits, router_lin) =
             self.lin
                 .forward_counted(&p.router, &xn, n, &w.router, Some(c_router))?;
-        let mut probs = self.zeros(n * e)?;
-        let mut ids = s.alloc_zeros::<u32>((n * k).max(1))?;
-        let mut weights = self.zeros(n * k)?;
-        let replay = replay.map(|r| s.clone_htod(r)).transpose()?;
-        self.ops.router_forward(
-            s,
-            &mut probs,
-            &mut ids,
-            &mut weights,
-            &logits,
-            n,
-            e,
-            k,
-            replay.as_ref(),
-        )?;
+        let (ids, weights) = self.ops.route(s, &logits, n, e, k, replay)?;
         let cap = n.div_ceil(CAP_MULTIPLE) * CAP_MULTIPLE;
         let slots = self.batch.route(s, &ids, (n, k, e), cap)?;
         let mut xe = self.zeros(e * cap * d)?;
