@@ -19,6 +19,7 @@ use super::rollout::{self, Rollout};
 use super::task::{Split, Task};
 use crate::formats::{MxScaleRule, QuantStats, SecondScale};
 use crate::recipe::{ModelPlan, Precision, Recipe, RecipeError, SitePlan};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -536,8 +537,14 @@ impl Trainer {
             // Norms per site and layer, global norm (before clipping).
             let mut sq_total = 0.0f64;
             let mut finite = true;
-            for (name, g) in grads.named_tensors() {
-                let sq: f64 = g.iter().map(|x| (*x as f64) * (*x as f64)).sum();
+            // Each tensor's sum in element order (one task per tensor), combined in tensor order:
+            // the same bits whatever the thread count.
+            let named = grads.named_tensors();
+            let sums: Vec<f64> = named
+                .par_iter()
+                .map(|(_, g)| g.iter().map(|x| (*x as f64) * (*x as f64)).sum())
+                .collect();
+            for ((name, _), sq) in named.iter().zip(sums) {
                 finite &= sq.is_finite();
                 sq_total += sq;
                 *grad_norms.entry(site_of(&name)).or_default() += sq;
