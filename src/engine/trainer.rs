@@ -547,7 +547,7 @@ impl Trainer {
             for ((name, _), sq) in named.iter().zip(sums) {
                 finite &= sq.is_finite();
                 sq_total += sq;
-                *grad_norms.entry(site_of(&name)).or_default() += sq;
+                *grad_norms.entry(site_of(name)).or_default() += sq;
             }
             let norm = sq_total.sqrt();
             global_norm += norm / mb as f64;
