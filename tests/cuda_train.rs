@@ -50,15 +50,20 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
         return;
     };
     // (model, plan, tolerance on logits, on each gradient tensor, on the global gradient norm),
-    // relative to the CPU's largest value (the norm: relative to the CPU's norm).
+    // relative to the CPU's largest value (the norm: relative to the CPU's norm). About 3x what
+    // the H200 measured on 2026-12-03 (docs/cuda-logs/train-2026-12-03): fp32 logits 2.5e-7 /
+    // 4.8e-7, gradients 7.7e-7 / 1.1e-6, norms 6e-9 / 1.3e-8; bf16 1.6e-3, 3.4e-3, 8.3e-7; mxfp8
+    // 3.5e-3, 5.2e-2, 6.7e-5; nvfp4-dq 1.2e-2, 5.0e-2, 1.9e-5; per-tensor 1.1e-2, 6.9e-2,
+    // 2.8e-5; fp8-block 4.3e-3, 4.7e-2, 5.7e-6. A quantized site's worst tensor is a small one
+    // (a norm gain, an expert's fc1) where a code moved across a rounding boundary.
     let cases = [
-        (ModelConfig::tiny(), "fp32", 2e-6f32, 1e-4f32, 1e-5f64),
-        (ModelConfig::small(), "fp32", 2e-6, 1e-4, 1e-5),
-        (ModelConfig::small(), "bf16", 5e-3, 0.1, 1e-2),
-        (ModelConfig::small(), "mxfp8", 1e-2, 0.1, 1e-2),
-        (ModelConfig::small(), "nvfp4-dq", 4e-2, 0.2, 2e-2),
-        (ModelConfig::small(), "nvfp4-dq-per-tensor", 4e-2, 0.2, 2e-2),
-        (ModelConfig::small(), "fp8-block", 2e-2, 0.2, 2e-2),
+        (ModelConfig::tiny(), "fp32", 2e-6f32, 5e-6f32, 1e-7f64),
+        (ModelConfig::small(), "fp32", 2e-6, 5e-6, 1e-7),
+        (ModelConfig::small(), "bf16", 5e-3, 1e-2, 1e-5),
+        (ModelConfig::small(), "mxfp8", 1e-2, 0.15, 3e-4),
+        (ModelConfig::small(), "nvfp4-dq", 4e-2, 0.15, 1e-4),
+        (ModelConfig::small(), "nvfp4-dq-per-tensor", 4e-2, 0.2, 1e-4),
+        (ModelConfig::small(), "fp8-block", 2e-2, 0.15, 5e-5),
     ];
     let mut failures = Vec::new();
     for (cfg, name, tol_logits, tol_grad, tol_norm) in cases {

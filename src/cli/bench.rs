@@ -157,13 +157,17 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         let last = per_step.last().copied().unwrap_or_default();
         println!(
             "  {:<42} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
-             resident / {} copied in (last step)",
+             resident / {} copied in; {} models uploaded in {:.1} ms; trainer forward {:.1} ms \
+             (last step)",
             "",
             last.calls,
             last.bytes_to_device as f64 / 1e6,
             last.bytes_to_host as f64 / 1e6,
             last.resident_hits,
-            last.resident_uploads
+            last.resident_uploads,
+            last.model_uploads,
+            last.model_upload_ns as f64 / 1e6,
+            last.train_forward_ns as f64 / 1e6
         );
     }
     // The same shape on this host's CPU, in the same run, so the ratios compare like with like.

@@ -29,7 +29,10 @@ impl<'a> ResidentDecoder<'a> {
         positions: usize,
     ) -> Result<Self, super::CudaError> {
         let forward = backend.take_forward()?;
+        let t0 = std::time::Instant::now();
         let model = forward.upload(prep)?;
+        forward.stream().synchronize()?;
+        backend.note_model_upload(t0);
         let cache = forward.kv_cache(&model, seqs, positions)?;
         Ok(ResidentDecoder {
             backend,

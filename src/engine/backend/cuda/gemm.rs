@@ -96,6 +96,12 @@ pub struct GemmCounters {
     pub resident_uploads: u64,
     pub bytes_to_device: u64,
     pub bytes_to_host: u64,
+    /// Whole prepared models copied to the device (decoder, trainer, reference forward) and the
+    /// wall time of those copies, ns (each waits for its copy to finish).
+    pub model_uploads: u64,
+    pub model_upload_ns: u64,
+    /// Wall time of the resident trainer's forwards, ns (upload excluded).
+    pub train_forward_ns: u64,
 }
 
 fn bump(field: &AtomicU64, v: u64) {
@@ -109,6 +115,9 @@ struct AtomicCounters {
     resident_uploads: AtomicU64,
     bytes_to_device: AtomicU64,
     bytes_to_host: AtomicU64,
+    model_uploads: AtomicU64,
+    model_upload_ns: AtomicU64,
+    train_forward_ns: AtomicU64,
 }
 
 impl AtomicCounters {
@@ -120,6 +129,9 @@ impl AtomicCounters {
             resident_uploads: t(&self.resident_uploads),
             bytes_to_device: t(&self.bytes_to_device),
             bytes_to_host: t(&self.bytes_to_host),
+            model_uploads: t(&self.model_uploads),
+            model_upload_ns: t(&self.model_upload_ns),
+            train_forward_ns: t(&self.train_forward_ns),
         }
     }
 }
@@ -276,6 +288,23 @@ impl CudaBackend {
 
     pub(super) fn give_forward(&self, f: ResidentForward) {
         self.forwards.give(f);
+    }
+
+    /// Count a whole-model upload that started at `since` and has finished.
+    pub(super) fn note_model_upload(&self, since: std::time::Instant) {
+        bump(&self.counters.model_uploads, 1);
+        bump(
+            &self.counters.model_upload_ns,
+            since.elapsed().as_nanos() as u64,
+        );
+    }
+
+    /// Count a resident trainer forward that started at `since` and has finished.
+    pub(super) fn note_train_forward(&self, since: std::time::Instant) {
+        bump(
+            &self.counters.train_forward_ns,
+            since.elapsed().as_nanos() as u64,
+        );
     }
 
     /// The counters since the last call, reset to zero.
@@ -490,7 +519,13 @@ impl Backend for CudaBackend {
             });
             let m = match held {
                 Some(m) => m,
-                None => Arc::new(f.upload(prep)?),
+                None => {
+                    let t0 = std::time::Instant::now();
+                    let m = f.upload(prep)?;
+                    f.stream().synchronize()?;
+                    self.note_model_upload(t0);
+                    Arc::new(m)
+                }
             };
             let out = f.forward(&m, tokens, layout, replay)?;
             if let Ok(mut v) = self.uploaded.lock()

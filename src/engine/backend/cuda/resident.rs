@@ -151,6 +151,11 @@ impl ResidentForward {
         })
     }
 
+    /// The stream all of this forward's work is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
     fn linear(&self, w: &PreparedWeight, plan: &SitePlan) -> Result<DeviceLinear, CudaError> {
         Ok(DeviceLinear {
             w: self.stream.clone_htod(w.w_fwd())?,

@@ -765,8 +765,13 @@ impl<'a> ResidentPass<'a> {
     ) -> Result<Self, CudaError> {
         let trainer = backend.take_trainer()?;
         let run = || -> Result<_, CudaError> {
+            let t0 = std::time::Instant::now();
             let model = trainer.upload(prep)?;
+            trainer.stream.synchronize()?;
+            backend.note_model_upload(t0);
+            let t1 = std::time::Instant::now();
             let forward = trainer.forward(&model, tokens, layout, replay)?;
+            backend.note_train_forward(t1);
             Ok((model, forward))
         };
         match run() {
