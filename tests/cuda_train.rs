@@ -153,8 +153,9 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
 }
 
 /// The GRPO trainer on `CudaBackend` (rollout, reference forward, policy forward and backward all
-/// on the GPU): same seed, same metrics, run to run; and it learns like the CPU run (rewards and
-/// the train-rollout mismatch stay close over a few steps).
+/// on the GPU): same seed, same metrics and per-layer records, run to run, every step finite; the
+/// first step's gradient norm (same master weights, same rollout up to GEMM order) within 5 % of
+/// the CPU run's. Later steps drift apart as GEMM order moves the weights (printed, not held).
 #[test]
 fn trainer_on_the_gpu_repeats_and_tracks_the_cpu() {
     if gpu("trainer_on_the_gpu_repeats_and_tracks_the_cpu").is_none() {
