@@ -9,8 +9,8 @@
 //! recomputing them, so no `expf` is involved, and its key and value gradients gather over each
 //! layout group's query rows in the CPU's order ([`DeviceGroups`]).
 //!
-//! Not here yet: the linear layers' backward (GEMMs plus the gradient quantization of
-//! `engine::linear`).
+//! The linear layers' backward (GEMMs plus the gradient quantization of `engine::linear`) is
+//! `cuda::linear`; `cuda::train` puts them all together into `model::backward`.
 
 use super::ops::{DeviceLayout, cfg, cfg_warps, checked, dim, need, shape};
 use super::{CudaDevice, CudaError};

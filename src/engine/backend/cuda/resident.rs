@@ -10,8 +10,8 @@
 //!
 //! These are the first pieces of the resident engine that the step targets need (docs/cuda.md):
 //! op for op the CPU's, so the same plan quantizes the same activations the same way
-//! (`CudaFakeQuantizer`, byte-equal to `formats::fake_quantize`). The backward and the optimizer
-//! still run through the host path.
+//! (`CudaFakeQuantizer`, byte-equal to `formats::fake_quantize`). The trainer's own pass, which
+//! keeps what its backward needs, is `cuda::train`; the optimizer runs on the host.
 //!
 //! What is identical to the CPU forward and what is not: every quantizer and every non-GEMM op
 //! that the CPU computes in a fixed order (norms, embeddings, expert gather and combine) give the
