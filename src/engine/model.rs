@@ -531,9 +531,10 @@ impl PreparedModel {
             });
         }
         let (d, e, f, fs) = (cfg.d_model, cfg.n_experts, cfg.d_ff, cfg.d_ff_shared);
+        // Layers are independent: prepared in parallel (collect keeps their order).
         let layers = params
             .layers
-            .iter()
+            .par_iter()
             .zip(&plan.layers)
             .map(|(l, p)| PreparedLayer {
                 attn_norm: l.attn_norm.clone(),

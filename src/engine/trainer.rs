@@ -245,11 +245,17 @@ impl Trainer {
 
         // 1. Live weight export: the rollout builds its own quantized view of the shipped weights.
         let t0 = Instant::now();
-        let train_prep =
-            PreparedModel::new(&self.params, &self.plan).expect("plan checked at construction");
-        let shipped = self.params.clone();
-        let roll_prep =
-            PreparedModel::new(&shipped, &self.rollout_plan).expect("plan checked at construction");
+        // The two sides quantize independently (that is what the contract check compares), so
+        // side by side.
+        let (train_prep, roll_prep) = rayon::join(
+            || PreparedModel::new(&self.params, &self.plan),
+            || {
+                let shipped = self.params.clone();
+                PreparedModel::new(&shipped, &self.rollout_plan)
+            },
+        );
+        let train_prep = train_prep.expect("plan checked at construction");
+        let roll_prep = roll_prep.expect("plan checked at construction");
         let bad = contract::mismatches(
             &contract::fingerprints(&train_prep),
             &contract::fingerprints(&roll_prep),
