@@ -56,8 +56,9 @@ pub struct StepArgs {
 /// prepared weights resident, one that also runs the forward-only passes on the GPU (the
 /// rollout's decoding, `cuda::decoder`, and the BF16 reference forward, `cuda::resident`), and
 /// the default, which also runs the trainer's policy forward and backward there
-/// (`cuda::train`), with the GEMM path's counters per step; then this host's CPU at the same shape and the
-/// CPU/GPU step-time ratios, all in one run.
+/// (`cuda::train`), and the default again with cudarc's cross-stream event tracking on (off by
+/// default), with the GEMM path's counters per step; then this host's CPU at the same shape and
+/// the CPU/GPU step-time ratios, all in one run.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
     let model = super::engine::model_preset(&args.model)?;
@@ -65,30 +66,38 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     // On a GPU, the backends are all opened first, so a missing GPU is the one-line error alone.
     let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
     let gpu = match device {
-        Device::Cuda(ordinal) => [
-            ("operands copied every call", 0, false, false),
-            (
-                "weights resident",
-                cuda::gemm::RESIDENT_BUDGET,
-                false,
-                false,
-            ),
-            (
-                "+ decode, reference forward on GPU",
-                cuda::gemm::RESIDENT_BUDGET,
-                true,
-                false,
-            ),
-            (
-                "+ trainer forward/backward on GPU",
-                cuda::gemm::RESIDENT_BUDGET,
-                true,
-                true,
-            ),
-        ]
+        Device::Cuda(ordinal) => {
+            let budget = cuda::gemm::RESIDENT_BUDGET;
+            [
+                // (label, resident budget, device model, device trainer, event tracking)
+                ("operands copied every call", 0, false, false, false),
+                ("weights resident", budget, false, false, false),
+                (
+                    "+ decode, reference forward on GPU",
+                    budget,
+                    true,
+                    false,
+                    false,
+                ),
+                (
+                    "+ trainer forward/backward on GPU",
+                    budget,
+                    true,
+                    true,
+                    false,
+                ),
+                (
+                    "  the same, cudarc event tracking on",
+                    budget,
+                    true,
+                    true,
+                    true,
+                ),
+            ]
+        }
         .into_iter()
-        .map(|(label, budget, device_model, device_train)| {
-            cuda::CudaBackend::with_resident_budget(ordinal, budget).map(|be| {
+        .map(|(label, budget, device_model, device_train, tracking)| {
+            cuda::CudaBackend::with_event_tracking(ordinal, budget, tracking).map(|be| {
                 let be = be
                     .with_device_model(device_model)
                     .with_device_trainer(device_train);

@@ -241,7 +241,31 @@ impl CudaBackend {
     /// As [`CudaBackend::new`] with another byte budget for resident weights (0: copy every
     /// operand on every call, the A/B baseline of `lockstep bench step`).
     pub fn with_resident_budget(ordinal: usize, budget: usize) -> Result<Self, CudaError> {
+        Self::with_event_tracking(ordinal, budget, false)
+    }
+
+    /// As [`CudaBackend::with_resident_budget`], choosing whether cudarc tracks every buffer's
+    /// uses across streams with events (its default; `false` here: `lockstep bench step` times
+    /// both).
+    ///
+    /// Tracking costs two events per allocation and an event record or wait per buffer argument
+    /// of every launch and copy, which a decode step's few hundred small launches feel. It is
+    /// not needed here: every buffer of this backend is made and used on one stream (a resident
+    /// forward's, trainer's or lane's), except the resident GEMM operands and `forward_logits`'
+    /// uploaded models, which are shared only after a host wait on the uploading stream, are
+    /// read-only after that, and are freed only when their last user (which ends its call with
+    /// a synchronizing copy back) drops them.
+    pub fn with_event_tracking(
+        ordinal: usize,
+        budget: usize,
+        tracking: bool,
+    ) -> Result<Self, CudaError> {
         let dev = CudaDevice::open(ordinal)?;
+        if !tracking {
+            // SAFETY: set before this context makes any buffer; the cross-stream uses above
+            // are synchronized by host waits.
+            unsafe { dev.context().disable_event_tracking() };
+        }
         let first = Lane::new(&dev)?;
         Ok(CudaBackend {
             dev,

@@ -15,6 +15,7 @@
 //! docs/cuda.md).
 
 use super::fake_quant::CudaFakeQuantizer;
+use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::PreparedWeight;
 use crate::formats::{QuantFormat, SecondScale};
@@ -36,6 +37,38 @@ pub struct DeviceWeight {
 }
 
 impl DeviceWeight {
+    /// What to upload for `ws` (weights of one shape, stacked in order): the forward operands,
+    /// then the dgrad operands, as two [`Staging::upload`] groups.
+    pub fn parts(ws: &[PreparedWeight]) -> Result<[Vec<&[f32]>; 2], CudaError> {
+        let first = ws
+            .first()
+            .ok_or_else(|| CudaError::Shape("device weight: no weights".into()))?;
+        if ws
+            .iter()
+            .any(|w| (w.out_dim, w.in_dim) != (first.out_dim, first.in_dim))
+        {
+            return Err(CudaError::Shape(
+                "device weight: stacked weights of different shapes".into(),
+            ));
+        }
+        Ok([
+            ws.iter().map(PreparedWeight::w_fwd).collect(),
+            ws.iter().map(PreparedWeight::w_bwd).collect(),
+        ])
+    }
+
+    /// `ws` on the device, from the two buffers its [`DeviceWeight::parts`] were uploaded into.
+    pub fn from_parts(ws: &[PreparedWeight], w_fwd: CudaSlice<f32>, w_bwd: CudaSlice<f32>) -> Self {
+        let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
+        DeviceWeight {
+            w_fwd,
+            w_bwd,
+            out_dim,
+            in_dim,
+            batch: ws.len(),
+        }
+    }
+
     pub fn out_dim(&self) -> usize {
         self.out_dim
     }
@@ -76,6 +109,7 @@ pub struct CudaLinear {
     stream: Arc<CudaStream>,
     fq: CudaFakeQuantizer,
     blas: CudaBlas,
+    staging: Staging,
 }
 
 impl CudaLinear {
@@ -85,6 +119,7 @@ impl CudaLinear {
         let blas = super::gemm::pedantic_blas(&stream)?;
         Ok(CudaLinear {
             fq: CudaFakeQuantizer::new(q)?,
+            staging: Staging::new(&stream),
             stream,
             blas,
         })
@@ -106,28 +141,10 @@ impl CudaLinear {
 
     /// Copy weights of one shape (a site's routed experts) to the device, stacked in order.
     pub fn upload_stacked(&self, ws: &[PreparedWeight]) -> Result<DeviceWeight, CudaError> {
-        let first = ws
-            .first()
-            .ok_or_else(|| CudaError::Shape("upload_stacked: no weights".into()))?;
-        let (out_dim, in_dim) = (first.out_dim, first.in_dim);
-        if ws
-            .iter()
-            .any(|w| (w.out_dim, w.in_dim) != (out_dim, in_dim))
-        {
-            return Err(CudaError::Shape(
-                "upload_stacked: weights of different shapes".into(),
-            ));
-        }
-        let stack = |f: fn(&PreparedWeight) -> &[f32]| -> Vec<f32> {
-            ws.iter().flat_map(|w| f(w).iter().copied()).collect()
-        };
-        Ok(DeviceWeight {
-            w_fwd: self.stream.clone_htod(&stack(PreparedWeight::w_fwd))?,
-            w_bwd: self.stream.clone_htod(&stack(PreparedWeight::w_bwd))?,
-            out_dim,
-            in_dim,
-            batch: ws.len(),
-        })
+        let mut bufs = self.staging.upload(&DeviceWeight::parts(ws)?)?.into_iter();
+        let mut next = || bufs.next().expect("two groups");
+        let (w_fwd, w_bwd) = (next(), next());
+        Ok(DeviceWeight::from_parts(ws, w_fwd, w_bwd))
     }
 
     fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {

@@ -22,6 +22,7 @@ pub mod moe;
 pub mod ops;
 pub mod quant;
 pub mod resident;
+pub mod staging;
 pub mod train;
 
 pub use gemm::CudaBackend;

@@ -22,6 +22,7 @@
 use super::fake_quant::CudaFakeQuantizer;
 use super::moe::ExpertBatch;
 use super::ops::{CudaOps, DeviceLayout, dim};
+use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::layout::Layout;
 use crate::engine::linear::PreparedWeight;
@@ -131,6 +132,8 @@ pub struct ResidentForward {
     experts: ExpertBatch,
     /// `kv.cu`.
     kv_store: CudaFunction,
+    /// Model uploads (one page-locked buffer).
+    staging: Staging,
 }
 
 impl ResidentForward {
@@ -141,6 +144,7 @@ impl ResidentForward {
         let stream = q.stream().clone();
         let blas = super::gemm::pedantic_blas(&stream)?;
         let kv = dev.compile("kv", KV_SRC)?;
+        let staging = Staging::new(&stream);
         Ok(ResidentForward {
             fq: CudaFakeQuantizer::new(q)?,
             ops: CudaOps::new(dev)?,
@@ -148,6 +152,7 @@ impl ResidentForward {
             blas,
             experts: ExpertBatch::new(dev)?,
             kv_store: kv.load_function("kv_store")?,
+            staging,
         })
     }
 
@@ -156,54 +161,76 @@ impl ResidentForward {
         &self.stream
     }
 
-    fn linear(&self, w: &PreparedWeight, plan: &SitePlan) -> Result<DeviceLinear, CudaError> {
-        Ok(DeviceLinear {
-            w: self.stream.clone_htod(w.w_fwd())?,
-            out_dim: w.out_dim,
-            in_dim: w.in_dim,
-            act: plan.activation_format(),
-        })
-    }
-
-    fn experts(&self, ws: &[PreparedWeight], plan: &SitePlan) -> Result<DeviceExperts, CudaError> {
-        let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
-        let stacked: Vec<f32> = ws.iter().flat_map(|w| w.w_fwd().iter().copied()).collect();
-        Ok(DeviceExperts {
-            w: self.stream.clone_htod(&stacked)?,
-            out_dim,
-            in_dim,
-            act: plan.activation_format(),
-        })
-    }
-
-    /// Copy a step's prepared weights to the device.
+    /// Copy a step's prepared weights to the device (forward operands only), in one staged
+    /// copy: the tensors are listed in one fixed order and taken back in the same order.
     pub fn upload(&self, prep: &PreparedModel) -> Result<DeviceModel, CudaError> {
-        let s = &self.stream;
+        fn one(x: &[f32]) -> Vec<&[f32]> {
+            vec![x]
+        }
+        fn fwd(ws: &[PreparedWeight]) -> Vec<&[f32]> {
+            ws.iter().map(PreparedWeight::w_fwd).collect()
+        }
+        let mut groups = vec![
+            one(&prep.wte),
+            one(&prep.wpe),
+            one(&prep.final_norm),
+            one(prep.output_layer.w_fwd()),
+        ];
+        for l in &prep.layers {
+            groups.extend([
+                one(&l.attn_norm),
+                one(l.linear_qkv.w_fwd()),
+                one(l.linear_proj.w_fwd()),
+                one(&l.mlp_norm),
+                one(l.router.w_fwd()),
+                fwd(&l.experts_fc1),
+                fwd(&l.experts_fc2),
+                one(l.shared_fc1.w_fwd()),
+                one(l.shared_fc2.w_fwd()),
+            ]);
+        }
+        let mut bufs = self.staging.upload(&groups)?.into_iter();
+        let mut next = || bufs.next().expect("one buffer per group");
+        let linear = |w: CudaSlice<f32>, pw: &PreparedWeight, plan: &SitePlan| DeviceLinear {
+            w,
+            out_dim: pw.out_dim,
+            in_dim: pw.in_dim,
+            act: plan.activation_format(),
+        };
+        let experts = |w: CudaSlice<f32>, ws: &[PreparedWeight], plan: &SitePlan| {
+            let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
+            DeviceExperts {
+                w,
+                out_dim,
+                in_dim,
+                act: plan.activation_format(),
+            }
+        };
+        let (wte, wpe, final_norm) = (next(), next(), next());
+        let output_layer = linear(next(), &prep.output_layer, &prep.plan.output_layer);
         let layers = prep
             .layers
             .iter()
             .zip(&prep.plan.layers)
-            .map(|(l, p)| {
-                Ok(DeviceLayer {
-                    attn_norm: s.clone_htod(&l.attn_norm)?,
-                    linear_qkv: self.linear(&l.linear_qkv, &p.linear_qkv)?,
-                    linear_proj: self.linear(&l.linear_proj, &p.linear_proj)?,
-                    mlp_norm: s.clone_htod(&l.mlp_norm)?,
-                    router: self.linear(&l.router, &p.router)?,
-                    experts_fc1: self.experts(&l.experts_fc1, &p.experts_fc1)?,
-                    experts_fc2: self.experts(&l.experts_fc2, &p.experts_fc2)?,
-                    shared_fc1: self.linear(&l.shared_fc1, &p.shared_fc1)?,
-                    shared_fc2: self.linear(&l.shared_fc2, &p.shared_fc2)?,
-                })
+            .map(|(l, p)| DeviceLayer {
+                attn_norm: next(),
+                linear_qkv: linear(next(), &l.linear_qkv, &p.linear_qkv),
+                linear_proj: linear(next(), &l.linear_proj, &p.linear_proj),
+                mlp_norm: next(),
+                router: linear(next(), &l.router, &p.router),
+                experts_fc1: experts(next(), &l.experts_fc1, &p.experts_fc1),
+                experts_fc2: experts(next(), &l.experts_fc2, &p.experts_fc2),
+                shared_fc1: linear(next(), &l.shared_fc1, &p.shared_fc1),
+                shared_fc2: linear(next(), &l.shared_fc2, &p.shared_fc2),
             })
-            .collect::<Result<Vec<_>, CudaError>>()?;
+            .collect();
         Ok(DeviceModel {
             config: prep.config.clone(),
-            wte: s.clone_htod(&prep.wte)?,
-            wpe: s.clone_htod(&prep.wpe)?,
+            wte,
+            wpe,
             layers,
-            final_norm: s.clone_htod(&prep.final_norm)?,
-            output_layer: self.linear(&prep.output_layer, &prep.plan.output_layer)?,
+            final_norm,
+            output_layer,
         })
     }
 

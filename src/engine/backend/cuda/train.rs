@@ -23,6 +23,7 @@ use super::backward::{CudaBackwardOps, DeviceGroups};
 use super::linear::{CudaLinear, DeviceLinearCache, DeviceWeight};
 use super::moe::ExpertBatch;
 use super::ops::{CudaOps, DeviceLayout, cfg_warps, dim};
+use super::staging::Staging;
 use super::{CudaBackend, CudaDevice, CudaError};
 use crate::engine::layout::Layout;
 use crate::engine::model::{
@@ -147,6 +148,8 @@ pub struct ResidentTrainer {
     batch: ExpertBatch,
     expert_dy: CudaFunction,
     expert_dx_scatter: CudaFunction,
+    /// Model uploads (one page-locked buffer).
+    staging: Staging,
 }
 
 impl ResidentTrainer {
@@ -155,6 +158,7 @@ impl ResidentTrainer {
         let m = dev.compile_with_prelude("train", SRC)?;
         Ok(ResidentTrainer {
             stream: lin.stream().clone(),
+            staging: Staging::new(lin.stream()),
             lin,
             ops: CudaOps::new(dev)?,
             bwd: CudaBackwardOps::new(dev)?,
@@ -168,34 +172,59 @@ impl ResidentTrainer {
         Ok(self.stream.alloc_zeros(n.max(1))?)
     }
 
-    /// Copy a step's prepared weights (forward and dgrad operands) to the device.
+    /// Copy a step's prepared weights (forward and dgrad operands) to the device, in one staged
+    /// copy: the tensors are listed in one fixed order and taken back in the same order.
     pub fn upload(&self, prep: &PreparedModel) -> Result<TrainModel, CudaError> {
-        let (s, lin) = (&self.stream, &self.lin);
+        let one = |x| vec![x];
+        let weight = |w| DeviceWeight::parts(std::slice::from_ref(w));
+        let mut groups = vec![one(&prep.wte[..]), one(&prep.wpe), one(&prep.final_norm)];
+        groups.extend(weight(&prep.output_layer)?);
+        for l in &prep.layers {
+            groups.extend([one(&l.attn_norm[..]), one(&l.mlp_norm)]);
+            for ws in [
+                std::slice::from_ref(&l.linear_qkv),
+                std::slice::from_ref(&l.linear_proj),
+                std::slice::from_ref(&l.router),
+                &l.experts_fc1,
+                &l.experts_fc2,
+                std::slice::from_ref(&l.shared_fc1),
+                std::slice::from_ref(&l.shared_fc2),
+            ] {
+                groups.extend(DeviceWeight::parts(ws)?);
+            }
+        }
+        let mut bufs = self.staging.upload(&groups)?.into_iter();
+        let next = |b: &mut std::vec::IntoIter<_>| b.next().expect("one buffer per group");
+        let weight = |b: &mut std::vec::IntoIter<_>, ws: &[_]| {
+            let (w_fwd, w_bwd) = (next(b), next(b));
+            DeviceWeight::from_parts(ws, w_fwd, w_bwd)
+        };
+        let b = &mut bufs;
+        let (wte, wpe, final_norm) = (next(b), next(b), next(b));
+        let output_layer = weight(b, std::slice::from_ref(&prep.output_layer));
         let layers = prep
             .layers
             .iter()
-            .map(|l| {
-                Ok(TrainLayer {
-                    attn_norm: s.clone_htod(&l.attn_norm)?,
-                    linear_qkv: lin.upload(&l.linear_qkv)?,
-                    linear_proj: lin.upload(&l.linear_proj)?,
-                    mlp_norm: s.clone_htod(&l.mlp_norm)?,
-                    router: lin.upload(&l.router)?,
-                    experts_fc1: lin.upload_stacked(&l.experts_fc1)?,
-                    experts_fc2: lin.upload_stacked(&l.experts_fc2)?,
-                    shared_fc1: lin.upload(&l.shared_fc1)?,
-                    shared_fc2: lin.upload(&l.shared_fc2)?,
-                })
+            .map(|l| TrainLayer {
+                attn_norm: next(b),
+                mlp_norm: next(b),
+                linear_qkv: weight(b, std::slice::from_ref(&l.linear_qkv)),
+                linear_proj: weight(b, std::slice::from_ref(&l.linear_proj)),
+                router: weight(b, std::slice::from_ref(&l.router)),
+                experts_fc1: weight(b, &l.experts_fc1),
+                experts_fc2: weight(b, &l.experts_fc2),
+                shared_fc1: weight(b, std::slice::from_ref(&l.shared_fc1)),
+                shared_fc2: weight(b, std::slice::from_ref(&l.shared_fc2)),
             })
-            .collect::<Result<Vec<_>, CudaError>>()?;
+            .collect();
         Ok(TrainModel {
             config: prep.config.clone(),
             plan: prep.plan.clone(),
-            wte: s.clone_htod(&prep.wte)?,
-            wpe: s.clone_htod(&prep.wpe)?,
+            wte,
+            wpe,
             layers,
-            final_norm: s.clone_htod(&prep.final_norm)?,
-            output_layer: lin.upload(&prep.output_layer)?,
+            final_norm,
+            output_layer,
         })
     }
 
