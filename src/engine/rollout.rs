@@ -58,6 +58,20 @@ pub trait Decoder {
     fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing);
     /// Each sequence's cache copied to `samples` consecutive sequences (a prompt decoded once).
     fn repeat_each(&mut self, samples: usize);
+
+    /// `count` positions of every sequence whose logits are not needed (a prompt, or padding):
+    /// `tokens` sequence-major, `count` per sequence; the routing of each position in turn. The
+    /// host decodes them step by step; a device decoder may run them as one pass (each position
+    /// still attends only to its own prefix).
+    fn feed(&mut self, tokens: &[u32], count: usize) -> Vec<Routing> {
+        let seqs = tokens.len() / count.max(1);
+        (0..count)
+            .map(|j| {
+                let input: Vec<u32> = (0..seqs).map(|i| tokens[i * count + j]).collect();
+                self.step(&input).1
+            })
+            .collect()
+    }
 }
 
 /// [`model::decode_step`] with the backend's GEMMs and a host KV cache.
@@ -182,12 +196,11 @@ fn generate_with(
     let positions = t.saturating_sub(1).max(1);
     let seqs = if shared > 0 { prompts.len() } else { b };
     let mut dec = decoder(be, prep, seqs, positions);
-    for pos in 0..shared {
-        let input: Vec<u32> = prompts.iter().map(|p| p[pos]).collect();
-        let (_, routing) = dec.step(&input);
-        steps.push(routing.repeat_each(samples));
-    }
     if shared > 0 {
+        let input: Vec<u32> = prompts.iter().flat_map(|p| p[..shared].to_vec()).collect();
+        for routing in dec.feed(&input, shared) {
+            steps.push(routing.repeat_each(samples));
+        }
         dec.repeat_each(samples);
     }
     for pos in shared..t.saturating_sub(1) {
@@ -226,10 +239,12 @@ fn generate_with(
         if done.iter().all(|d| *d) {
             // Everyone finished: the remaining positions are padding; still record routing for them
             // so replay covers the full [B, T-1] block the trainer reads.
-            for p2 in (pos + 1)..t.saturating_sub(1) {
-                let input: Vec<u32> = (0..b).map(|s| tokens[s * t + p2]).collect();
-                let (_, routing) = dec.step(&input);
-                steps.push(routing);
+            let rest = (pos + 1)..t.saturating_sub(1);
+            if !rest.is_empty() {
+                let input: Vec<u32> = (0..b)
+                    .flat_map(|s| tokens[s * t..][rest.clone()].to_vec())
+                    .collect();
+                steps.extend(dec.feed(&input, rest.len()));
             }
             break;
         }

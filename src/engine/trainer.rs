@@ -245,22 +245,40 @@ impl Trainer {
 
         // 1. Live weight export: the rollout builds its own quantized view of the shipped weights.
         let t0 = Instant::now();
-        // The two sides quantize independently (that is what the contract check compares), so
-        // side by side.
-        let (train_prep, roll_prep) = rayon::join(
-            || PreparedModel::new(&self.params, &self.plan),
+        let shipped = self.params.clone();
+        let roll_prep =
+            PreparedModel::new(&shipped, &self.rollout_plan).expect("plan checked at construction");
+        rec.set("perf/export_time", t0.elapsed().as_secs_f64());
+
+        // 2. Rollout and, side by side, the trainer's own preparation of its weights (it
+        // quantizes independently of the export: the contract check compares the two).
+        let problems = self.task.sample(
+            Split::Train,
+            c.prompts_per_step,
+            mix(self.seed, self.step, 1),
+        );
+        let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
+        let ((ro, rollout_time), train_prep) = rayon::join(
             || {
-                let shipped = self.params.clone();
-                PreparedModel::new(&shipped, &self.rollout_plan)
+                let t0 = Instant::now();
+                let ro = rollout::generate(
+                    be,
+                    &roll_prep,
+                    &prompts,
+                    c.samples_per_prompt,
+                    c.max_response_tokens,
+                    c.temperature,
+                    mix(self.seed, self.step, 2),
+                );
+                (ro, t0.elapsed().as_secs_f64())
             },
+            || PreparedModel::new(&self.params, &self.plan),
         );
         let train_prep = train_prep.expect("plan checked at construction");
-        let roll_prep = roll_prep.expect("plan checked at construction");
         let bad = contract::mismatches(
             &contract::fingerprints(&train_prep),
             &contract::fingerprints(&roll_prep),
         );
-        rec.set("perf/export_time", t0.elapsed().as_secs_f64());
         rec.set("contract/violations", bad.len() as f64);
         for site in &bad {
             rec.events.push(Event {
@@ -278,25 +296,6 @@ impl Trainer {
                 detail: "trainer and rollout quantized this site to different bytes".into(),
             });
         }
-
-        // 2. Rollout.
-        let t0 = Instant::now();
-        let problems = self.task.sample(
-            Split::Train,
-            c.prompts_per_step,
-            mix(self.seed, self.step, 1),
-        );
-        let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
-        let ro = rollout::generate(
-            be,
-            &roll_prep,
-            &prompts,
-            c.samples_per_prompt,
-            c.max_response_tokens,
-            c.temperature,
-            mix(self.seed, self.step, 2),
-        );
-        let rollout_time = t0.elapsed().as_secs_f64();
         let gen_tokens: usize = ro.response_len.iter().sum();
         rec.set("perf/rollout_time", rollout_time);
         rec.set(

@@ -30,8 +30,8 @@ impl<'a> ResidentDecoder<'a> {
     ) -> Result<Self, super::CudaError> {
         let forward = backend.take_forward()?;
         let t0 = std::time::Instant::now();
+        // Queued, not waited for: the decode's first kernels follow the copy on the stream.
         let model = forward.upload(prep)?;
-        forward.stream().synchronize()?;
         backend.note_model_upload(t0);
         let cache = forward.kv_cache(&model, seqs, positions)?;
         Ok(ResidentDecoder {
@@ -61,6 +61,16 @@ impl Decoder for ResidentDecoder<'_> {
         }
     }
 
+    /// The `count` positions in one pass ([`ResidentForward::decode_positions`]); its routing,
+    /// sequence-major, split back into one record per position.
+    fn feed(&mut self, tokens: &[u32], count: usize) -> Vec<Routing> {
+        let fw = self.forward.as_ref().expect("held until drop");
+        match fw.decode_positions(&self.model, &mut self.cache, tokens, count, None) {
+            Ok(out) => per_position(&out.routing, count),
+            Err(e) => self.fail("decode of several positions", e),
+        }
+    }
+
     fn repeat_each(&mut self, samples: usize) {
         let fw = self.forward.as_ref().expect("held until drop");
         if let Err(e) = fw.repeat_each(&mut self.cache, samples) {
@@ -74,5 +84,45 @@ impl Drop for ResidentDecoder<'_> {
         if let Some(f) = self.forward.take() {
             self.backend.give_forward(f);
         }
+    }
+}
+
+/// A sequence-major record of `count` positions per sequence (row `i · count + j`) as `count`
+/// records of one position each, in position order.
+fn per_position(r: &Routing, count: usize) -> Vec<Routing> {
+    let (k, seqs) = (r.top_k, r.n_tokens / count.max(1));
+    (0..count)
+        .map(|j| Routing {
+            top_k: k,
+            n_tokens: seqs,
+            layers: r
+                .layers
+                .iter()
+                .map(|ids| {
+                    (0..seqs)
+                        .flat_map(|i| ids[(i * count + j) * k..][..k].iter().copied())
+                        .collect()
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_position_takes_each_sequences_row_for_that_position() {
+        // 2 sequences x 3 positions, top-1, one layer: id = 10 * sequence + position.
+        let r = Routing {
+            top_k: 1,
+            n_tokens: 6,
+            layers: vec![vec![0, 1, 2, 10, 11, 12]],
+        };
+        let got = per_position(&r, 3);
+        let ids: Vec<Vec<u32>> = got.iter().map(|p| p.layers[0].clone()).collect();
+        assert_eq!(ids, [vec![0, 10], vec![1, 11], vec![2, 12]]);
+        assert!(got.iter().all(|p| p.n_tokens == 2 && p.top_k == 1));
     }
 }

@@ -97,10 +97,12 @@ pub struct GemmCounters {
     pub bytes_to_device: u64,
     pub bytes_to_host: u64,
     /// Whole prepared models copied to the device (decoder, trainer, reference forward) and the
-    /// wall time of those copies, ns (each waits for its copy to finish).
+    /// host's wall time for them, ns: packing and queuing the staged copy (the decoder's and
+    /// trainer's do not wait for the copy itself; the reference's does).
     pub model_uploads: u64,
     pub model_upload_ns: u64,
-    /// Wall time of the resident trainer's forwards, ns (upload excluded).
+    /// Wall time of the resident trainer's forwards, ns (from the queued upload on, so waiting
+    /// for its copy is included).
     pub train_forward_ns: u64,
 }
 
@@ -314,7 +316,8 @@ impl CudaBackend {
         self.forwards.give(f);
     }
 
-    /// Count a whole-model upload that started at `since` and has finished.
+    /// Count a whole-model upload that started at `since` and is queued (the host's part: packing
+    /// the page-locked buffer and queuing the copies; `forward_logits` also waits for the copy).
     pub(super) fn note_model_upload(&self, since: std::time::Instant) {
         bump(&self.counters.model_uploads, 1);
         bump(

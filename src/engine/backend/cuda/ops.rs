@@ -79,21 +79,42 @@ impl DeviceLayout {
         capacity: usize,
         pos: usize,
     ) -> Result<Self, CudaError> {
-        if pos >= capacity {
+        Self::decode_rows(stream, seqs, capacity, pos, 1)
+    }
+
+    /// `count` decode steps' rows at once: positions `pos..pos + count` of each sequence,
+    /// sequence-major (row `i * count + j` is sequence `i`'s position `pos + j`, attending to its
+    /// positions `0..=pos + j`).
+    pub fn decode_rows(
+        stream: &Arc<CudaStream>,
+        seqs: usize,
+        capacity: usize,
+        pos: usize,
+        count: usize,
+    ) -> Result<Self, CudaError> {
+        if pos + count > capacity {
             return Err(shape(format!(
-                "decode step: position {pos} past a cache of {capacity} positions"
+                "decode step: positions {pos}..{} past a cache of {capacity} positions",
+                pos + count
             )));
         }
-        let s = pos + 1;
-        let cells = checked(seqs, s, "decode step", "sequences x positions")?;
+        let s = pos + count;
+        let rows = checked(seqs, count, "decode step", "sequences x positions")?;
+        let cells = checked(rows, s, "decode step", "rows x positions")?;
         checked(seqs, capacity, "decode step", "sequences x capacity")
             .and_then(|rows| dim("decode step", "cache rows", rows))?;
-        let mut ctx_keys = Vec::with_capacity(cells);
+        let (mut positions, mut ctx_len) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+        let mut ctx_keys = vec![0u32; cells];
         for i in 0..seqs {
-            ctx_keys.extend((0..s).map(|p| (i * capacity + p) as u32));
+            for j in 0..count {
+                let (r, len) = (i * count + j, pos + j + 1);
+                positions.push((pos + j) as u32);
+                ctx_len.push(len as u32);
+                for (p, k) in ctx_keys[r * s..][..len].iter_mut().enumerate() {
+                    *k = (i * capacity + p) as u32;
+                }
+            }
         }
-        let positions = vec![pos as u32; seqs];
-        let ctx_len = vec![s as u32; seqs];
         Self::from_host(stream, s, &positions, &ctx_len, &ctx_keys)
     }
 

@@ -113,10 +113,12 @@ impl DeviceKvCache {
     }
 }
 
-/// Where one layer's decode step writes its keys and values.
+/// Where one layer's decode step writes its keys and values: `per_seq` consecutive positions of
+/// each of `seqs` sequences, from `pos`.
 struct KvSlot<'a> {
     cache: &'a mut CudaSlice<f32>,
     seqs: usize,
+    per_seq: usize,
     capacity: usize,
     pos: usize,
 }
@@ -442,7 +444,7 @@ impl ResidentForward {
                 self.store_kv(
                     &rounded,
                     &mut *slot.cache,
-                    n,
+                    (slot.seqs, slot.per_seq),
                     slot.capacity,
                     slot.pos,
                     3 * d,
@@ -465,19 +467,25 @@ impl ResidentForward {
         Ok(out)
     }
 
-    /// cache row `i · capacity + pos` = x row i, for i < n (rows of `width` floats).
+    /// cache row `i · capacity + pos + j` = x row `i · per_seq + j`, for each of `seqs`
+    /// sequences and `j < per_seq` (rows of `width` floats; x sequence-major).
+    #[allow(clippy::too_many_arguments)]
     fn store_kv(
         &self,
         x: &CudaSlice<f32>,
         cache: &mut CudaSlice<f32>,
-        n: usize,
+        (seqs, per_seq): (usize, usize),
         capacity: usize,
         pos: usize,
         width: usize,
     ) -> Result<(), CudaError> {
-        if pos >= capacity || cache.len() < n * capacity * width || x.len() < n * width {
+        let n = seqs * per_seq;
+        if pos + per_seq > capacity || cache.len() < seqs * capacity * width || x.len() < n * width
+        {
             return Err(CudaError::Shape(format!(
-                "kv_store: position {pos} of {capacity}, {n} rows of {width}: cache holds {}, rows {}",
+                "kv_store: positions {pos}..{} of {capacity}, {seqs} sequences of {width}: cache \
+                 holds {}, rows {}",
+                pos + per_seq,
                 cache.len(),
                 x.len()
             )));
@@ -486,11 +494,12 @@ impl ResidentForward {
             return Ok(());
         }
         let op = "kv_store";
-        let (n32, cap32, pos32, w32) = (
+        let (n32, cap32, pos32, w32, per32) = (
             dim(op, "rows", n)?,
             dim(op, "capacity", capacity)?,
             dim(op, "position", pos)?,
             dim(op, "width", width)?,
+            dim(op, "positions per sequence", per_seq)?,
         );
         let mut b = self.stream.launch_builder(&self.kv_store);
         b.arg(cache)
@@ -498,9 +507,11 @@ impl ResidentForward {
             .arg(&n32)
             .arg(&cap32)
             .arg(&pos32)
-            .arg(&w32);
+            .arg(&w32)
+            .arg(&per32);
         // SAFETY: element idx < n·width reads x[idx] (x holds n·width) and writes cache at
-        // (i·capacity + pos)·width + c < n·capacity·width (pos < capacity, checked above).
+        // (i·capacity + pos + j)·width + c < seqs·capacity·width (pos + per_seq ≤ capacity,
+        // checked above).
         unsafe { b.launch(LaunchConfig::for_num_elems((n * width).min(1 << 20) as u32)) }?;
         Ok(())
     }
@@ -631,17 +642,35 @@ impl ResidentForward {
         tokens: &[u32],
         replay: Option<&Routing>,
     ) -> Result<ForwardOutput, CudaError> {
+        self.decode_positions(m, cache, tokens, 1, replay)
+    }
+
+    /// `count` new positions of each of the cache's sequences at once (a prompt's: `tokens`
+    /// sequence-major, `count` per sequence), each attending over its sequence's cached
+    /// positions and the new ones up to itself: the rows of `count` decode steps in one pass.
+    /// Logits `[seqs · count, V]` and routing in the same (sequence-major) row order.
+    pub fn decode_positions(
+        &self,
+        m: &DeviceModel,
+        cache: &mut DeviceKvCache,
+        tokens: &[u32],
+        count: usize,
+        replay: Option<&Routing>,
+    ) -> Result<ForwardOutput, CudaError> {
         let cfg = &m.config;
         let bad = |msg: String| CudaError::Shape(format!("decode step: {msg}"));
-        if tokens.len() != cache.seqs {
+        if count == 0 || tokens.len() != cache.seqs * count {
             return Err(bad(format!(
-                "{} tokens for a cache of {} sequences",
+                "{} tokens for {count} positions of a cache of {} sequences",
                 tokens.len(),
                 cache.seqs
             )));
         }
-        if cache.len >= cache.capacity {
-            return Err(bad(format!("all {} positions are filled", cache.capacity)));
+        if cache.len + count > cache.capacity {
+            return Err(bad(format!(
+                "{count} positions past the {} filled of {}",
+                cache.len, cache.capacity
+            )));
         }
         if cache.layers.len() != cfg.n_layers || cache.width != 3 * cfg.d_model {
             return Err(bad("cache was made for a different model config".into()));
@@ -649,9 +678,10 @@ impl ResidentForward {
         crate::engine::model::check_tokens(cfg, tokens)
             .and_then(|()| replay.map_or(Ok(()), |r| r.check(cfg, tokens.len())))
             .map_err(|e| bad(e.to_string()))?;
-        let dl = DeviceLayout::decode_step(&self.stream, cache.seqs, cache.capacity, cache.len)?;
+        let dl =
+            DeviceLayout::decode_rows(&self.stream, cache.seqs, cache.capacity, cache.len, count)?;
         let out = self.layers_forward(m, tokens, &dl, replay, Some(&mut *cache))?;
-        cache.len += 1;
+        cache.len += count;
         Ok(out)
     }
 
@@ -681,6 +711,7 @@ impl ResidentForward {
         for (l, w) in m.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| KvSlot {
                 seqs: c.seqs,
+                per_seq: dl.rows / c.seqs.max(1),
                 capacity: c.capacity,
                 pos: c.len,
                 cache: &mut c.layers[l],

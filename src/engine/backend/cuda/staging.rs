@@ -1,11 +1,12 @@
-//! Whole-model host-to-device copies through one page-locked buffer.
+//! Whole-model copies between host and device through one page-locked buffer each way.
 //!
 //! A copy from pageable host memory waits for the stream's earlier work and then goes through
 //! the driver's own bounce buffer, one tensor at a time: a model's ~60 tensors cost ~20 ms that
 //! way at the benchmark shape. [`Staging::upload`] packs all of them (in parallel) into one
 //! page-locked buffer, moves that in one DMA copy, and splits it on the device with
 //! device-to-device copies. Nothing on the host waits for the copy; the buffer is reused by the
-//! next upload only once this one's copy has finished (an event).
+//! next upload only once this one's copy has finished (an event). [`Staging::download`] is the
+//! way back (a backward's gradients): gathered on the device, one copy, unpacked in parallel.
 
 use super::CudaError;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
@@ -35,11 +36,12 @@ impl Drop for Pinned {
     }
 }
 
-/// Uploads on one stream through a page-locked buffer sized to the last upload (a run's models
-/// keep their size, so it is allocated once per stream).
+/// Uploads and downloads on one stream, each through a page-locked buffer sized to its last
+/// call (a run's models keep their size, so each is allocated once per stream).
 pub struct Staging {
     stream: Arc<CudaStream>,
     pinned: Mutex<Option<Pinned>>,
+    down: Mutex<Option<Pinned>>,
 }
 
 impl Staging {
@@ -47,6 +49,7 @@ impl Staging {
         Staging {
             stream: stream.clone(),
             pinned: Mutex::new(None),
+            down: Mutex::new(None),
         }
     }
 
@@ -62,17 +65,8 @@ impl Staging {
         if total == 0 {
             return groups.iter().map(|_| Ok(s.null()?)).collect();
         }
-        let mut guard = self
-            .pinned
-            .lock()
-            .map_err(|_| CudaError::Shape("staging buffer: a previous upload panicked".into()))?;
-        if guard.as_ref().is_none_or(|p| p.host.len() != total) {
-            *guard = None; // the old buffer waits for its copy as it drops
-            // SAFETY: the buffer is written in full below before anything reads it.
-            let host = unsafe { s.context().alloc_pinned_with_flags::<f32>(total, 0)? };
-            *guard = Some(Pinned { host, copied: None });
-        }
-        let pinned = guard.as_mut().expect("allocated above");
+        let mut guard = sized(&self.pinned, s, total)?;
+        let pinned = guard.as_mut().expect("sized");
         pinned.wait()?;
         pack(pinned.host.as_mut_slice()?, groups);
         // SAFETY: every element is written by the copy below before any read.
@@ -94,6 +88,66 @@ impl Staging {
         }
         Ok(out)
     }
+
+    /// Each `(src, dst)`: the first `dst.len()` values of `src` into `dst`, after the stream's
+    /// earlier work (this waits for it).
+    pub fn download(&self, parts: &mut [(&CudaSlice<f32>, &mut [f32])]) -> Result<(), CudaError> {
+        let total: usize = parts.iter().map(|(_, d)| d.len()).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        // SAFETY: every element is written by the gathering copies below before the read.
+        let mut all = unsafe { s.alloc::<f32>(total)? };
+        let mut off = 0;
+        for (src, dst) in parts.iter() {
+            let len = dst.len();
+            if len > 0 {
+                if src.len() < len {
+                    return Err(CudaError::Shape(format!(
+                        "download: {len} values asked of a buffer of {}",
+                        src.len()
+                    )));
+                }
+                s.memcpy_dtod(&src.slice(..len), &mut all.slice_mut(off..off + len))?;
+            }
+            off += len;
+        }
+        let mut guard = sized(&self.down, s, total)?;
+        let pinned = guard.as_mut().expect("sized");
+        s.memcpy_dtoh(&all, &mut pinned.host)?;
+        s.synchronize()?;
+        let host = pinned.host.as_slice()?;
+        let mut pieces = Vec::with_capacity(parts.len());
+        let mut rest = host;
+        for (_, dst) in parts.iter_mut() {
+            let (piece, tail) = rest.split_at(dst.len());
+            pieces.push((&mut **dst, piece));
+            rest = tail;
+        }
+        pieces
+            .into_par_iter()
+            .for_each(|(dst, piece)| dst.copy_from_slice(piece));
+        Ok(())
+    }
+}
+
+/// The buffer in `slot`, (re)allocated to hold exactly `total` values.
+fn sized<'a>(
+    slot: &'a Mutex<Option<Pinned>>,
+    s: &Arc<CudaStream>,
+    total: usize,
+) -> Result<std::sync::MutexGuard<'a, Option<Pinned>>, CudaError> {
+    let mut guard = slot
+        .lock()
+        .map_err(|_| CudaError::Shape("staging buffer: a previous copy panicked".into()))?;
+    if guard.as_ref().is_none_or(|p| p.host.len() != total) {
+        *guard = None; // the old buffer waits for its copy as it drops
+        // SAFETY: every use writes the buffer in full before reading it.
+        let host = unsafe { s.context().alloc_pinned_with_flags::<f32>(total, 0)? };
+        *guard = Some(Pinned { host, copied: None });
+    }
+    Ok(guard)
 }
 
 /// Every group's parts back to back into `dst` (exactly their total length), in parallel.

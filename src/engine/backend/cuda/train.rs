@@ -722,7 +722,7 @@ impl ResidentTrainer {
         self.download(cfg, &grads, (&dwte, &dwpe, &dfinal, &dout))
     }
 
-    /// The gradients as host [`Params`].
+    /// The gradients as host [`Params`] (one staged copy back).
     fn download(
         &self,
         cfg: &ModelConfig,
@@ -735,18 +735,12 @@ impl ResidentTrainer {
         ),
     ) -> Result<Params, CudaError> {
         let mut p = Params::zeros(cfg);
-        let s = &self.stream;
-        let down = |dst: &mut Vec<f32>, src: &CudaSlice<f32>| -> Result<(), CudaError> {
-            let len = dst.len();
-            if len > 0 {
-                s.memcpy_dtoh(&src.slice(..len), dst.as_mut_slice())?;
-            }
-            Ok(())
-        };
-        down(&mut p.wte, wte)?;
-        down(&mut p.wpe, wpe)?;
-        down(&mut p.final_norm, final_norm)?;
-        down(&mut p.output_layer, output)?;
+        let mut parts: Vec<(&CudaSlice<f32>, &mut [f32])> = vec![
+            (wte, &mut p.wte),
+            (wpe, &mut p.wpe),
+            (final_norm, &mut p.final_norm),
+            (output, &mut p.output_layer),
+        ];
         for (dst, g) in p.layers.iter_mut().zip(grads) {
             let LayerParams {
                 attn_norm,
@@ -759,17 +753,19 @@ impl ResidentTrainer {
                 shared_fc1,
                 shared_fc2,
             } = dst;
-            down(attn_norm, &g.attn_norm)?;
-            down(linear_qkv, &g.linear_qkv)?;
-            down(linear_proj, &g.linear_proj)?;
-            down(mlp_norm, &g.mlp_norm)?;
-            down(router, &g.router)?;
-            down(experts_fc1, &g.experts_fc1)?;
-            down(experts_fc2, &g.experts_fc2)?;
-            down(shared_fc1, &g.shared_fc1)?;
-            down(shared_fc2, &g.shared_fc2)?;
+            parts.extend([
+                (&g.attn_norm, &mut attn_norm[..]),
+                (&g.linear_qkv, &mut linear_qkv[..]),
+                (&g.linear_proj, &mut linear_proj[..]),
+                (&g.mlp_norm, &mut mlp_norm[..]),
+                (&g.router, &mut router[..]),
+                (&g.experts_fc1, &mut experts_fc1[..]),
+                (&g.experts_fc2, &mut experts_fc2[..]),
+                (&g.shared_fc1, &mut shared_fc1[..]),
+                (&g.shared_fc2, &mut shared_fc2[..]),
+            ]);
         }
-        s.synchronize()?;
+        self.staging.download(&mut parts)?;
         Ok(p)
     }
 }
@@ -795,8 +791,8 @@ impl<'a> ResidentPass<'a> {
         let trainer = backend.take_trainer()?;
         let run = || -> Result<_, CudaError> {
             let t0 = std::time::Instant::now();
+            // Queued, not waited for: the forward's kernels follow the copy on the stream.
             let model = trainer.upload(prep)?;
-            trainer.stream.synchronize()?;
             backend.note_model_upload(t0);
             let t1 = std::time::Instant::now();
             let forward = trainer.forward(&model, tokens, layout, replay)?;
