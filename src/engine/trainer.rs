@@ -243,11 +243,11 @@ impl Trainer {
         };
         let t_step = Instant::now();
 
-        // 1. Live weight export: the rollout builds its own quantized view of the shipped weights.
+        // 1. Live weight export: the rollout builds its own quantized view of the shipped weights
+        // (the master weights as they stand, read-only: no copy is needed to ship them).
         let t0 = Instant::now();
-        let shipped = self.params.clone();
-        let roll_prep =
-            PreparedModel::new(&shipped, &self.rollout_plan).expect("plan checked at construction");
+        let roll_prep = PreparedModel::new(&self.params, &self.rollout_plan)
+            .expect("plan checked at construction");
         rec.set("perf/export_time", t0.elapsed().as_secs_f64());
 
         // 2. Rollout and, side by side, the trainer's own preparation of its weights (it

@@ -151,6 +151,12 @@ impl CudaLinear {
         Ok(self.stream.alloc_zeros(n.max(1))?)
     }
 
+    /// A buffer of `n` floats for the op it is passed to to write in full
+    /// ([`super::output_buffer`]).
+    fn output(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        super::output_buffer(&self.stream, n)
+    }
+
     /// Row-major `c[r, cc] = a[r, inner] · b[inner, cc]` (`+= ` when `accumulate`), FP32, for
     /// `batch` (a, b, c) triples stored back to back. Each operand is stored as itself or, when
     /// its flag says so, as its transpose. cuBLAS is column-major, where a row-major buffer reads
@@ -256,7 +262,7 @@ impl CudaLinear {
         }
         let len = rows * cols;
         let s = &self.stream;
-        let (mut blk_in, mut blk_out) = (self.zeros(len)?, self.zeros(len)?);
+        let (mut blk_in, mut blk_out) = (self.output(len)?, self.output(len)?);
         for b in 0..batch {
             let range = b * len..(b + 1) * len;
             s.memcpy_dtod(&x.slice(range.clone()), &mut blk_in.slice_mut(..len))?;
@@ -322,7 +328,7 @@ impl CudaLinear {
     ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
         let (k, m, batch) = (w.in_dim, w.out_dim, w.batch);
         let rows = batch * n;
-        let mut y = self.zeros(rows * m)?;
+        let mut y = self.output(rows * m)?;
         let Some(fmt) = plan.activation_format() else {
             self.gemm(
                 (x, false),
@@ -332,7 +338,7 @@ impl CudaLinear {
                 batch,
                 false,
             )?;
-            let mut x_bwd = self.zeros(rows * k)?;
+            let mut x_bwd = self.output(rows * k)?;
             if rows > 0 {
                 self.stream
                     .memcpy_dtod(&x.slice(..rows * k), &mut x_bwd.slice_mut(..rows * k))?;
@@ -345,11 +351,11 @@ impl CudaLinear {
         let x_hp = if bf16_site {
             None
         } else {
-            let mut r = self.zeros(rows * k)?;
+            let mut r = self.output(rows * k)?;
             self.fq.round_bf16(x, &mut r, rows * k)?;
             Some(r)
         };
-        let mut x_q = self.zeros(rows * k)?;
+        let mut x_q = self.output(rows * k)?;
         let src = x_hp.as_ref().unwrap_or(x);
         self.quantize(Quant::Rows, src, (n, k, batch), &fmt, &mut x_q, acc)?;
         self.gemm(
@@ -367,13 +373,13 @@ impl CudaLinear {
         let x_bwd = match plan.backward {
             BackwardMode::HighPrecision => x_hp,
             BackwardMode::Dequantized => {
-                let mut r = self.zeros(rows * k)?;
+                let mut r = self.output(rows * k)?;
                 self.fq.round_bf16(&x_q, &mut r, rows * k)?;
                 r
             }
             BackwardMode::Quantized if n == 0 => x_hp,
             BackwardMode::Quantized => {
-                let mut q = self.zeros(rows * k)?;
+                let mut q = self.output(rows * k)?;
                 self.quantize(Quant::ColsPadded, &x_hp, (n, k, batch), &fmt, &mut q, None)?;
                 q
             }

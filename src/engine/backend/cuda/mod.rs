@@ -232,3 +232,15 @@ pub fn skip_reason() -> Option<String> {
         Err(e) => Some(e.to_string()),
     }
 }
+
+/// A device buffer of `n` floats (at least one: cudarc does not allocate zero bytes) for an op to
+/// write in full. Not zeroed, which saves a memset launch per buffer (a decode step makes a few
+/// hundred): callers pass it to a kernel, copy or beta-0 GEMM that writes every element before
+/// anything reads it.
+pub(crate) fn output_buffer(
+    stream: &Arc<cudarc::driver::CudaStream>,
+    n: usize,
+) -> Result<cudarc::driver::CudaSlice<f32>, CudaError> {
+    // SAFETY: device memory, written in full by the caller's op before any read (see above).
+    Ok(unsafe { stream.alloc(n.max(1))? })
+}

@@ -52,8 +52,10 @@ impl ExpertBatch {
                 ids.len()
             )));
         }
-        let mut slot_row = stream.alloc_zeros::<u32>((n * k).max(1))?;
-        let mut src_row = stream.alloc_zeros::<u32>((e * cap).max(1))?;
+        // Not zeroed: `route_slots` writes every slot's row and every batch row's source.
+        // SAFETY: device memory, fully written by the launch below before any read.
+        let mut slot_row = unsafe { stream.alloc::<u32>((n * k).max(1))? };
+        let mut src_row = unsafe { stream.alloc::<u32>((e * cap).max(1))? };
         let (nk32, k32, e32) = (dim(op, "slots", n * k)?, dim(op, "k", k)?, dim(op, "e", e)?);
         let cap32 = dim(op, "cap", cap)?;
         dim(op, "expert rows", e * cap)?;

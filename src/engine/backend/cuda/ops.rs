@@ -464,9 +464,11 @@ impl CudaOps {
         k: usize,
         replay: Option<&[u32]>,
     ) -> Result<(CudaSlice<u32>, CudaSlice<f32>), CudaError> {
-        let mut probs = stream.alloc_zeros::<f32>((n * e).max(1))?;
-        let mut ids = stream.alloc_zeros::<u32>((n * k).max(1))?;
-        let mut weights = stream.alloc_zeros::<f32>((n * k).max(1))?;
+        // Not zeroed: the router writes every row's probabilities, ids and weights.
+        // SAFETY: device memory, fully written by `router_forward` before any read.
+        let mut probs = unsafe { stream.alloc::<f32>((n * e).max(1))? };
+        let mut ids = unsafe { stream.alloc::<u32>((n * k).max(1))? };
+        let mut weights = unsafe { stream.alloc::<f32>((n * k).max(1))? };
         let replay = replay.map(|r| stream.clone_htod(r)).transpose()?;
         self.router_forward(
             stream,

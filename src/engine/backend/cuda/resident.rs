@@ -241,6 +241,11 @@ impl ResidentForward {
         Ok(self.stream.alloc_zeros(n.max(1))?)
     }
 
+    /// A buffer of `n` floats for the op it is passed to to write in full ([`super::output_buffer`]).
+    fn output(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        super::output_buffer(&self.stream, n)
+    }
+
     /// `y[n, m] = x[n, k] · Wᵀ` with FP32 accumulation, for `batch` independent (x, W, y) triples
     /// stored back to back (the experts). Row-major buffers read column-major are their
     /// transposes: `yᵀ = W · xᵀ` is cuBLAS's `op(A) = T` on W's buffer (k x m column-major) times
@@ -309,18 +314,18 @@ impl ResidentForward {
         n: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let (k, m) = (lin.in_dim, lin.out_dim);
-        let mut y = self.zeros(n * m)?;
+        let mut y = self.output(n * m)?;
         if n == 0 {
             return Ok(y);
         }
         match lin.act {
             None => self.gemm_xwt(x, &lin.w, &mut y, (n, k, m), 1)?,
             Some(fmt) => {
-                let mut xq = self.zeros(n * k)?;
+                let mut xq = self.output(n * k)?;
                 if matches!(fmt, QuantFormat::Bf16) {
                     self.fq.fake_quantize_rows(x, n, k, &fmt, &mut xq)?;
                 } else {
-                    let mut hp = self.zeros(n * k)?;
+                    let mut hp = self.output(n * k)?;
                     self.fq.round_bf16(x, &mut hp, n * k)?;
                     self.fq.fake_quantize_rows(&hp, n, k, &fmt, &mut xq)?;
                 }
@@ -345,11 +350,11 @@ impl ResidentForward {
             return Ok(None);
         };
         let (k, rows) = (ex.in_dim, e * cap);
-        let mut xq = self.zeros(rows * k)?;
+        let mut xq = self.output(rows * k)?;
         let src = if matches!(fmt, QuantFormat::Bf16) {
             None
         } else {
-            let mut hp = self.zeros(rows * k)?;
+            let mut hp = self.output(rows * k)?;
             self.fq.round_bf16(x, &mut hp, rows * k)?;
             Some(hp)
         };
@@ -366,7 +371,7 @@ impl ResidentForward {
             return Ok(Some(xq));
         }
         let s = &self.stream;
-        let (mut block_in, mut block_out) = (self.zeros(cap * k)?, self.zeros(cap * k)?);
+        let (mut block_in, mut block_out) = (self.output(cap * k)?, self.output(cap * k)?);
         for ei in 0..e {
             let range = ei * cap * k..(ei + 1) * cap * k;
             s.memcpy_dtod(
@@ -390,7 +395,7 @@ impl ResidentForward {
         cap: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let (k, m) = (ex.in_dim, ex.out_dim);
-        let mut y = self.zeros(e * cap * m)?;
+        let mut y = self.output(e * cap * m)?;
         match self.quantize_experts(ex, x, e, cap)? {
             Some(xq) => self.gemm_xwt(&xq, &ex.w, &mut y, (cap, k, m), e)?,
             None => self.gemm_xwt(x, &ex.w, &mut y, (cap, k, m), e)?,
@@ -408,7 +413,7 @@ impl ResidentForward {
     ) -> Result<CudaSlice<f32>, CudaError> {
         let f = fc2.in_dim;
         let h = self.linear_forward(fc1, x, n)?;
-        let mut act = self.zeros(n * f)?;
+        let mut act = self.output(n * f)?;
         if n > 0 {
             self.ops.swiglu_forward(&self.stream, &mut act, &h, n, f)?;
         }
@@ -428,18 +433,18 @@ impl ResidentForward {
     ) -> Result<CudaSlice<f32>, CudaError> {
         let (n, d, h) = (layout.rows, cfg.d_model, cfg.n_heads);
         let s = &self.stream;
-        let (mut xn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        let (mut xn, mut rstd) = (self.output(n * d)?, self.output(n)?);
         self.ops
             .rmsnorm_forward(s, &mut xn, &mut rstd, x, &w.attn_norm, n, d)?;
         let qkv = self.linear_forward(&w.linear_qkv, &xn, n)?;
-        let mut att = self.zeros(n * d)?;
-        let mut probs = self.zeros(n * h * layout.max_context)?;
+        let mut att = self.output(n * d)?;
+        let mut probs = self.output(n * h * layout.max_context)?;
         match kv {
             None => self
                 .ops
                 .attention_forward(s, &mut att, &mut probs, &qkv, layout, h, d)?,
             Some(slot) => {
-                let mut rounded = self.zeros(n * 3 * d)?;
+                let mut rounded = self.output(n * 3 * d)?;
                 self.fq.round_bf16(&qkv, &mut rounded, n * 3 * d)?;
                 self.store_kv(
                     &rounded,
@@ -531,24 +536,24 @@ impl ResidentForward {
     ) -> Result<(CudaSlice<f32>, CudaSlice<u32>), CudaError> {
         let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
         let s = &self.stream;
-        let (mut xn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        let (mut xn, mut rstd) = (self.output(n * d)?, self.output(n)?);
         self.ops
             .rmsnorm_forward(s, &mut xn, &mut rstd, x, &w.mlp_norm, n, d)?;
         let logits = self.linear_forward(&w.router, &xn, n)?;
         let (ids, weights) = self.ops.route(s, &logits, n, e, k, replay)?;
         let cap = n;
         let slots = self.experts.route(s, &ids, (n, k, e), cap)?;
-        let mut xe = self.zeros(e * cap * d)?;
+        let mut xe = self.output(e * cap * d)?;
         self.experts
             .gather(s, &mut xe, &xn, &slots.src_row, e * cap, d, n)?;
         let shared = self.ffn(&w.shared_fc1, &w.shared_fc2, &xn, n)?;
         let f = w.experts_fc2.in_dim;
         let h = self.experts_forward(&w.experts_fc1, &xe, e, cap)?;
-        let mut act = self.zeros(e * cap * f)?;
+        let mut act = self.output(e * cap * f)?;
         self.ops
             .swiglu_forward(&self.stream, &mut act, &h, e * cap, f)?;
         let y_all = self.experts_forward(&w.experts_fc2, &act, e, cap)?;
-        let mut out = self.zeros(n * d)?;
+        let mut out = self.output(n * d)?;
         self.ops.moe_combine(
             s,
             &mut out,
@@ -699,7 +704,7 @@ impl ResidentForward {
         let (n, d, v) = (dl.rows, cfg.d_model, cfg.vocab);
         let s = &self.stream;
         let toks = s.clone_htod(tokens)?;
-        let mut h = self.zeros(n * d)?;
+        let mut h = self.output(n * d)?;
         self.ops
             .embedding_forward(s, &mut h, &toks, &dl.positions, &m.wte, &m.wpe, n, d)?;
         let mut routing = Routing {
@@ -722,7 +727,7 @@ impl ResidentForward {
             ids.push(layer_ids);
             h = out;
         }
-        let (mut hn, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        let (mut hn, mut rstd) = (self.output(n * d)?, self.output(n)?);
         self.ops
             .rmsnorm_forward(s, &mut hn, &mut rstd, &h, &m.final_norm, n, d)?;
         let logits = self.linear_forward(&m.output_layer, &hn, n)?;

@@ -172,6 +172,12 @@ impl ResidentTrainer {
         Ok(self.stream.alloc_zeros(n.max(1))?)
     }
 
+    /// A buffer of `n` floats for the op it is passed to to write in full
+    /// ([`super::output_buffer`]).
+    fn output(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        super::output_buffer(&self.stream, n)
+    }
+
     /// Copy a step's prepared weights (forward and dgrad operands) to the device, in one staged
     /// copy: the tensors are listed in one fixed order and taken back in the same order.
     pub fn upload(&self, prep: &PreparedModel) -> Result<TrainModel, CudaError> {
@@ -239,7 +245,7 @@ impl ResidentTrainer {
         n: usize,
         d: usize,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), CudaError> {
-        let (mut out, mut rstd) = (self.zeros(n * d)?, self.zeros(n)?);
+        let (mut out, mut rstd) = (self.output(n * d)?, self.output(n)?);
         self.ops
             .rmsnorm_forward(&self.stream, &mut out, &mut rstd, x, g, n, d)?;
         Ok((out, rstd))
@@ -257,7 +263,7 @@ impl ResidentTrainer {
     ) -> Result<(CudaSlice<f32>, FfnCache), CudaError> {
         let (rows, f) = (fc1.batch() * n, fc2.in_dim());
         let (fc1_out, fc1_c) = self.lin.forward_counted(p1, x, n, fc1, Some(c1))?;
-        let mut act = self.zeros(rows * f)?;
+        let mut act = self.output(rows * f)?;
         self.ops
             .swiglu_forward(&self.stream, &mut act, &fc1_out, rows, f)?;
         let (y, fc2_c) = self.lin.forward_counted(p2, &act, n, fc2, Some(c2))?;
@@ -292,7 +298,7 @@ impl ResidentTrainer {
         let (qkv, qkv_lin) =
             self.lin
                 .forward_counted(&p.linear_qkv, &xn, n, &w.linear_qkv, Some(c_qkv))?;
-        let (mut att, mut probs) = (self.zeros(n * d)?, self.zeros(n * h * dl.max_context)?);
+        let (mut att, mut probs) = (self.output(n * d)?, self.output(n * h * dl.max_context)?);
         self.ops
             .attention_forward(&self.stream, &mut att, &mut probs, &qkv, dl, h, d)?;
         let (mut out, proj_lin) =
@@ -337,7 +343,7 @@ impl ResidentTrainer {
         let (ids, weights) = self.ops.route(s, &logits, n, e, k, replay)?;
         let cap = n.div_ceil(CAP_MULTIPLE) * CAP_MULTIPLE;
         let slots = self.batch.route(s, &ids, (n, k, e), cap)?;
-        let mut xe = self.zeros(e * cap * d)?;
+        let mut xe = self.output(e * cap * d)?;
         self.batch
             .gather(s, &mut xe, &xn, &slots.src_row, e * cap, d, n)?;
         let (shared_y, shared) = self.ffn_forward(
@@ -354,7 +360,7 @@ impl ResidentTrainer {
             cap,
             (c_e1, c_e2),
         )?;
-        let mut out = self.zeros(n * d)?;
+        let mut out = self.output(n * d)?;
         self.ops.moe_combine(
             s,
             &mut out,
@@ -409,7 +415,7 @@ impl ResidentTrainer {
         let mut counts = (0..7 * cfg.n_layers + 1)
             .map(|_| s.alloc_zeros::<u64>(3))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut h = self.zeros(n * d)?;
+        let mut h = self.output(n * d)?;
         self.ops
             .embedding_forward(s, &mut h, &toks, &dl.positions, &m.wte, &m.wpe, n, d)?;
         let mut layers = Vec::with_capacity(cfg.n_layers);
