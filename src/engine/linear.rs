@@ -32,10 +32,12 @@ pub struct PreparedWeight {
     /// Forward operand (quantized then dequantized to FP32). Private, like `w_bwd`: both are
     /// immutable once prepared, which is what lets a GPU backend keep them resident under `key`.
     w_fwd: Vec<f32>,
-    /// Operand of the dgrad GEMM (`dx = dy · W`), chosen by the backward mode.
-    w_bwd: Vec<f32>,
-    /// Unique per prepared weight (`key` names `w_fwd`, `key + 1` names `w_bwd`): see
-    /// [`MatRef::key`].
+    /// Operand of the dgrad GEMM (`dx = dy · W`), chosen by the backward mode; `None` where it
+    /// equals `w_fwd` bit for bit (FP32 and BF16 sites, and most dequantized ones), so it is
+    /// neither stored nor copied to a device twice.
+    w_bwd: Option<Vec<f32>>,
+    /// Unique per prepared weight (`key` names `w_fwd`, `key + 1` names a distinct `w_bwd`):
+    /// see [`MatRef::key`].
     key: u64,
     /// SHA-256 over the weight's codes, scales and second-level scales (FP32 values for FP32 sites).
     pub digest: [u8; 32],
@@ -50,7 +52,11 @@ impl PreparedWeight {
     }
     /// Operand of the dgrad GEMM, chosen by the backward mode.
     pub fn w_bwd(&self) -> &[f32] {
-        &self.w_bwd
+        self.w_bwd.as_deref().unwrap_or(&self.w_fwd)
+    }
+    /// True when the dgrad operand is the forward operand (bit for bit).
+    pub fn bwd_is_fwd(&self) -> bool {
+        self.w_bwd.is_none()
     }
     /// Names this preparation's contents: clones share it, every new preparation gets a new one.
     pub fn key(&self) -> u64 {
@@ -60,7 +66,12 @@ impl PreparedWeight {
         MatRef::new(&self.w_fwd, self.out_dim, self.in_dim).keyed(self.key)
     }
     fn bwd_operand(&self) -> MatRef<'_> {
-        MatRef::new(&self.w_bwd, self.out_dim, self.in_dim).keyed(self.key + 1)
+        let key = if self.bwd_is_fwd() {
+            self.key
+        } else {
+            self.key + 1
+        };
+        MatRef::new(self.w_bwd(), self.out_dim, self.in_dim).keyed(key)
     }
 }
 
@@ -147,7 +158,7 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
             out_dim,
             in_dim,
             w_fwd: w.to_vec(),
-            w_bwd: w.to_vec(),
+            w_bwd: None,
             key: next_weight_key(),
             digest: digest_f32(w),
             stats: QuantStats::default(),
@@ -162,6 +173,12 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
         (_, BackwardMode::Dequantized) => bf16_vec(&w_fwd),
         (_, BackwardMode::Quantized) => fake_quantize_col_padded(&w_hp, out_dim, in_dim, &fmt),
     };
+    let same = w_bwd.len() == w_fwd.len()
+        && w_bwd
+            .iter()
+            .zip(&w_fwd)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    let w_bwd = (!same).then_some(w_bwd);
     PreparedWeight {
         out_dim,
         in_dim,
@@ -354,10 +371,10 @@ mod tests {
             assert_eq!(pw_hp.w_fwd, pw_dq.w_fwd);
             assert_eq!(pw_hp.digest, pw_qz.digest);
             // High precision: BF16 originals.
-            assert_eq!(pw_hp.w_bwd, bf16_vec(&w));
+            assert_eq!(pw_hp.w_bwd(), bf16_vec(&w));
             assert_eq!(c_hp.x_bwd, bf16_vec(&x));
             // Dequantized: BF16 of exactly what the forward used.
-            assert_eq!(pw_dq.w_bwd, bf16_vec(&pw_dq.w_fwd));
+            assert_eq!(pw_dq.w_bwd(), bf16_vec(&pw_dq.w_fwd));
             let mut xq = vec![0.0; n * k];
             fake_quantize(
                 &bf16_vec(&x),
@@ -381,7 +398,7 @@ mod tests {
             )
             .unwrap();
             assert!(
-                pw_qz.w_bwd == col,
+                pw_qz.w_bwd() == col,
                 "{prec:?}: dgrad weight is not the column-wise quantization"
             );
             let mut xpad = bf16_vec(&x);
@@ -464,5 +481,25 @@ mod tests {
         assert_ne!(a.digest, b.digest);
         assert_eq!(a.digest, a2.digest);
         assert!(check_site(&plan(Precision::Mxfp8, BackwardMode::Quantized), 8, 48).is_err());
+    }
+
+    /// One stored (and uploaded) operand where the dgrad operand is the forward one: a BF16 site
+    /// (BF16 values quantize to themselves) and an MXFP8 site with the dequantized backward (E4M3
+    /// values times a power of two are BF16-exact); two where they differ (the high-precision
+    /// backward keeps the BF16 originals).
+    #[test]
+    fn the_dgrad_operand_is_shared_exactly_when_it_equals_the_forward_one() {
+        let (m, k) = (4, 64);
+        let w = data(m * k, 0.0);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (p, b, shared) in [
+            (Precision::Bf16, BackwardMode::HighPrecision, true),
+            (Precision::Mxfp8, BackwardMode::Dequantized, true),
+            (Precision::Mxfp8, BackwardMode::HighPrecision, false),
+        ] {
+            let pw = prepare_weight(&plan(p, b), &w, m, k);
+            assert_eq!(pw.bwd_is_fwd(), shared, "{p:?} {b:?}");
+            assert_eq!(bits(pw.w_bwd()) == bits(pw.w_fwd()), shared, "{p:?} {b:?}");
+        }
     }
 }

@@ -30,7 +30,9 @@ use std::sync::Arc;
 /// of them back to back ([`CudaLinear::upload_stacked`]).
 pub struct DeviceWeight {
     w_fwd: CudaSlice<f32>,
-    w_bwd: CudaSlice<f32>,
+    /// `None` where every stacked weight's dgrad operand is its forward operand
+    /// ([`PreparedWeight::bwd_is_fwd`]): one copy serves both GEMMs.
+    w_bwd: Option<CudaSlice<f32>>,
     out_dim: usize,
     in_dim: usize,
     batch: usize,
@@ -38,7 +40,8 @@ pub struct DeviceWeight {
 
 impl DeviceWeight {
     /// What to upload for `ws` (weights of one shape, stacked in order): the forward operands,
-    /// then the dgrad operands, as two [`Staging::upload`] groups.
+    /// then the dgrad operands (an empty group where they are the forward ones), as two
+    /// [`Staging::upload`] groups.
     pub fn parts(ws: &[PreparedWeight]) -> Result<[Vec<&[f32]>; 2], CudaError> {
         let first = ws
             .first()
@@ -51,10 +54,12 @@ impl DeviceWeight {
                 "device weight: stacked weights of different shapes".into(),
             ));
         }
-        Ok([
-            ws.iter().map(PreparedWeight::w_fwd).collect(),
-            ws.iter().map(PreparedWeight::w_bwd).collect(),
-        ])
+        let bwd = if ws.iter().all(PreparedWeight::bwd_is_fwd) {
+            Vec::new()
+        } else {
+            ws.iter().map(PreparedWeight::w_bwd).collect()
+        };
+        Ok([ws.iter().map(PreparedWeight::w_fwd).collect(), bwd])
     }
 
     /// `ws` on the device, from the two buffers its [`DeviceWeight::parts`] were uploaded into.
@@ -62,7 +67,7 @@ impl DeviceWeight {
         let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
         DeviceWeight {
             w_fwd,
-            w_bwd,
+            w_bwd: (!ws.iter().all(PreparedWeight::bwd_is_fwd)).then_some(w_bwd),
             out_dim,
             in_dim,
             batch: ws.len(),
@@ -440,7 +445,7 @@ impl CudaLinear {
         if let Some(dx) = dx {
             self.gemm(
                 (dy_d, false),
-                (&w.w_bwd, false),
+                (w.w_bwd.as_ref().unwrap_or(&w.w_fwd), false),
                 dx,
                 (n, m, k),
                 batch,
