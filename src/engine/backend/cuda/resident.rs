@@ -731,12 +731,23 @@ impl ResidentForward {
         self.ops
             .rmsnorm_forward(s, &mut hn, &mut rstd, &h, &m.final_norm, n, d)?;
         let logits = self.linear_forward(&m.output_layer, &hn, n)?;
-        let logits = s.clone_dtoh(&logits.slice(..n * v))?;
-        for layer_ids in &ids {
-            routing
-                .layers
-                .push(s.clone_dtoh(&layer_ids.slice(..n * cfg.top_k))?);
+        // Every layer's ids gathered on the device: two copies back in all, not one per layer.
+        let nk = n * cfg.top_k;
+        // SAFETY: device memory, fully written by the gathering copies below before the read.
+        let mut all_ids = unsafe { s.alloc::<u32>((ids.len() * nk).max(1))? };
+        if nk > 0 {
+            for (l, layer_ids) in ids.iter().enumerate() {
+                s.memcpy_dtod(
+                    &layer_ids.slice(..nk),
+                    &mut all_ids.slice_mut(l * nk..(l + 1) * nk),
+                )?;
+            }
         }
+        let logits = s.clone_dtoh(&logits.slice(..n * v))?;
+        let all_ids = s.clone_dtoh(&all_ids)?;
+        routing.layers = (0..ids.len())
+            .map(|l| all_ids[l * nk..(l + 1) * nk].to_vec())
+            .collect();
         Ok(ForwardOutput { logits, routing })
     }
 }

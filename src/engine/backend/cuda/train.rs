@@ -455,19 +455,27 @@ impl ResidentTrainer {
         cache: &TrainCache,
     ) -> Result<Vec<(String, QuantStats)>, CudaError> {
         let sites = quant_sites(m.config.n_layers);
-        let mut out = Vec::with_capacity(sites.len());
-        for (name, c) in sites.into_iter().zip(&cache.counts) {
-            let v = self.stream.clone_dtoh(c)?;
-            out.push((
-                name,
-                QuantStats {
-                    elements: v[0],
-                    saturated: v[1],
-                    underflowed: v[2],
-                },
-            ));
+        let s = &self.stream;
+        // The sites' [elements, saturated, underflowed] gathered on the device: one copy back.
+        let mut all = s.alloc_zeros::<u64>((3 * cache.counts.len()).max(1))?;
+        for (i, c) in cache.counts.iter().enumerate() {
+            s.memcpy_dtod(&c.slice(..3), &mut all.slice_mut(3 * i..3 * i + 3))?;
         }
-        Ok(out)
+        let all = s.clone_dtoh(&all)?;
+        Ok(sites
+            .into_iter()
+            .zip(all.chunks_exact(3))
+            .map(|(name, v)| {
+                (
+                    name,
+                    QuantStats {
+                        elements: v[0],
+                        saturated: v[1],
+                        underflowed: v[2],
+                    },
+                )
+            })
+            .collect())
     }
 
     // ---------------------------------------------------------------------------------------
