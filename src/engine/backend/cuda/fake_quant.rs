@@ -261,6 +261,28 @@ impl CudaFakeQuantizer {
         Ok(())
     }
 
+    /// `f` over each of `blocks` blocks of `len` values stored back to back in `x`, into the
+    /// same block of `out`: each block is copied into a buffer of its own first, so `f` sees one
+    /// whole tensor (what a per-tensor scale needs: the CPU quantizes each expert's tensor alone).
+    pub fn per_block(
+        &self,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        (blocks, len): (usize, usize),
+        mut f: impl FnMut(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let s = self.q.stream();
+        let (mut blk_in, mut blk_out) =
+            (super::output_buffer(s, len)?, super::output_buffer(s, len)?);
+        for b in 0..blocks {
+            let range = b * len..(b + 1) * len;
+            s.memcpy_dtod(&x.slice(range.clone()), &mut blk_in.slice_mut(..len))?;
+            f(&blk_in, &mut blk_out)?;
+            s.memcpy_dtod(&blk_out.slice(..len), &mut out.slice_mut(range))?;
+        }
+        Ok(())
+    }
+
     /// The scratch of (rows, cols, fmt), made most recently used; allocated on a miss, evicting
     /// the least recently used beyond `SCRATCH_SLOTS` (its buffers are freed in stream order).
     /// `out[..rows*cols]` = `fake_quantize(x, rows, cols, fmt, Axis::Col, out)` bit for bit:

@@ -144,6 +144,11 @@ impl CudaLinear {
         self.upload_stacked(std::slice::from_ref(w))
     }
 
+    /// The page-locked staging of this layer's stream (the resident trainer's model uploads).
+    pub fn staging(&self) -> &Staging {
+        &self.staging
+    }
+
     /// Copy weights of one shape (a site's routed experts) to the device, stacked in order.
     pub fn upload_stacked(&self, ws: &[PreparedWeight]) -> Result<DeviceWeight, CudaError> {
         let mut bufs = self.staging.upload(&DeviceWeight::parts(ws)?)?.into_iter();
@@ -265,24 +270,9 @@ impl CudaLinear {
         if batch == 1 || (!per_tensor && aligned) {
             return self.quantize_one(kind, x, rows * batch, cols, fmt, out, acc);
         }
-        let len = rows * cols;
-        let s = &self.stream;
-        let (mut blk_in, mut blk_out) = (self.output(len)?, self.output(len)?);
-        for b in 0..batch {
-            let range = b * len..(b + 1) * len;
-            s.memcpy_dtod(&x.slice(range.clone()), &mut blk_in.slice_mut(..len))?;
-            self.quantize_one(
-                kind,
-                &blk_in,
-                rows,
-                cols,
-                fmt,
-                &mut blk_out,
-                acc.as_deref_mut(),
-            )?;
-            s.memcpy_dtod(&blk_out.slice(..len), &mut out.slice_mut(range))?;
-        }
-        Ok(())
+        self.fq.per_block(x, out, (batch, rows * cols), |blk, q| {
+            self.quantize_one(kind, blk, rows, cols, fmt, q, acc.as_deref_mut())
+        })
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -370,18 +370,9 @@ impl ResidentForward {
             self.fq.fake_quantize_rows(src, rows, k, &fmt, &mut xq)?;
             return Ok(Some(xq));
         }
-        let s = &self.stream;
-        let (mut block_in, mut block_out) = (self.output(cap * k)?, self.output(cap * k)?);
-        for ei in 0..e {
-            let range = ei * cap * k..(ei + 1) * cap * k;
-            s.memcpy_dtod(
-                &src.slice(range.clone()),
-                &mut block_in.slice_mut(..cap * k),
-            )?;
-            self.fq
-                .fake_quantize_rows(&block_in, cap, k, &fmt, &mut block_out)?;
-            s.memcpy_dtod(&block_out.slice(..cap * k), &mut xq.slice_mut(range))?;
-        }
+        self.fq.per_block(src, &mut xq, (e, cap * k), |blk, q| {
+            self.fq.fake_quantize_rows(blk, cap, k, &fmt, q)
+        })?;
         Ok(Some(xq))
     }
 

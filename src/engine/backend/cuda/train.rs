@@ -23,7 +23,6 @@ use super::backward::{CudaBackwardOps, DeviceGroups};
 use super::linear::{CudaLinear, DeviceLinearCache, DeviceWeight};
 use super::moe::ExpertBatch;
 use super::ops::{CudaOps, DeviceLayout, cfg_warps, dim};
-use super::staging::Staging;
 use super::{CudaBackend, CudaDevice, CudaError};
 use crate::engine::layout::Layout;
 use crate::engine::model::{
@@ -148,8 +147,6 @@ pub struct ResidentTrainer {
     batch: ExpertBatch,
     expert_dy: CudaFunction,
     expert_dx_scatter: CudaFunction,
-    /// Model uploads (one page-locked buffer).
-    staging: Staging,
 }
 
 impl ResidentTrainer {
@@ -158,7 +155,6 @@ impl ResidentTrainer {
         let m = dev.compile_with_prelude("train", SRC)?;
         Ok(ResidentTrainer {
             stream: lin.stream().clone(),
-            staging: Staging::new(lin.stream()),
             lin,
             ops: CudaOps::new(dev)?,
             bwd: CudaBackwardOps::new(dev)?,
@@ -182,9 +178,10 @@ impl ResidentTrainer {
     /// copy: the tensors are listed in one fixed order and taken back in the same order.
     pub fn upload(&self, prep: &PreparedModel) -> Result<TrainModel, CudaError> {
         let one = |x| vec![x];
-        let weight = |w| DeviceWeight::parts(std::slice::from_ref(w));
         let mut groups = vec![one(&prep.wte[..]), one(&prep.wpe), one(&prep.final_norm)];
-        groups.extend(weight(&prep.output_layer)?);
+        groups.extend(DeviceWeight::parts(std::slice::from_ref(
+            &prep.output_layer,
+        ))?);
         for l in &prep.layers {
             groups.extend([one(&l.attn_norm[..]), one(&l.mlp_norm)]);
             for ws in [
@@ -199,7 +196,7 @@ impl ResidentTrainer {
                 groups.extend(DeviceWeight::parts(ws)?);
             }
         }
-        let mut bufs = self.staging.upload(&groups)?.into_iter();
+        let mut bufs = self.lin.staging().upload(&groups)?.into_iter();
         let next = |b: &mut std::vec::IntoIter<_>| b.next().expect("one buffer per group");
         let weight = |b: &mut std::vec::IntoIter<_>, ws: &[_]| {
             let (w_fwd, w_bwd) = (next(b), next(b));
@@ -779,7 +776,7 @@ impl ResidentTrainer {
                 (&g.shared_fc2, &mut shared_fc2[..]),
             ]);
         }
-        self.staging.download(&mut parts)?;
+        self.lin.staging().download(&mut parts)?;
         Ok(p)
     }
 }
