@@ -17,10 +17,16 @@ fn main() -> ExitCode {
     match dispatch(&cli.command) {
         Ok(true) => ExitCode::from(EXIT_PASS),
         Ok(false) => ExitCode::from(EXIT_FAIL),
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(EXIT_ERROR)
-        }
+        Err(e) => match e.downcast_ref::<cli::suite::Interrupted>() {
+            Some(i) => {
+                eprintln!("{i}");
+                ExitCode::from(lockstep::suite::interrupt::exit_code(i.0))
+            }
+            None => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(EXIT_ERROR)
+            }
+        },
     }
 }
 

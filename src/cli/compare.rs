@@ -90,7 +90,20 @@ pub fn compare_cmd(a: &CompareArgs) -> Result<bool> {
         write_json(&p, &cmp)?;
         println!("wrote {}", p.display());
     }
+    problems_error(&cmp)?;
     Ok(cmp.overall != OverallVerdict::Regression)
+}
+
+/// An error (exit 2) naming the first problem when the comparison does not cover the suite.
+fn problems_error(cmp: &SuiteComparison) -> Result<()> {
+    match cmp.problems.first() {
+        None => Ok(()),
+        Some(first) => bail!(
+            "suite `{}`: {} problem(s) keep this from being a verdict (listed above); first: {first}",
+            cmp.suite,
+            cmp.problems.len()
+        ),
+    }
 }
 
 fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<()> {
@@ -102,8 +115,11 @@ fn write_json<T: serde::Serialize>(p: &Path, v: &T) -> Result<()> {
     Ok(())
 }
 
-/// The readable table.
+/// The readable table, problems first.
 pub fn print_comparison(c: &SuiteComparison) {
+    for p in &c.problems {
+        println!("PROBLEM {p}");
+    }
     let m = &c.method;
     println!(
         "suite {}: {} configuration(s) vs {}; {:.0} % intervals, equivalence by two one-sided tests at alpha {}, final window {} steps",
@@ -182,7 +198,15 @@ pub fn print_comparison(c: &SuiteComparison) {
     for w in &c.warnings {
         println!("warning: {w}");
     }
-    println!("overall: {}", format!("{:?}", c.overall).to_uppercase());
+    if c.problems.is_empty() {
+        println!("overall: {}", format!("{:?}", c.overall).to_uppercase());
+    } else {
+        println!(
+            "overall: ERROR ({} problem(s); the comparison of what did run says {})",
+            c.problems.len(),
+            format!("{:?}", c.overall).to_uppercase()
+        );
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -397,16 +421,32 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
             store: a.store.clone(),
             jobs: a.jobs,
             force: false,
+            reingest: false,
             device: a.device.clone(),
             executor: crate::cli::suite::Executor::Local,
             slurm: Default::default(),
         })?;
         if !ok {
-            eprintln!("warning: some runs failed; the comparison leaves them out");
+            eprintln!("some runs did not finish; they are listed as problems below");
         }
     }
     let dir = suite_dir(&a.store, &spec.name)?;
-    let cmp = lockstep::compare::compare_suite(&spec, &dir, &a.flags.options())?;
+    let out = a.out.clone().unwrap_or_else(|| dir.clone());
+    let date = a
+        .date
+        .clone()
+        .unwrap_or_else(|| lockstep::store::run::now_utc()[..10].to_string());
+    let cmp = match lockstep::compare::compare_suite(&spec, &dir, &a.flags.options()) {
+        Ok(c) => c,
+        Err(e) => {
+            write_error_night(&out, &spec.name, &date, &e.to_string())?;
+            return Err(anyhow::Error::from(e).context(format!(
+                "nightly `{}`: no comparison (wrote the error to {}/{{verdict.json,summary.md,junit.xml}})",
+                spec.name,
+                out.display()
+            )));
+        }
+    };
     write_json(&dir.join("compare.json"), &cmp)?;
     let runs = lockstep::report::load_runs(&dir)?;
     let report = lockstep::report::write_report(
@@ -434,10 +474,6 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         })?,
         Err(_) => NightState::default(),
     };
-    let date = a
-        .date
-        .clone()
-        .unwrap_or_else(|| lockstep::store::run::now_utc()[..10].to_string());
     let v = nightly::verdict(
         &cmp,
         golden.as_ref(),
@@ -446,7 +482,6 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         s.nights,
         s.inconclusive_fails,
     );
-    let out = a.out.clone().unwrap_or_else(|| dir.clone());
     std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
     write_json(&state_path, &state)?;
     write_json(&out.join("verdict.json"), &v)?;
@@ -466,7 +501,33 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         out.display(),
         dir.join("compare.json").display()
     );
+    if v.exit_code == nightly::EXIT_ERROR {
+        problems_error(&cmp)?;
+    }
     Ok(v.exit_code == nightly::EXIT_PASS)
+}
+
+/// A night with no comparison at all (no runs, no baseline, a broken suite folder): verdict.json,
+/// summary.md and junit.xml still say so, as an error, for the CI system that reads them.
+fn write_error_night(out: &Path, suite: &str, date: &str, why: &str) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| out.display().to_string())?;
+    let v = serde_json::json!({
+        "suite": suite,
+        "date": date,
+        "verdict": "error",
+        "exit_code": nightly::EXIT_ERROR,
+        "problems": [why],
+    });
+    write_json(&out.join("verdict.json"), &v)?;
+    let md = format!(
+        "### ❌ lockstep nightly `{suite}` {date}: **ERROR**\n\nNo comparison was possible: {why}\n"
+    );
+    atomic::write_file(&out.join("summary.md"), md.as_bytes())?;
+    atomic::write_file(
+        &out.join("junit.xml"),
+        nightly::junit_error(suite, why).as_bytes(),
+    )?;
+    Ok(())
 }
 
 /// Issue 5's target for comparing 1,000 runs x 1,000 steps, loading included.

@@ -14,14 +14,23 @@ use std::time::Instant;
 #[derive(Debug, Subcommand)]
 pub enum SuiteCommand {
     /// Print the expanded run list.
-    Show { file: PathBuf },
+    Show {
+        file: PathBuf,
+        /// Command engine: also print each run's expanded argv and environment, as they would be
+        /// launched (with `{out_dir}` under --store).
+        #[arg(long)]
+        argv: bool,
+        /// Run store root (for `{out_dir}` with --argv).
+        #[arg(long, default_value = "runs")]
+        store: PathBuf,
+    },
     /// Validate a suite without running it.
     Check { file: PathBuf },
 }
 
 pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
     match cmd {
-        SuiteCommand::Show { file } => {
+        SuiteCommand::Show { file, argv, store } => {
             let s = load(file)?;
             let runs = expand(&s)?;
             println!(
@@ -32,6 +41,23 @@ pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
             );
             for r in &runs {
                 println!("  {:<40} seed {:<4} {}", r.config, r.seed, r.run_id);
+                if let (true, Some(cmd)) = (*argv, &s.command) {
+                    let out = std::path::absolute(
+                        suite_dir(store, &s.name)?.join(&r.run_id).join("out"),
+                    )?;
+                    let a = lockstep::suite::command::argv(&s, cmd, r, &out)
+                        .map_err(|e| anyhow::anyhow!("config `{}`: {e}", r.config))?;
+                    println!(
+                        "      argv: {}",
+                        a.iter().map(|x| quote(x)).collect::<Vec<_>>().join(" ")
+                    );
+                    for (k, v) in &r.env {
+                        println!("      env:  {k}={}", quote(v));
+                    }
+                }
+            }
+            if *argv && s.command.is_none() {
+                println!("(--argv: only command-engine suites launch a program)");
             }
             Ok(true)
         }
@@ -50,6 +76,35 @@ pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
     }
 }
 
+/// An argument as a POSIX shell would need it quoted, for display only (lockstep never runs a
+/// shell): plain words as they are, anything else in single quotes.
+fn quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// `lockstep run` or `nightly` was stopped by a signal; main exits with 128 + the signal.
+#[derive(Debug)]
+pub struct Interrupted(pub i32);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "stopped by {}: every launcher was stopped and the runs in flight are marked interrupted; rerun the same command to resume",
+            lockstep::suite::command::signal_name(self.0)
+        )
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Suite file (TOML).
@@ -63,6 +118,10 @@ pub struct RunArgs {
     /// Redo finished runs too.
     #[arg(long)]
     pub force: bool,
+    /// Command engine: re-read every finished run's output folder with the suite's current
+    /// metrics mapping and judge it again, launching nothing.
+    #[arg(long, conflicts_with = "force")]
+    pub reingest: bool,
     /// Where the GEMMs run: cpu; cuda (spread over every visible GPU, workers take them in
     /// turn); cuda:N; or a list, cuda:0,cuda:2.
     #[arg(long, default_value = "cpu")]
@@ -85,6 +144,12 @@ pub enum Executor {
 pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     let s = load(&args.suite)?;
     let runs = expand(&s)?;
+    if s.engine == "ingest" {
+        return ingest_suite_cmd(&s, &runs, &args.store);
+    }
+    if args.reingest {
+        return reingest_cmd(&s, &runs, args);
+    }
     if args.executor == Executor::Slurm {
         return super::slurm::run(args, &s, &runs);
     }
@@ -129,20 +194,86 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     };
     let refs: Vec<&dyn lockstep::engine::backend::Backend> =
         backends.iter().map(|b| b.as_ref()).collect();
+    lockstep::suite::interrupt::install();
     let sum = run_suite(&refs, &s, &runs, &opts, &progress)?;
     if tty {
         print!("\r\x1b[2K"); // the status line
     }
+    print_summary(&sum, start.elapsed().as_secs_f64());
+    if let Some(sig) = lockstep::suite::interrupt::requested() {
+        return Err(Interrupted(sig).into());
+    }
+    Ok(sum.failed + sum.timeout == 0)
+}
+
+fn print_summary(sum: &lockstep::suite::runner::Summary, secs: f64) {
     println!(
-        "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged, {} busy",
-        start.elapsed().as_secs_f64(),
-        sum.ok,
-        sum.skipped,
-        sum.failed,
-        sum.diverged,
-        sum.busy
+        "done in {secs:.1}s: {} ok, {} skipped, {} failed, {} timed out, {} diverged, {} interrupted, {} busy",
+        sum.ok, sum.skipped, sum.failed, sum.timeout, sum.diverged, sum.interrupted, sum.busy
     );
-    Ok(sum.failed == 0)
+}
+
+/// `lockstep run --reingest`: judge finished command runs again with the current mapping.
+fn reingest_cmd(
+    s: &lockstep::suite::SuiteSpec,
+    runs: &[lockstep::suite::RunSpec],
+    args: &RunArgs,
+) -> Result<bool> {
+    if s.engine != "command" {
+        bail!(
+            "--reingest re-reads command-engine output folders; suite `{}` uses the {} engine",
+            s.name,
+            s.engine
+        );
+    }
+    let opts = RunnerOptions {
+        store: args.store.clone(),
+        jobs: 1,
+        force: false,
+        cache: default_cache(),
+    };
+    let start = Instant::now();
+    let board = Mutex::new(super::progress::Board::new(runs.len(), false));
+    let progress = |p: Progress<'_>| {
+        if let Ok(mut b) = board.lock() {
+            super::progress::print(&b.event(p), false);
+        }
+    };
+    let sum = lockstep::suite::runner::reingest_suite(s, runs, &opts, &progress)?;
+    print_summary(&sum, start.elapsed().as_secs_f64());
+    Ok(sum.failed + sum.timeout == 0)
+}
+
+/// `lockstep run` of an `engine = "ingest"` suite: read its tree into the store.
+fn ingest_suite_cmd(
+    s: &lockstep::suite::SuiteSpec,
+    runs: &[lockstep::suite::RunSpec],
+    store: &std::path::Path,
+) -> Result<bool> {
+    let sum = lockstep::suite::ingest::ingest_suite(s, runs, store, |run, status, error| {
+        println!(
+            "{:<12} {} seed {}{}",
+            format!("{status:?}").to_lowercase(),
+            run.config,
+            run.seed,
+            error.map(|e| format!(": {e}")).unwrap_or_default()
+        );
+    })?;
+    for i in &sum.ignored {
+        eprintln!(
+            "warning: {i} is in the tree but not in suite `{}`; ignored",
+            s.name
+        );
+    }
+    println!(
+        "{} imported ({} not finished), {} planned run(s) missing from the tree, {} unreadable metric lines or values skipped; store: {}",
+        sum.imported,
+        sum.unfinished,
+        sum.missing,
+        sum.skipped_lines,
+        store.join(&s.name).display()
+    );
+    Ok(sum.missing + sum.unfinished == 0)
 }
 
 /// Workers when `--jobs` is not given: one per core on the CPU; on GPUs one per GPU, two for the
@@ -255,8 +386,9 @@ fn run_path(store: &std::path::Path, suite: &str, run_id: &str) -> Result<PathBu
 
 #[derive(Debug, Args)]
 pub struct IngestArgs {
-    /// Folder tree holding runs made elsewhere (e.g. a cluster's output).
-    pub dir: PathBuf,
+    /// Folder tree holding runs made elsewhere (e.g. a cluster's output); default: the mapping's
+    /// `tree`.
+    pub dir: Option<PathBuf>,
     /// Mapping file (TOML): meta_file, path_pattern, [metrics] files/step/map. See `lockstep::suite::ingest`.
     #[arg(long)]
     pub mapping: PathBuf,
@@ -274,17 +406,22 @@ pub struct IngestArgs {
 pub fn ingest_cmd(args: &IngestArgs) -> Result<bool> {
     use lockstep::suite::ingest::{ingest_tree, load_mapping};
     let mapping = load_mapping(&args.mapping)?;
+    let Some(dir) = args.dir.clone().or_else(|| mapping.tree.clone()) else {
+        bail!(
+            "name the folder to import (lockstep ingest DIR --mapping {}) or set tree = \"DIR\" in the mapping",
+            args.mapping.display()
+        );
+    };
     let suite = match &args.suite {
         Some(s) => s.clone(),
-        None => args
-            .dir
+        None => dir
             .canonicalize()
             .ok()
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .context("cannot name the suite after the folder; pass --suite NAME")?,
     };
     let s = ingest_tree(
-        &args.dir,
+        &dir,
         &mapping,
         &args.store,
         &suite,

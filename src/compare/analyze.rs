@@ -81,6 +81,21 @@ pub fn compare_suite(
     }
     let wanted = wanted_metrics(&settings);
     let (mut runs, skipped) = data::load_runs(&dirs, wanted.as_ref());
+    let unreadable: Vec<(String, String)> = planned
+        .iter()
+        .filter(|p| {
+            let d = suite_dir.join(&p.run_id);
+            dirs.contains(&d) && !runs.iter().any(|r| r.path == d)
+        })
+        .map(|p| {
+            let why = skipped
+                .iter()
+                .find(|w| w.contains(&p.run_id))
+                .cloned()
+                .unwrap_or_else(|| "its files could not be read".into());
+            (p.run_id.clone(), why)
+        })
+        .collect();
     warnings.extend(skipped);
     for run in &mut runs {
         if let Some(p) = planned.iter().find(|p| p.run_id == run.run_id) {
@@ -95,9 +110,11 @@ pub fn compare_suite(
             suite: spec.name.clone(),
         });
     }
+    let problems = super::health::problems(&planned, &runs, &unreadable, &settings);
     let mut out = compare_data(&spec.name, &runs, &settings, opts)?;
     warnings.append(&mut out.warnings);
     out.warnings = warnings;
+    out.problems = problems;
     Ok(out)
 }
 
@@ -296,6 +313,7 @@ pub fn compare_data(
         contract,
         overall,
         warnings,
+        problems: Vec::new(),
     })
 }
 

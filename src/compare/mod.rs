@@ -10,6 +10,7 @@ pub mod bench;
 pub mod data;
 pub mod expr;
 pub mod golden;
+pub mod health;
 pub mod nightly;
 pub mod result;
 pub mod settings;

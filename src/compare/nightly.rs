@@ -2,6 +2,11 @@
 //! `verdict.json`, a Markdown summary short enough for a chat message, and JUnit XML with one test
 //! case per check. A regression can be required to repeat on consecutive nights before it alerts
 //! (PyTorch's benchmark alerting rule); the history lives in the store (`nightly-state.json`).
+//!
+//! A night whose comparison has problems (a planned run missing, failed, timed out or interrupted,
+//! a configuration without usable steps, a needed metric never logged) is an `error` with exit 2:
+//! the problems come first in the summary and are JUnit `<error>` cases, and they win over any
+//! verdict, so a crashed configuration can never let the night pass.
 
 use super::expr::fmt_num;
 use super::golden::GoldenDiff;
@@ -11,6 +16,7 @@ use serde::{Deserialize, Serialize};
 /// Exit codes of `lockstep nightly` (the same as `main.rs`).
 pub const EXIT_PASS: u8 = 0;
 pub const EXIT_REGRESSION: u8 = 1;
+pub const EXIT_ERROR: u8 = 2;
 
 /// One thing that failed tonight: a metric verdict, a check, or a golden-value row.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -30,8 +36,8 @@ pub struct Finding {
 pub struct NightlyVerdict {
     pub suite: String,
     pub date: String,
-    /// `pass`, `regression`, `pending` (failing, but not yet on enough consecutive nights) or
-    /// `inconclusive`.
+    /// `error` (problems below), `regression`, `pending` (failing, but not yet on enough
+    /// consecutive nights), `inconclusive` or `pass`.
     pub verdict: String,
     pub exit_code: u8,
     pub overall: OverallVerdict,
@@ -44,6 +50,9 @@ pub struct NightlyVerdict {
     pub checks_passed: usize,
     pub checks_total: usize,
     pub warnings: Vec<String>,
+    /// What made the night an error (from the comparison), one line each.
+    #[serde(default)]
+    pub problems: Vec<String>,
 }
 
 /// One night in the history.
@@ -168,7 +177,10 @@ pub fn verdict(
                 .map(move |m| format!("{} {}: {}", c.config, m.metric, m.reason))
         })
         .collect();
-    let (verdict, exit_code) = if !regressions.is_empty() {
+    let problems: Vec<String> = cmp.problems.iter().map(|p| p.to_string()).collect();
+    let (verdict, exit_code) = if !problems.is_empty() {
+        ("error", EXIT_ERROR)
+    } else if !regressions.is_empty() {
         ("regression", EXIT_REGRESSION)
     } else if !pending.is_empty() {
         ("pending", EXIT_PASS)
@@ -199,6 +211,7 @@ pub fn verdict(
         checks_passed: cmp.checks.iter().filter(|c| c.passed).count() + golden_passed,
         checks_total: cmp.checks.len() + golden_total,
         warnings: cmp.warnings.clone(),
+        problems,
     }
 }
 
@@ -207,7 +220,7 @@ pub fn verdict(
 pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
     let icon = match v.verdict.as_str() {
         "pass" => "✅",
-        "regression" => "❌",
+        "regression" | "error" => "❌",
         "pending" => "⚠️",
         _ => "❔",
     };
@@ -217,6 +230,16 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         v.date,
         v.verdict.to_uppercase()
     );
+    if !v.problems.is_empty() {
+        s.push_str(&format!(
+            "**{} problem(s): the night has no verdict until they are fixed**\n",
+            v.problems.len()
+        ));
+        for p in &v.problems {
+            s.push_str(&format!("- {p}\n"));
+        }
+        s.push('\n');
+    }
     s.push_str(&format!(
         "Checks passed: {}/{}.",
         v.checks_passed, v.checks_total
@@ -308,10 +331,23 @@ fn xml(s: &str) -> String {
     o
 }
 
-/// JUnit XML: one test case per declared check and configuration, one per metric with a margin
-/// (the equivalence test; inconclusive is reported as skipped), and one per golden-value row.
+/// JUnit XML: one `<error>` case per problem (a run that failed, timed out, was interrupted or
+/// is missing; a configuration without usable steps or without a needed metric), one test case
+/// per declared check and configuration, one per metric with a margin (the equivalence test;
+/// inconclusive is reported as skipped), and one per golden-value row.
 pub fn junit(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> String {
     let mut cases = Vec::new();
+    for p in &cmp.problems {
+        let name = match p.seed {
+            Some(seed) => format!("run seed {seed}"),
+            None => "configuration".to_string(),
+        };
+        cases.push((
+            format!("{}.{}", cmp.suite, p.config),
+            name,
+            Some(format!("<error message=\"{}\"/>", xml(&p.to_string()))),
+        ));
+    }
     for k in &cmp.checks {
         let body = (!k.passed).then(|| format!("<failure message=\"{}\"/>", xml(&k.message)));
         cases.push((format!("{}.{}", cmp.suite, k.config), k.name.clone(), body));
@@ -356,9 +392,13 @@ pub fn junit(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> String {
         .iter()
         .filter(|c| c.2.as_deref().is_some_and(|b| b.starts_with("<skipped")))
         .count();
+    let errors = cases
+        .iter()
+        .filter(|c| c.2.as_deref().is_some_and(|b| b.starts_with("<error")))
+        .count();
     let mut s = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     s.push_str(&format!(
-        "<testsuites name=\"lockstep\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">\n  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\" skipped=\"{skipped}\">\n",
+        "<testsuites name=\"lockstep\" tests=\"{}\" failures=\"{failures}\" errors=\"{errors}\" skipped=\"{skipped}\">\n  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\" errors=\"{errors}\" skipped=\"{skipped}\">\n",
         cases.len(),
         xml(&cmp.suite),
         cases.len()
@@ -379,6 +419,15 @@ pub fn junit(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> String {
     }
     s.push_str("  </testsuite>\n</testsuites>\n");
     s
+}
+
+/// JUnit XML for a night with no comparison: one `<error>` case saying why.
+pub fn junit_error(suite: &str, why: &str) -> String {
+    format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<testsuites name=\"lockstep\" tests=\"1\" failures=\"0\" errors=\"1\" skipped=\"0\">\n  <testsuite name=\"{s}\" tests=\"1\" failures=\"0\" errors=\"1\" skipped=\"0\">\n    <testcase classname=\"{s}\" name=\"comparison\"><error message=\"{w}\"/></testcase>\n  </testsuite>\n</testsuites>\n",
+        s = xml(suite),
+        w = xml(why)
+    )
 }
 
 #[cfg(test)]
@@ -420,6 +469,7 @@ mod tests {
                 OverallVerdict::Pass
             },
             warnings: vec![],
+            problems: vec![],
         }
     }
 

@@ -22,6 +22,35 @@ pub struct SuiteComparison {
     /// Runs left out (failed, not run yet, unreadable, stale) and similar, one line each.
     #[serde(default)]
     pub warnings: Vec<String>,
+    /// What keeps the comparison from covering the whole suite (a planned run missing or failed,
+    /// a configuration without usable steps, a needed metric never logged): the night is an
+    /// error, not a verdict, while any is here.
+    #[serde(default)]
+    pub problems: Vec<Problem>,
+}
+
+/// A planned run or a configuration the comparison could not use, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Problem {
+    pub config: String,
+    /// The seed, for a run's problem (`None`: the whole configuration).
+    pub seed: Option<u64>,
+    /// The run id, for a run's problem (empty otherwise).
+    pub run_id: String,
+    pub what: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.seed {
+            Some(s) => write!(
+                f,
+                "{} seed {} ({}): {}",
+                self.config, s, self.run_id, self.what
+            ),
+            None => write!(f, "{}: {}", self.config, self.what),
+        }
+    }
 }
 
 /// How the numbers were computed, so a reader of the report can judge them.

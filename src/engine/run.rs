@@ -35,7 +35,21 @@ pub fn run_one(
     run_id: &str,
     out: &Path,
     cache: Option<&Path>,
+    on_step: impl FnMut(&StepRecord),
+) -> Result<Manifest, IoError> {
+    run_one_until(be, cfg, run_id, out, cache, on_step, &|| None)
+}
+
+/// [`run_one`], checking `stop` before every step: when it names a signal, the run ends there with
+/// status `interrupted` and the steps so far written.
+pub fn run_one_until(
+    be: &dyn Backend,
+    cfg: &RunConfig,
+    run_id: &str,
+    out: &Path,
+    cache: Option<&Path>,
     mut on_step: impl FnMut(&StepRecord),
+    stop: &dyn Fn() -> Option<i32>,
 ) -> Result<Manifest, IoError> {
     let dir = RunDir::create(out)?;
     let config_json =
@@ -59,7 +73,7 @@ pub fn run_one(
     );
     let mut records: Vec<StepRecord> = Vec::new();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-        || -> Result<RunStatus, String> {
+        || -> Result<RunStatus, (RunStatus, String)> {
             let mut trainer = Trainer::new(
                 init,
                 cfg.task,
@@ -68,8 +82,14 @@ pub fn run_one(
                 cfg.seed,
                 cfg.contract_break,
             )
-            .map_err(|e| e.to_string())?;
-            for _ in 0..cfg.steps {
+            .map_err(|e| (RunStatus::Failed, e.to_string()))?;
+            for step in 0..cfg.steps {
+                if let Some(sig) = stop() {
+                    return Err((
+                        RunStatus::Interrupted,
+                        format!("interrupted by signal {sig} before step {step}; rerun to redo it"),
+                    ));
+                }
                 let rec = trainer.step(be);
                 let diverged = rec
                     .events
@@ -87,7 +107,7 @@ pub fn run_one(
     ));
     let (status, error) = match outcome {
         Ok(Ok(s)) => (s, None),
-        Ok(Err(e)) => (RunStatus::Failed, Some(e)),
+        Ok(Err((status, why))) => (status, Some(why)),
         Err(p) => {
             let msg = p
                 .downcast_ref::<String>()

@@ -386,6 +386,7 @@ fn spec(shape: &Shape, labels: &[(String, String, BTreeMap<String, String>)]) ->
         slurm: Default::default(),
         checks,
         command: None,
+        ingest: None,
         path: format!("suites/{}.toml", shape.suite).into(),
     }
 }
@@ -574,6 +575,7 @@ fn compare(
         spikes,
         checks,
         warnings: Vec::new(),
+        problems: Vec::new(),
         contract,
         overall: OverallVerdict::Pass,
     }

@@ -150,6 +150,7 @@ pub fn page(input: &ReportInput<'_>, figs: &[Figure], dir: &Path) -> Result<Stri
         .text(&cmp.suite)
         .raw(" ");
     let (class, word): (&'static str, &str) = match cmp.overall {
+        _ if !cmp.problems.is_empty() => ("regression", "ERROR"),
         OverallVerdict::Pass => ("pass", "PASS"),
         OverallVerdict::Regression => ("regression", "REGRESSION"),
         OverallVerdict::Inconclusive => ("inconclusive", "INCONCLUSIVE"),

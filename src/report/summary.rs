@@ -38,6 +38,17 @@ pub fn sentences(cmp: &SuiteComparison, emulated: bool) -> Vec<String> {
             format!("Overall: INCONCLUSIVE. The runs cannot decide equivalence to {base} yet.")
         }
     }];
+    if !cmp.problems.is_empty() {
+        out[0] = format!(
+            "Overall: ERROR. {} problem(s) keep the comparison from covering the suite: {}.",
+            cmp.problems.len(),
+            cmp.problems
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
     if let Some(h) = headline(cmp) {
         out.push(headline_sentence(cmp, &h));
     }
@@ -83,7 +94,11 @@ pub fn sentences(cmp: &SuiteComparison, emulated: bool) -> Vec<String> {
             .map(|r| format!("{} {} of {} steps", r.config, r.violations, r.steps_checked))
             .collect();
         let steps: usize = cmp.contract.iter().map(|r| r.steps_checked).sum();
-        out.push(if bad.is_empty() {
+        out.push(if steps == 0 {
+            "Rollout/trainer quantization contract: not checked (these runs record no contract \
+             check; the built-in engine checks it every step, an external framework does not)."
+                .to_string()
+        } else if bad.is_empty() {
             format!(
                 "Rollout/trainer quantization contract: no violations in {steps} checked steps."
             )

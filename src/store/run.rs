@@ -16,6 +16,8 @@ pub enum RunStatus {
     Failed,
     Diverged,
     Timeout,
+    /// lockstep was stopped (SIGINT/SIGTERM) while the run was in flight; rerunning redoes it.
+    Interrupted,
 }
 
 /// `manifest.json`: everything needed to know what a run was and how it ended.

@@ -1,54 +1,34 @@
 //! The command engine: launches a real RL framework's job (argv from a template, never a shell),
-//! with per-config environment variables and a timeout, then ingests the metrics files it wrote.
+//! with per-config environment variables and a timeout, then reads the metrics files it wrote
+//! ([`super::metrics`]) and decides how the run ended.
 //!
 //! Placeholders in argv elements: `{config}`, `{precision}` (the recipe name), `{backward}`,
-//! `{seed}`, `{steps}`, `{out_dir}`, `{suite}`, any `vars` key of the configuration and any
-//! workload key. Substitution happens inside single argv elements, so a value can never become a
-//! second argument or a shell command.
+//! `{seed}`, `{steps}`, `{out_dir}` (absolute), `{suite}`, `{task}`, `{model}`, and every key of
+//! `[command.vars]` and the configuration's `vars`. Substitution happens inside single argv
+//! elements, so a value can never become a second argument or a shell command. `suite check`
+//! expands every run's argv, so a placeholder one configuration lacks fails there.
 //!
-//! Metrics files (`[command.metrics] files = [...]`, relative to the run's `out/` folder):
-//! JSON lines with a step key and numeric fields, CSV with a header, or the Miles CI form
-//! `{"metric": NAME, "series": [[step, value], ...]}`. Names are mapped through
-//! [`MILES_MAPPING`] and the suite's `[command.metrics.map]`; unmapped numeric keys are kept under
-//! their own name. Junk lines and non-numeric values are skipped and counted in the manifest
-//! (`extra.skipped_lines`), never turned into zeros.
+//! A run folder holds `manifest.json` (status, the expanded argv and environment, exit code or
+//! signal, stderr tail), `stdout.log` and `stderr.log` (the launcher's output), `out/` (the
+//! launcher's `{out_dir}`), and the metrics read from it: `scalars.parquet`, `layers.parquet`,
+//! `events.jsonl`.
+//!
+//! How a run ends ([`judge`]): a non-finite reward, loss or gradient norm makes it `diverged`; a
+//! non-zero exit or a death by signal `failed`; exit 0 is `ok` only when every metrics file exists
+//! and the logged steps reach the planned count; `timeout` and `interrupted` when lockstep stopped
+//! it. Stopping sends SIGTERM to the launcher's whole process group, then SIGKILL after
+//! `kill_grace_s`, and waits until no process of the group is left.
 
+use super::metrics::{MetricsMapping, MetricsRead, read_metrics};
 use super::plan::RunSpec;
-use super::spec::SuiteSpec;
+use super::spec::{CommandSpec, SuiteSpec};
 use crate::engine::metrics::StepRecord;
 use crate::io::IoError;
 use crate::store::{Manifest, RunDir, RunStatus};
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
-
-/// Miles metric names and the lockstep keys they map to (identity where lockstep uses the same
-/// name, which is the point: curves from a cluster and from the built-in engine line up).
-pub const MILES_MAPPING: [(&str, &str); 16] = [
-    ("rollout/raw_reward", "rollout/raw_reward"),
-    ("rollout/rewards", "rollout/rewards"),
-    ("rollout/response_len/mean", "rollout/response_len/mean"),
-    ("rollout/truncated_ratio", "rollout/truncated_ratio"),
-    (
-        "train/train_rollout_logprob_abs_diff",
-        "train/train_rollout_logprob_abs_diff",
-    ),
-    ("train/train_rollout_kl", "train/train_rollout_kl"),
-    ("train/ppo_kl", "train/ppo_kl"),
-    ("train/pg_clipfrac", "train/pg_clipfrac"),
-    ("train/tis", "train/tis"),
-    ("train/tis_clipfrac", "train/tis_clipfrac"),
-    ("train/kl_loss", "train/kl_loss"),
-    ("train/grad_norm", "train/grad_norm"),
-    ("perf/rollout_time", "perf/rollout_time"),
-    ("perf/train_time", "perf/train_time"),
-    ("perf/step_time", "perf/step_time"),
-    ("perf/log_probs_time", "perf/log_probs_time"),
-];
-
-fn tbl_str<'a>(t: &'a toml::Table, k: &str) -> Option<&'a str> {
-    t.get(k).and_then(|v| v.as_str())
-}
 
 /// Fill `{name}` placeholders from `vals`; an unknown placeholder is an error naming it.
 pub fn fill(template: &str, vals: &BTreeMap<String, String>) -> Result<String, String> {
@@ -63,7 +43,7 @@ pub fn fill(template: &str, vals: &BTreeMap<String, String>) -> Result<String, S
         let key = &after[..j];
         let v = vals.get(key).ok_or_else(|| {
             format!(
-                "unknown placeholder `{{{key}}}` in `{template}`; known: {}",
+                "unknown placeholder `{{{key}}}` in `{template}`; known: {} (add it to [command.vars] or the configuration's vars)",
                 vals.keys().cloned().collect::<Vec<_>>().join(", ")
             )
         })?;
@@ -94,20 +74,161 @@ fn placeholders(suite: &SuiteSpec, run: &RunSpec, out_dir: &Path) -> BTreeMap<St
     v
 }
 
-/// Launch the run's command and ingest its metrics into `dir`. While it runs, the metrics files
+/// The run's argv with every placeholder filled (`out_dir` as given).
+pub fn argv(
+    suite: &SuiteSpec,
+    cmd: &CommandSpec,
+    run: &RunSpec,
+    out_dir: &Path,
+) -> Result<Vec<String>, String> {
+    let vals = placeholders(suite, run, out_dir);
+    cmd.argv.iter().map(|a| fill(a, &vals)).collect()
+}
+
+/// How the launcher ended, as recorded in the manifest (`extra.launcher_end`) so that a re-read
+/// with a corrected mapping can judge the run again without relaunching it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "how", rename_all = "snake_case")]
+pub enum LauncherEnd {
+    /// It exited with this code.
+    Exited { code: i32 },
+    /// A signal lockstep did not send killed it.
+    Signalled { signal: i32 },
+    /// It ran past `timeout_s` and lockstep stopped it.
+    TimedOut { after_s: f64 },
+    /// lockstep was stopped by this signal and stopped it.
+    Interrupted { signal: i32 },
+    /// It could not be started.
+    NotStarted { why: String },
+}
+
+/// A signal's conventional name.
+pub fn signal_name(sig: i32) -> String {
+    match sig {
+        1 => "SIGHUP".into(),
+        2 => "SIGINT".into(),
+        6 => "SIGABRT".into(),
+        9 => "SIGKILL".into(),
+        11 => "SIGSEGV".into(),
+        15 => "SIGTERM".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// The run's status and, unless it is `ok`, why: the one place that decides what a launcher's end
+/// and its metrics mean.
+pub fn judge(
+    end: &LauncherEnd,
+    read: &MetricsRead,
+    steps_planned: usize,
+) -> (RunStatus, Option<String>) {
+    let reached = read.steps_reached();
+    let progress = format!("{reached} of {steps_planned} planned steps logged");
+    match end {
+        LauncherEnd::Interrupted { signal } => {
+            return (
+                RunStatus::Interrupted,
+                Some(format!(
+                    "interrupted: lockstep got {} and stopped the launcher ({progress}); rerun to redo it",
+                    signal_name(*signal)
+                )),
+            );
+        }
+        LauncherEnd::NotStarted { why } => return (RunStatus::Failed, Some(why.clone())),
+        _ => {}
+    }
+    if let Some((step, key)) = read.divergence() {
+        return (
+            RunStatus::Diverged,
+            Some(format!(
+                "{key} is not finite at step {step} ({})",
+                end_text(end)
+            )),
+        );
+    }
+    let problem = match end {
+        LauncherEnd::TimedOut { after_s } => {
+            return (
+                RunStatus::Timeout,
+                Some(format!(
+                    "timed out after {after_s} s (timeout_s); {progress}"
+                )),
+            );
+        }
+        LauncherEnd::Exited { code: 0 } => None,
+        other => Some(end_text(other)),
+    };
+    if let Some(p) = problem {
+        return (RunStatus::Failed, Some(format!("{p}; {progress}")));
+    }
+    if !read.missing.is_empty() {
+        return (
+            RunStatus::Failed,
+            Some(format!(
+                "exit code 0, but the metrics file(s) {} were not written; check [metrics] files against what the launcher writes into {{out_dir}}",
+                read.missing
+                    .iter()
+                    .map(|f| format!("`{f}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        );
+    }
+    if read.records.is_empty() {
+        return (
+            RunStatus::Failed,
+            Some(format!(
+                "exit code 0, but no metric rows were read ({} lines skipped); check the metrics `step` key and the file format",
+                read.skipped
+            )),
+        );
+    }
+    if reached < steps_planned {
+        return (
+            RunStatus::Failed,
+            Some(format!(
+                "exit code 0 after {progress}; a run that stops early must say why (exit non-zero)"
+            )),
+        );
+    }
+    (RunStatus::Ok, None)
+}
+
+fn end_text(end: &LauncherEnd) -> String {
+    match end {
+        LauncherEnd::Exited { code } => format!("exit code {code}"),
+        LauncherEnd::Signalled { signal } => format!("killed by {}", signal_name(*signal)),
+        LauncherEnd::TimedOut { after_s } => format!("timed out after {after_s} s"),
+        LauncherEnd::Interrupted { signal } => format!("interrupted by {}", signal_name(*signal)),
+        LauncherEnd::NotStarted { why } => why.clone(),
+    }
+}
+
+/// Launch the run's command and read its metrics into `dir`. While it runs, the metrics files
 /// are re-read about once a second and each new step is passed to `on_step` (live progress).
+/// `stop` is polled too: when it returns a signal number, the launcher's process group is stopped
+/// and the run is `interrupted`.
 pub fn run_command(
     suite: &SuiteSpec,
     run: &RunSpec,
     dir: &Path,
     on_step: &dyn Fn(&StepRecord),
+    stop: &dyn Fn() -> Option<i32>,
 ) -> Result<Manifest, IoError> {
-    let cmd = suite.command.clone().unwrap_or_default();
+    let cmd = suite.command.as_ref().ok_or_else(|| {
+        IoError::invalid(&suite.path, "engine = \"command\" needs a [command] table")
+    })?;
     let rd = RunDir::create(dir)?;
-    let out_dir = dir.join("out");
+    let out_dir = std::path::absolute(dir.join("out")).map_err(|e| IoError::io(dir, e))?;
     std::fs::create_dir_all(&out_dir).map_err(|e| IoError::io(&out_dir, e))?;
-    let vals = placeholders(suite, run, &out_dir);
-    let config = serde_json::json!({"config": run.config, "argv": cmd.get("argv").map(|a| a.to_string()), "env": run.env, "vars": run.vars, "recipe": run.run.recipe.name});
+    let argv = argv(suite, cmd, run, &out_dir);
+    let config = serde_json::json!({
+        "config": run.config,
+        "recipe": run.run.recipe.name,
+        "argv": argv.as_ref().ok(),
+        "env": run.env,
+        "vars": run.vars,
+    });
     let mut m = Manifest::start(
         &run.run_id,
         "command",
@@ -118,319 +239,234 @@ pub fn run_command(
     );
     m.suite = Some(suite.name.clone());
     rd.write_manifest(&m)?;
-    let argv: Vec<String> = cmd
-        .get("argv")
-        .and_then(|a| a.as_array())
-        .map(|a| {
-            a.iter()
-                .filter_map(|x| x.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    let argv: Result<Vec<String>, String> = argv.iter().map(|a| fill(a, &vals)).collect();
-    let argv = match argv {
-        Ok(a) if !a.is_empty() => a,
-        Ok(_) => {
-            return finish(
-                rd,
-                m,
-                RunStatus::Failed,
-                Some("[command] argv is empty".into()),
-                vec![],
-                0,
-            );
-        }
-        Err(e) => return finish(rd, m, RunStatus::Failed, Some(e), vec![], 0),
+    let end = match argv {
+        Ok(argv) => launch(cmd, &argv, &run.env, dir, &out_dir, on_step, stop)?,
+        Err(e) => LauncherEnd::NotStarted {
+            why: format!("[command] argv: {e}"),
+        },
     };
-    let timeout = cmd
-        .get("timeout_s")
-        .and_then(|v| v.as_integer().map(|i| i as f64).or(v.as_float()))
-        .unwrap_or(86_400.0);
-    let mut env: BTreeMap<String, String> = cmd
-        .get("env")
-        .and_then(|e| e.as_table())
-        .map(|t| {
-            t.iter()
-                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
-                .collect()
-        })
-        .unwrap_or_default();
-    env.extend(run.env.clone());
-    let stdout = std::fs::File::create(dir.join("stdout.log")).map_err(|e| IoError::io(dir, e))?;
-    let stderr = std::fs::File::create(dir.join("stderr.log")).map_err(|e| IoError::io(dir, e))?;
-    let mut command = std::process::Command::new(&argv[0]);
-    command
-        .args(&argv[1..])
-        .envs(&env)
-        .stdin(std::process::Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr);
-    // Own process group, so a timeout kills the launcher and everything it started.
-    #[cfg(unix)]
-    std::os::unix::process::CommandExt::process_group(&mut command, 0);
-    let child = command.spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => {
-            return finish(
-                rd,
-                m,
-                RunStatus::Failed,
-                Some(format!("could not start `{}`: {e}", argv[0])),
-                vec![],
-                0,
-            );
-        }
-    };
-    let metrics = cmd
-        .get("metrics")
-        .and_then(|x| x.as_table())
-        .cloned()
-        .unwrap_or_default();
-    let start = Instant::now();
-    let mut seen_steps = 0usize;
-    let mut last_poll = Instant::now();
-    let (status, exit) = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => {
-                break (
-                    if s.success() {
-                        RunStatus::Ok
-                    } else {
-                        RunStatus::Failed
-                    },
-                    s.code(),
-                );
-            }
-            Ok(None) if start.elapsed().as_secs_f64() > timeout => {
-                kill_group(&mut child);
-                break (RunStatus::Timeout, None);
-            }
-            Ok(None) => {
-                if last_poll.elapsed() >= Duration::from_secs(1) {
-                    last_poll = Instant::now();
-                    if let Ok((records, _)) = ingest_dir(&out_dir, &metrics) {
-                        for r in records.iter().skip(seen_steps) {
-                            on_step(r);
-                        }
-                        seen_steps = seen_steps.max(records.len());
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(50))
-            }
-            Err(e) => return finish(rd, m, RunStatus::Failed, Some(e.to_string()), vec![], 0),
-        }
-    };
-    m.extra.insert(
-        "exit_code".into(),
-        exit.map_or(serde_json::Value::Null, |c| c.into()),
-    );
-    m.extra.insert("timeout_s".into(), timeout.into());
-    let tail = std::fs::read_to_string(dir.join("stderr.log")).unwrap_or_default();
-    let tail: String = tail
-        .lines()
-        .rev()
-        .take(20)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect::<Vec<_>>()
-        .join("\n");
-    m.extra.insert("stderr_tail".into(), tail.into());
-    let (records, skipped) = match ingest_dir(&out_dir, &metrics) {
-        Ok(x) => x,
-        Err(e) => return finish(rd, m, RunStatus::Failed, Some(e), vec![], 0),
-    };
-    let error = match status {
-        RunStatus::Timeout => Some(format!("timed out after {timeout} s")),
-        RunStatus::Failed => Some(format!(
-            "exit code {}",
-            exit.map_or("none".into(), |c| c.to_string())
-        )),
-        _ => None,
-    };
-    finish(rd, m, status, error, records, skipped)
+    m.extra
+        .insert("stderr_tail".into(), stderr_tail(dir).into());
+    finish(rd, m, &end, &cmd.metrics, &out_dir)
 }
 
-/// Kill the child's whole process group (it was started as its own group leader), then reap it.
-fn kill_group(child: &mut std::process::Child) {
-    #[cfg(unix)]
-    {
-        // argv, not a shell: `kill -KILL -- -PGID`.
-        let _ = std::process::Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", child.id())])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status();
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
+/// Read `out_dir` with `mapping`, judge the run, write metrics and manifest.
 fn finish(
     rd: RunDir,
     mut m: Manifest,
-    status: RunStatus,
-    error: Option<String>,
-    records: Vec<StepRecord>,
-    skipped: usize,
+    end: &LauncherEnd,
+    mapping: &MetricsMapping,
+    out_dir: &Path,
 ) -> Result<Manifest, IoError> {
-    rd.write_metrics(&records)?;
+    let (status, error, read) = match read_metrics(out_dir, mapping) {
+        Ok(read) => {
+            let (status, error) = judge(end, &read, m.steps_planned);
+            (status, error, read)
+        }
+        Err(e) => (
+            RunStatus::Failed,
+            Some(format!("metrics: {e}")),
+            MetricsRead::default(),
+        ),
+    };
+    rd.write_metrics(&read.records)?;
     m.status = status;
     m.error = error;
-    m.steps_done = records.len();
-    m.extra.insert("skipped_lines".into(), skipped.into());
+    m.steps_done = read.steps_reached();
+    m.extra.insert(
+        "launcher_end".into(),
+        serde_json::to_value(end).unwrap_or_default(),
+    );
+    if let LauncherEnd::Exited { code } = end {
+        m.extra.insert("exit_code".into(), (*code).into());
+    }
+    m.extra.insert("skipped_lines".into(), read.skipped.into());
+    m.extra
+        .insert("duplicate_values".into(), read.duplicates.into());
+    m.extra
+        .insert("rows_before_first_step".into(), read.before_first.into());
     m.finished = Some(crate::store::run::now_utc());
     rd.write_manifest(&m)?;
     Ok(m)
 }
 
-/// Read every metrics file named by the mapping under `root`; returns step records and the count
-/// of skipped lines/values.
-pub fn ingest_dir(root: &Path, mapping: &toml::Table) -> Result<(Vec<StepRecord>, usize), String> {
-    let files: Vec<String> = mapping
-        .get("files")
-        .and_then(|f| f.as_array())
-        .map(|a| {
-            a.iter()
-                .filter_map(|x| x.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_else(|| vec!["metrics.jsonl".to_string()]);
-    let step_key = tbl_str(mapping, "step").unwrap_or("step").to_string();
-    let mut map: BTreeMap<String, String> = MILES_MAPPING
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    if let Some(t) = mapping.get("map").and_then(|m| m.as_table()) {
-        for (k, v) in t {
-            if let Some(v) = v.as_str() {
-                map.insert(k.clone(), v.to_string());
+/// Re-read a finished command run's `out/` with the suite's current mapping and judge it again,
+/// without relaunching anything (`lockstep run --reingest`). The launcher's end comes from the
+/// manifest; a run that never recorded one (it was killed with lockstep) is left as it is.
+pub fn reingest(suite: &SuiteSpec, run: &RunSpec, dir: &Path) -> Result<Option<Manifest>, IoError> {
+    let Some(cmd) = &suite.command else {
+        return Ok(None);
+    };
+    let rd = RunDir::open(dir);
+    let Ok(mut m) = rd.read_manifest() else {
+        return Ok(None);
+    };
+    let Some(end) = m
+        .extra
+        .get("launcher_end")
+        .and_then(|v| serde_json::from_value::<LauncherEnd>(v.clone()).ok())
+    else {
+        return Ok(None);
+    };
+    m.steps_planned = run.run.steps;
+    let out_dir = std::path::absolute(dir.join("out")).map_err(|e| IoError::io(dir, e))?;
+    finish(rd, m, &end, &cmd.metrics, &out_dir).map(Some)
+}
+
+fn stderr_tail(dir: &Path) -> String {
+    let text = std::fs::read(dir.join("stderr.log")).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text[text.len().saturating_sub(64 << 10)..]);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Start the launcher in its own process group and wait for it, a timeout or `stop`.
+fn launch(
+    cmd: &CommandSpec,
+    argv: &[String],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+    out_dir: &Path,
+    on_step: &dyn Fn(&StepRecord),
+    stop: &dyn Fn() -> Option<i32>,
+) -> Result<LauncherEnd, IoError> {
+    let log = |name: &str| {
+        let p = dir.join(name);
+        std::fs::File::create(&p).map_err(|e| IoError::io(&p, e))
+    };
+    let mut command = std::process::Command::new(&argv[0]);
+    command
+        .args(&argv[1..])
+        .envs(env)
+        .stdin(std::process::Stdio::null())
+        .stdout(log("stdout.log")?)
+        .stderr(log("stderr.log")?);
+    // Own process group, so stopping it reaches the launcher and everything it started.
+    #[cfg(unix)]
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    if let Some(sig) = stop() {
+        return Ok(LauncherEnd::Interrupted { signal: sig });
+    }
+    let mut child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            return Ok(LauncherEnd::NotStarted {
+                why: format!("could not start `{}`: {e}", argv[0]),
+            });
+        }
+    };
+    let grace = Duration::from_secs_f64(cmd.kill_grace_s);
+    let start = Instant::now();
+    let mut seen_steps = 0usize;
+    let mut last_poll = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => {
+                // The launcher is gone; anything it left in its group goes too.
+                process_group::stop(child.id(), &mut child, Duration::ZERO);
+                return Ok(exit_of(s));
+            }
+            Ok(None) => {}
+            Err(e) => {
+                process_group::stop(child.id(), &mut child, grace);
+                return Ok(LauncherEnd::NotStarted {
+                    why: format!("lost track of the launcher: {e}"),
+                });
             }
         }
-    }
-    let mut steps: BTreeMap<u64, BTreeMap<String, f64>> = BTreeMap::new();
-    let mut skipped = 0;
-    for f in files {
-        crate::suite::runner::safe_relative(&f)
-            .map_err(|why| format!("metrics file `{f}`: {why}"))?;
-        let path = root.join(&f);
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        if f.ends_with(".csv") {
-            skipped += ingest_csv(&text, &step_key, &map, &mut steps)
-                .map_err(|e| format!("{}: {e}", path.display()))?;
-        } else {
-            skipped += ingest_jsonl(&text, &step_key, &map, &mut steps);
+        if let Some(signal) = stop() {
+            process_group::stop(child.id(), &mut child, grace);
+            return Ok(LauncherEnd::Interrupted { signal });
         }
-    }
-    let records = steps
-        .into_iter()
-        .map(|(s, scalars)| StepRecord {
-            step: s as usize,
-            scalars,
-            ..Default::default()
-        })
-        .collect();
-    Ok((records, skipped))
-}
-
-fn put(
-    steps: &mut BTreeMap<u64, BTreeMap<String, f64>>,
-    map: &BTreeMap<String, String>,
-    step: u64,
-    name: &str,
-    v: f64,
-) {
-    let key = map.get(name).cloned().unwrap_or_else(|| name.to_string());
-    steps.entry(step).or_default().insert(key, v);
-}
-
-fn ingest_jsonl(
-    text: &str,
-    step_key: &str,
-    map: &BTreeMap<String, String>,
-    steps: &mut BTreeMap<u64, BTreeMap<String, f64>>,
-) -> usize {
-    let mut skipped = 0;
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let Ok(serde_json::Value::Object(o)) = serde_json::from_str::<serde_json::Value>(line)
-        else {
-            skipped += 1;
-            continue;
-        };
-        if let (Some(name), Some(series)) = (
-            o.get("metric").and_then(|m| m.as_str()),
-            o.get("series").and_then(|s| s.as_array()),
-        ) {
-            for pt in series {
-                match pt.as_array().map(|p| {
-                    (
-                        p.first().and_then(|s| s.as_u64()),
-                        p.get(1).and_then(|v| v.as_f64()),
-                    )
-                }) {
-                    Some((Some(s), Some(v))) => put(steps, map, s, name, v),
-                    _ => skipped += 1,
+        if start.elapsed().as_secs_f64() > cmd.timeout_s {
+            process_group::stop(child.id(), &mut child, grace);
+            return Ok(LauncherEnd::TimedOut {
+                after_s: cmd.timeout_s,
+            });
+        }
+        if last_poll.elapsed() >= Duration::from_secs(1) {
+            last_poll = Instant::now();
+            if let Ok(read) = read_metrics(out_dir, &cmd.metrics) {
+                for r in read.records.iter().skip(seen_steps) {
+                    on_step(r);
                 }
-            }
-            continue;
-        }
-        let Some(step) = o.get(step_key).and_then(|s| s.as_u64()) else {
-            skipped += 1;
-            continue;
-        };
-        for (k, v) in &o {
-            if k == step_key {
-                continue;
-            }
-            match v.as_f64() {
-                Some(x) => put(steps, map, step, k, x),
-                None => skipped += 1,
+                seen_steps = seen_steps.max(read.records.len());
             }
         }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    skipped
 }
 
-fn ingest_csv(
-    text: &str,
-    step_key: &str,
-    map: &BTreeMap<String, String>,
-    steps: &mut BTreeMap<u64, BTreeMap<String, f64>>,
-) -> Result<usize, String> {
-    let mut r = csv::ReaderBuilder::new()
-        .flexible(true)
-        .from_reader(text.as_bytes());
-    let headers = r.headers().map_err(|e| e.to_string())?.clone();
-    let si = headers.iter().position(|h| h == step_key).ok_or_else(|| {
-        format!(
-            "no `{step_key}` column (columns: {})",
-            headers.iter().collect::<Vec<_>>().join(", ")
-        )
-    })?;
-    let mut skipped = 0;
-    for rec in r.records() {
-        let Ok(rec) = rec else {
-            skipped += 1;
-            continue;
-        };
-        let Some(step) = rec.get(si).and_then(|s| s.trim().parse::<u64>().ok()) else {
-            skipped += 1;
-            continue;
-        };
-        for (i, h) in headers.iter().enumerate() {
-            if i == si {
-                continue;
+fn exit_of(s: std::process::ExitStatus) -> LauncherEnd {
+    if let Some(code) = s.code() {
+        return LauncherEnd::Exited { code };
+    }
+    #[cfg(unix)]
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&s) {
+        return LauncherEnd::Signalled { signal };
+    }
+    LauncherEnd::Exited { code: -1 }
+}
+
+/// Stopping a launcher's process group and making sure nothing of it is left.
+pub mod process_group {
+    use std::time::{Duration, Instant};
+
+    /// SIGTERM to the group, SIGKILL after `grace`, then wait until no process of the group is
+    /// left (the launcher is reaped here; orphans are reaped by init once killed). Returns whether
+    /// the group is gone.
+    pub fn stop(pgid: u32, child: &mut std::process::Child, grace: Duration) -> bool {
+        signal_group(pgid, libc::SIGTERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            let _ = child.try_wait();
+            if !alive(pgid) {
+                return true;
             }
-            match rec.get(i).map(|s| s.trim().parse::<f64>()) {
-                Some(Ok(v)) => put(steps, map, step, h, v),
-                Some(Err(_)) | None => skipped += 1,
-            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal_group(pgid, libc::SIGKILL);
+        let _ = child.wait();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while alive(pgid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        !alive(pgid)
+    }
+
+    fn signal_group(pgid: u32, sig: i32) {
+        // SAFETY: killpg only sends a signal; the group is the one the launcher was started as.
+        unsafe {
+            libc::killpg(pgid as libc::pid_t, sig);
         }
     }
-    Ok(skipped)
+
+    /// Whether any process of the group is still alive: signal 0 checks without sending, and a
+    /// zombie (dead, not yet reaped) is not counted as alive.
+    pub fn alive(pgid: u32) -> bool {
+        // SAFETY: signal 0 sends nothing.
+        let exists = unsafe { libc::killpg(pgid as libc::pid_t, 0) } == 0;
+        exists && members(pgid).iter().any(|(_, state)| *state != 'Z')
+    }
+
+    /// The processes of a group as (pid, state) from `/proc`.
+    pub fn members(pgid: u32) -> Vec<(u32, char)> {
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        dir.filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter_map(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                // `pid (comm) state ppid pgrp ...`: comm may hold spaces and parentheses.
+                let rest = &stat[stat.rfind(')')? + 2..];
+                let mut f = rest.split_whitespace();
+                let state = f.next()?.chars().next()?;
+                let pgrp: u32 = f.nth(1)?.parse().ok()?;
+                (pgrp == pgid).then_some((pid, state))
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -448,28 +484,68 @@ mod tests {
         );
     }
 
-    #[test]
-    fn ingests_jsonl_csv_and_miles_series_counting_junk() {
+    fn read_with(steps: usize, nan_at: Option<usize>) -> MetricsRead {
+        let mut text = String::new();
+        for s in 0..steps {
+            let r = if Some(s) == nan_at {
+                "NaN".to_string()
+            } else {
+                "0.5".to_string()
+            };
+            text.push_str(&format!("{{\"step\": {s}, \"rollout/raw_reward\": {r}}}\n"));
+        }
         let d = tempfile::tempdir().unwrap();
-        std::fs::write(d.path().join("m.jsonl"), "{\"step\": 0, \"rollout/raw_reward\": 0.5, \"note\": \"x\"}\nnot json\n{\"step\": 1, \"rollout/raw_reward\": 0.6}\n{\"metric\": \"train/grad_norm\", \"series\": [[0, 1.5], [1, \"bad\"]]}\n").unwrap();
-        std::fs::write(
-            d.path().join("m.csv"),
-            "step,train/train_rollout_kl\n0,0.001\n1,abc\n",
-        )
-        .unwrap();
-        let mapping: toml::Table = toml::from_str("files = [\"m.jsonl\", \"m.csv\"]\n[map]\n\"rollout/raw_reward\" = \"rollout/raw_reward\"\n").unwrap();
-        let (recs, skipped) = ingest_dir(d.path(), &mapping).unwrap();
-        assert_eq!(recs.len(), 2);
-        assert_eq!(recs[0].get("rollout/raw_reward"), Some(0.5));
-        assert_eq!(recs[0].get("train/grad_norm"), Some(1.5));
-        assert_eq!(recs[0].get("train/train_rollout_kl"), Some(0.001));
+        std::fs::write(d.path().join("metrics.jsonl"), text).unwrap();
+        read_metrics(d.path(), &MetricsMapping::default()).unwrap()
+    }
+
+    #[test]
+    fn judge_never_calls_a_broken_run_ok() {
+        let ok = LauncherEnd::Exited { code: 0 };
+        assert_eq!(judge(&ok, &read_with(4, None), 4).0, RunStatus::Ok);
+        let (s, why) = judge(&ok, &read_with(2, None), 4);
+        assert_eq!(s, RunStatus::Failed);
+        assert!(why.unwrap().contains("2 of 4"));
+        let (s, why) = judge(&ok, &read_with(0, None), 4);
+        assert_eq!(s, RunStatus::Failed);
+        assert!(why.unwrap().contains("no metric rows"), "an empty file");
+        let mut missing = read_with(4, None);
+        missing.missing = vec!["typo.jsonl".into()];
+        let (s, why) = judge(&ok, &missing, 4);
+        assert_eq!(s, RunStatus::Failed);
+        assert!(why.unwrap().contains("`typo.jsonl` were not written"));
+        let (s, why) = judge(&ok, &read_with(4, Some(2)), 4);
+        assert_eq!(s, RunStatus::Diverged);
+        assert!(why.unwrap().contains("step 2"));
+        let crash = LauncherEnd::Exited { code: 3 };
+        assert_eq!(judge(&crash, &read_with(4, None), 4).0, RunStatus::Failed);
+        let killed = LauncherEnd::Signalled { signal: 9 };
+        let (s, why) = judge(&killed, &read_with(4, None), 4);
+        assert_eq!(s, RunStatus::Failed);
+        assert!(why.unwrap().contains("SIGKILL"));
+        let t = LauncherEnd::TimedOut { after_s: 3.0 };
+        assert_eq!(judge(&t, &read_with(1, None), 4).0, RunStatus::Timeout);
+        let i = LauncherEnd::Interrupted { signal: 15 };
+        let (s, why) = judge(&i, &read_with(4, Some(1)), 4);
         assert_eq!(
-            recs[1].get("train/train_rollout_kl"),
-            None,
-            "a non-numeric value is skipped, not 0"
+            s,
+            RunStatus::Interrupted,
+            "an interrupt is never a finished run"
         );
-        assert_eq!(skipped, 4); // "note", "not json", the "bad" point, "abc"
-        let bad: toml::Table = toml::from_str("files = [\"../../etc/passwd\"]").unwrap();
-        assert!(ingest_dir(d.path(), &bad).is_err());
+        assert!(why.unwrap().contains("SIGTERM"));
+    }
+
+    #[test]
+    fn launcher_ends_round_trip_through_the_manifest() {
+        for e in [
+            LauncherEnd::Exited { code: 0 },
+            LauncherEnd::Signalled { signal: 9 },
+            LauncherEnd::TimedOut { after_s: 1.5 },
+            LauncherEnd::Interrupted { signal: 2 },
+            LauncherEnd::NotStarted { why: "x".into() },
+        ] {
+            let v = serde_json::to_value(&e).unwrap();
+            assert_eq!(serde_json::from_value::<LauncherEnd>(v).unwrap(), e);
+        }
     }
 }

@@ -1,55 +1,85 @@
-//! `lockstep ingest DIR --mapping FILE`: import runs made elsewhere (a cluster's output tree) into
-//! the run store, the same way the command engine stores a run it launched.
+//! Importing runs made elsewhere (a cluster's output tree) into the run store, the same way the
+//! command engine stores a run it launched. Two ways in:
 //!
-//! A mapping file (TOML) says how to recognise a run folder and how to read it:
+//! - `lockstep ingest DIR --mapping FILE`: every run folder found under DIR, filed under run ids
+//!   made from its configuration, seed and relative path;
+//! - a suite with `engine = "ingest"` and an `[ingest]` table (the mapping plus `tree`): its
+//!   configurations and seeds say which runs to expect, run ids are the suite's own, so
+//!   `compare --suite`, `report` and `nightly` treat them like any other suite's runs. Every
+//!   `lockstep run` of it re-reads the tree; a planned run not found there is recorded `failed`.
+//!
+//! A mapping (TOML) says how to recognise a run folder and how to read it:
 //!
 //! ```toml
-//! meta_file = "lockstep-run.json"       # per-run metadata: {"config": "nvfp4-dq", "seed": 1, ...}
-//! path_pattern = "{config}/seed{seed}"  # used for folders without a metadata file
-//! [metrics]                             # exactly as [command.metrics] in a suite
+//! tree = "/shared/rl-runs"               # suites, or a default DIR for `lockstep ingest`
+//! meta_file = "lockstep-run.json"        # per-run metadata: {"config": "nvfp4-dq", "seed": 1, ...}
+//! path_pattern = "{config}/seed{seed}"   # used for folders without a metadata file
+//! [metrics]                              # exactly as [command.metrics] in a suite
 //! files = ["metrics.jsonl"]
 //! step = "step"
-//! [metrics.map]
-//! "grad/global_norm" = "train/grad_norm"
+//! [metrics.map]                          # the framework's name = lockstep's name
+//! "actor/grad_norm" = "train/grad_norm"
 //! ```
 //!
 //! Pattern segments are literal, `*` (any one folder), or text with one `{config}` or `{seed}`
-//! placeholder. Every run found is checked before anything is written, so a bad tree imports
-//! nothing. Re-ingesting skips runs already in the store (`--force` re-imports them).
+//! placeholder. Every run found is read and checked before anything is written, and all runs land
+//! together or not at all ([`crate::io::atomic::write_dirs`]). A metadata `status` of `failed`,
+//! `timeout`, `diverged` or `running` is kept (a `running` run is not finished, so never `ok`).
 
-use super::command::ingest_dir;
-use super::plan::format_run_id;
+use super::metrics::{MetricsMapping, MetricsRead, read_metrics};
+use super::plan::{RunSpec, format_run_id};
 use super::runner::suite_dir;
+use super::spec::SuiteSpec;
 use crate::io::{IoError, atomic};
 use crate::store::{Manifest, RunDir, RunStatus};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// The mapping file.
-#[derive(Debug, Clone, Deserialize)]
+/// The mapping file, or a suite's `[ingest]` table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IngestMapping {
+    /// The folder holding the runs (relative to the file it is written in).
+    #[serde(default)]
+    pub tree: Option<PathBuf>,
     #[serde(default = "default_meta_file")]
     pub meta_file: String,
     #[serde(default)]
     pub path_pattern: Option<String>,
     #[serde(default)]
-    pub metrics: toml::Table,
+    pub metrics: MetricsMapping,
 }
 
 fn default_meta_file() -> String {
     "lockstep-run.json".to_string()
 }
 
-/// Read a mapping file; errors carry the file, line and column.
+/// Read a mapping file; errors carry the file, line and column. `tree` is made relative to it.
 pub fn load_mapping(path: &Path) -> Result<IngestMapping, IoError> {
     let text = std::fs::read_to_string(path).map_err(|e| IoError::io(path, e))?;
-    toml::from_str(&text).map_err(|e| {
+    let mut m: IngestMapping = toml::from_str(&text).map_err(|e| {
         IoError::invalid(
             path,
-            format!("{e}known keys: meta_file, path_pattern, [metrics] (files, step, map)"),
+            format!(
+                "{} (known keys: tree, meta_file, path_pattern, [metrics] files, step, first_step, map, layers)",
+                e.to_string().trim_end()
+            ),
         )
-    })
+    })?;
+    m.metrics
+        .validate()
+        .map_err(|e| IoError::invalid(path, format!("[metrics] {e}")))?;
+    m.tree = m.tree.map(|t| relative_to(path, &t));
+    Ok(m)
+}
+
+/// `p` as written in `file`: absolute stays, relative is taken from the file's folder.
+pub fn relative_to(file: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        file.parent().unwrap_or(Path::new(".")).join(p)
+    }
 }
 
 /// A run folder found in the tree.
@@ -177,6 +207,13 @@ pub struct IngestSummary {
     pub skipped: usize,
     /// Metric lines or values that could not be read, over all runs.
     pub skipped_lines: usize,
+    /// Planned runs (suite ingest) not found in the tree, recorded as failed.
+    pub missing: usize,
+    /// Imported runs whose status is not `ok` or `diverged`.
+    pub unfinished: usize,
+    /// Run folders found in the tree that the suite does not plan (suite ingest), as
+    /// `config seed N (path)`.
+    pub ignored: Vec<String>,
 }
 
 /// A run folder whose manifest is complete (whatever status the run ended with).
@@ -186,7 +223,137 @@ fn already_imported(dest: &Path) -> bool {
         .is_ok_and(|m| m.status != RunStatus::Running)
 }
 
-/// Import every run under `root` into `<store>/<suite>/`.
+/// The status of an imported run: what its metadata says it was, what its metrics show, and
+/// whether it reached the planned steps (when a suite plans them).
+pub fn imported_status(
+    meta: Option<&serde_json::Value>,
+    read: &MetricsRead,
+    steps_planned: Option<usize>,
+) -> (RunStatus, Option<String>) {
+    let said = meta.and_then(|m| m.get("status")).and_then(|s| s.as_str());
+    let reached = read.steps_reached();
+    match said {
+        Some("running") => {
+            return (
+                RunStatus::Running,
+                Some("still running when imported (metadata status `running`); import it again when it ends".into()),
+            );
+        }
+        Some("failed") => {
+            return (
+                RunStatus::Failed,
+                Some("the run's metadata says `failed`".into()),
+            );
+        }
+        Some("timeout") => {
+            return (
+                RunStatus::Timeout,
+                Some("the run's metadata says `timeout`".into()),
+            );
+        }
+        _ => {}
+    }
+    if let Some((step, key)) = read.divergence() {
+        return (
+            RunStatus::Diverged,
+            Some(format!("{key} is not finite at step {step}")),
+        );
+    }
+    if said == Some("diverged") {
+        return (
+            RunStatus::Diverged,
+            Some("the run's metadata says `diverged`".into()),
+        );
+    }
+    if !read.missing.is_empty() {
+        return (
+            RunStatus::Failed,
+            Some(format!(
+                "metrics file(s) {} not found; check [metrics] files",
+                read.missing
+                    .iter()
+                    .map(|f| format!("`{f}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+        );
+    }
+    if read.records.is_empty() {
+        return (
+            RunStatus::Failed,
+            Some("no metric rows found; check [metrics] files and step".into()),
+        );
+    }
+    if let Some(n) = steps_planned.filter(|n| reached < *n) {
+        return (
+            RunStatus::Failed,
+            Some(format!("{reached} of {n} planned steps logged")),
+        );
+    }
+    (RunStatus::Ok, None)
+}
+
+/// One run ready to be written: its manifest and metrics.
+struct Staged {
+    run_id: String,
+    manifest: Manifest,
+    read: MetricsRead,
+}
+
+fn manifest_for(
+    run_id: &str,
+    suite: &str,
+    found: &FoundRun,
+    read: &MetricsRead,
+    steps_planned: Option<usize>,
+) -> Manifest {
+    let config = serde_json::json!({
+        "config": found.config,
+        "source": found.path.display().to_string(),
+        "meta": found.meta,
+    });
+    let steps = read.steps_reached();
+    let mut m = Manifest::start(
+        run_id,
+        "ingest",
+        config,
+        found.seed,
+        steps_planned.unwrap_or(steps),
+        "external",
+    );
+    let (status, error) = imported_status(found.meta.as_ref(), read, steps_planned);
+    m.suite = Some(suite.to_string());
+    m.status = status;
+    m.error = error;
+    m.steps_done = steps;
+    m.finished = Some(crate::store::run::now_utc());
+    m.extra
+        .insert("config_name".into(), found.config.clone().into());
+    m.extra
+        .insert("base_config".into(), found.config.clone().into());
+    m.extra.insert(
+        "ingested_from".into(),
+        found.path.display().to_string().into(),
+    );
+    m.extra.insert("skipped_lines".into(), read.skipped.into());
+    m.extra
+        .insert("duplicate_values".into(), read.duplicates.into());
+    m.extra
+        .insert("rows_before_first_step".into(), read.before_first.into());
+    m
+}
+
+/// Write every staged run into `suite_root`, all or nothing.
+fn publish(suite_root: &Path, staged: &[Staged]) -> Result<(), IoError> {
+    let names: Vec<String> = staged.iter().map(|s| s.run_id.clone()).collect();
+    atomic::write_dirs(suite_root, &names, |i, dir| {
+        let rd = RunDir::open(dir);
+        rd.write_metrics(&staged[i].read.records)?;
+        rd.write_manifest(&staged[i].manifest)
+    })
+}
+
+/// Import every run under `root` into `<store>/<suite>/` (`lockstep ingest`).
 pub fn ingest_tree(
     root: &Path,
     mapping: &IngestMapping,
@@ -213,75 +380,141 @@ pub fn ingest_tree(
             ),
         ));
     }
-    // Read every run's metrics first: a tree with an unreadable run imports nothing.
-    let mut loaded = Vec::new();
+    // Read and check every run first: a tree with an unreadable run imports nothing.
+    let mut summary = IngestSummary::default();
+    let mut staged = Vec::new();
+    let mut announced = Vec::new();
     for run in &runs {
-        let (records, skipped) =
-            ingest_dir(&run.path, &mapping.metrics).map_err(|e| IoError::invalid(&run.path, e))?;
-        if records.is_empty() {
+        let read = read_metrics(&run.path, &mapping.metrics)
+            .map_err(|e| IoError::invalid(&run.path, e))?;
+        if read.records.is_empty() {
             return Err(IoError::invalid(
                 &run.path,
                 "no metric rows found; check [metrics] files and step in the mapping",
             ));
         }
-        loaded.push((run, records, skipped));
-    }
-    let mut summary = IngestSummary::default();
-    for (run, records, skipped) in loaded {
         let identity =
             serde_json::to_string(&("ingest", &run.config, run.seed, &run.rel)).unwrap_or_default();
         let run_id = format_run_id(&run.config, run.seed, &identity);
-        let dest = suite_root.join(&run_id);
-        if !force && already_imported(&dest) {
+        if !force && already_imported(&suite_root.join(&run_id)) {
             summary.skipped += 1;
-            on_run(run, &run_id, false);
+            announced.push((run, run_id, false));
             continue;
         }
-        let status = match run
-            .meta
-            .as_ref()
-            .and_then(|m| m.get("status"))
-            .and_then(|s| s.as_str())
-        {
-            Some("failed") => RunStatus::Failed,
-            Some("diverged") => RunStatus::Diverged,
-            Some("timeout") => RunStatus::Timeout,
-            _ => RunStatus::Ok,
-        };
-        let config = serde_json::json!({
-            "config": run.config,
-            "source": run.path.display().to_string(),
-            "meta": run.meta,
-        });
-        let mut m = Manifest::start(
-            &run_id,
-            "command",
-            config,
-            run.seed,
-            records.len(),
-            "external",
-        );
-        m.suite = Some(suite.to_string());
-        m.status = status;
-        m.steps_done = records.len();
-        m.finished = Some(crate::store::run::now_utc());
-        m.extra
-            .insert("config_name".into(), run.config.clone().into());
-        m.extra
-            .insert("base_config".into(), run.config.clone().into());
-        m.extra.insert(
-            "ingested_from".into(),
-            run.path.display().to_string().into(),
-        );
-        m.extra.insert("skipped_lines".into(), skipped.into());
-        atomic::write_dir(&dest, |tmp| {
-            let rd = RunDir::open(tmp);
-            rd.write_metrics(&records)?;
-            rd.write_manifest(&m)
-        })?;
+        let manifest = manifest_for(&run_id, suite, run, &read, None);
+        summary.unfinished += usize::from(!matches!(
+            manifest.status,
+            RunStatus::Ok | RunStatus::Diverged
+        ));
         summary.imported += 1;
-        summary.skipped_lines += skipped;
-        on_run(run, &run_id, true);
+        summary.skipped_lines += read.skipped;
+        announced.push((run, run_id.clone(), true));
+        staged.push(Staged {
+            run_id,
+            manifest,
+            read,
+        });
+    }
+    publish(&suite_root, &staged)?;
+    for (run, id, new) in announced {
+        on_run(run, &id, new);
+    }
+    Ok(summary)
+}
+
+/// Import an `engine = "ingest"` suite's planned runs from its tree (`lockstep run` of it): every
+/// planned (configuration, seed) found is read and filed under the suite's run id; one not found
+/// is recorded `failed`, so the comparison and the nightly say so. Re-reads every time.
+pub fn ingest_suite(
+    suite: &SuiteSpec,
+    planned: &[RunSpec],
+    store: &Path,
+    mut on_run: impl FnMut(&RunSpec, &RunStatus, Option<&str>),
+) -> Result<IngestSummary, IoError> {
+    let mapping = suite.ingest.as_ref().ok_or_else(|| {
+        IoError::invalid(&suite.path, "engine = \"ingest\" needs an [ingest] table")
+    })?;
+    let tree = relative_to(
+        &suite.path,
+        mapping.tree.as_deref().unwrap_or(Path::new(".")),
+    );
+    let suite_root = suite_dir(store, &suite.name)?;
+    let found = find_runs(&tree, mapping)?;
+    let mut summary = IngestSummary::default();
+    for f in &found {
+        if !planned
+            .iter()
+            .any(|p| p.config == f.config && p.seed == f.seed)
+        {
+            summary
+                .ignored
+                .push(format!("{} seed {} ({})", f.config, f.seed, f.rel));
+        }
+    }
+    let mut staged = Vec::new();
+    for p in planned {
+        let mut matches = found
+            .iter()
+            .filter(|f| f.config == p.config && f.seed == p.seed);
+        let (Some(f), second) = (matches.next(), matches.next()) else {
+            let none = FoundRun {
+                path: tree.clone(),
+                rel: String::new(),
+                config: p.config.clone(),
+                seed: p.seed,
+                meta: None,
+            };
+            let mut m = manifest_for(
+                &p.run_id,
+                &suite.name,
+                &none,
+                &MetricsRead::default(),
+                Some(p.run.steps),
+            );
+            m.status = RunStatus::Failed;
+            m.error = Some(format!(
+                "not found in {}: no folder for config `{}` seed {} (check path_pattern or the meta file)",
+                tree.display(),
+                p.config,
+                p.seed
+            ));
+            summary.missing += 1;
+            staged.push(Staged {
+                run_id: p.run_id.clone(),
+                manifest: m,
+                read: MetricsRead::default(),
+            });
+            continue;
+        };
+        if let Some(g) = second {
+            return Err(IoError::invalid(
+                &tree,
+                format!(
+                    "two run folders for config `{}` seed {}: `{}` and `{}`; keep one, or tell them apart in the metadata",
+                    p.config, p.seed, f.rel, g.rel
+                ),
+            ));
+        }
+        let read =
+            read_metrics(&f.path, &mapping.metrics).map_err(|e| IoError::invalid(&f.path, e))?;
+        let mut m = manifest_for(&p.run_id, &suite.name, f, &read, Some(p.run.steps));
+        m.extra.insert("base_config".into(), p.base.clone().into());
+        m.extra.insert(
+            "axes".into(),
+            serde_json::to_value(&p.axes).unwrap_or_default(),
+        );
+        summary.unfinished += usize::from(!matches!(m.status, RunStatus::Ok | RunStatus::Diverged));
+        summary.imported += 1;
+        summary.skipped_lines += read.skipped;
+        staged.push(Staged {
+            run_id: p.run_id.clone(),
+            manifest: m,
+            read,
+        });
+    }
+    publish(&suite_root, &staged)?;
+    for (p, s) in planned.iter().zip(&staged) {
+        on_run(p, &s.manifest.status, s.manifest.error.as_deref());
     }
     Ok(summary)
 }
@@ -356,7 +589,9 @@ files = ["metrics.jsonl"]
             IngestSummary {
                 imported: 4,
                 skipped: 0,
-                skipped_lines: 3
+                skipped_lines: 3,
+                unfinished: 1,
+                ..Default::default()
             }
         );
         let mut dirs: Vec<PathBuf> = std::fs::read_dir(store.join("imported"))

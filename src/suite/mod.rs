@@ -4,6 +4,8 @@
 
 pub mod command;
 pub mod ingest;
+pub mod interrupt;
+pub mod metrics;
 pub mod plan;
 pub mod runner;
 pub mod slurm;

@@ -246,24 +246,56 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 } else {
                     format!("{} {}", c.name, label(&axes))
                 };
-                let run_id = run_id(s, &config, &run, &c.env, &c.vars);
-                out.push(RunSpec {
+                let (env, vars) = merged_env_vars(s, c);
+                let run_id = run_id(s, &config, &run, &env, &vars);
+                let spec = RunSpec {
                     config,
                     base: c.name.clone(),
                     axes: axes.clone(),
                     seed,
                     run_id,
                     run,
-                    env: c.env.clone(),
-                    vars: c.vars.clone(),
-                });
+                    env,
+                    vars,
+                };
+                if let Some(cmd) = &s.command {
+                    // Every placeholder must resolve for every run, now rather than at 3 a.m.
+                    super::command::argv(s, cmd, &spec, std::path::Path::new("OUT_DIR")).map_err(
+                        |e| invalid(s, format!("config `{}`: [command] argv: {e}", c.name)),
+                    )?;
+                }
+                out.push(spec);
             }
         }
     }
     Ok(out)
 }
 
-/// Hash of everything that determines a run: engine, configuration and its name, seed.
+/// A configuration's environment and placeholder values over the suite's `[command]` defaults.
+fn merged_env_vars(
+    s: &SuiteSpec,
+    c: &ConfigSpec,
+) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let mut env = s
+        .command
+        .as_ref()
+        .map(|c| c.env.clone())
+        .unwrap_or_default();
+    env.extend(c.env.clone());
+    let mut vars = s
+        .command
+        .as_ref()
+        .map(|c| c.vars.clone())
+        .unwrap_or_default();
+    vars.extend(c.vars.clone());
+    (env, vars)
+}
+
+/// Hash of everything that determines what a run does: engine, configuration and its name, the
+/// resolved workload and recipe, seed, environment and placeholder values, and for the command
+/// engine the launcher's argv template. Not the timeout, the kill grace or the metrics mapping:
+/// changing how long to wait or how to read the output does not make finished runs stale (re-read
+/// them with `lockstep run --reingest`).
 fn run_id(
     s: &SuiteSpec,
     config: &str,
@@ -271,17 +303,18 @@ fn run_id(
     env: &BTreeMap<String, String>,
     vars: &BTreeMap<String, String>,
 ) -> String {
-    let text = serde_json::to_string(&(
-        &s.engine,
-        config,
-        run,
-        env,
-        vars,
-        &s.command.as_ref().map(|c| c.to_string()),
-    ))
-    .unwrap_or_default();
+    let launcher = s
+        .command
+        .as_ref()
+        .map(|c| serde_json::to_string(&serde_json::json!({ "argv": c.argv })).unwrap_or_default());
+    let text =
+        serde_json::to_string(&(&s.engine, config, run, env, vars, &launcher)).unwrap_or_default();
     format_run_id(config, run.seed, &text)
 }
+
+/// Longest configuration slug kept in a run id, so the id (slug, seed, hash) stays a valid file
+/// name however long the configuration's name is; the hash keeps truncated ids distinct.
+const MAX_SLUG: usize = 96;
 
 /// `<config slug>-s<seed>-<12 hex of sha256(identity)>`: readable, and safe as a path component
 /// whatever the configuration is called (anything but ASCII letters, digits and `-` becomes `_`).
@@ -298,7 +331,9 @@ pub fn format_run_id(config: &str, seed: u64, identity: &str) -> String {
             }
         })
         .collect();
-    format!("{}-s{seed}-{hex}", slug.trim_matches('_'))
+    let slug = slug.trim_matches('_');
+    let slug = &slug[..slug.len().min(MAX_SLUG)];
+    format!("{slug}-s{seed}-{hex}")
 }
 
 #[cfg(test)]

@@ -59,6 +59,10 @@ pub struct Summary {
     pub diverged: usize,
     /// Held by another process.
     pub busy: usize,
+    /// Stopped by SIGINT/SIGTERM while in flight (runs not yet started are not counted).
+    pub interrupted: usize,
+    /// Timed out (command engine).
+    pub timeout: usize,
 }
 
 /// The suite's folder in the store. The suite name must be a plain name (letters, digits, `-`,
@@ -171,6 +175,9 @@ pub fn run_suite(
             let (queue, bump, root) = (&queue, &bump, &root);
             scope.spawn(move || {
                 loop {
+                    if super::interrupt::requested().is_some() {
+                        break; // stopping: start nothing new
+                    }
                     let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                     let Some(run) = next else { break };
                     match run_planned(be, suite, run, root, opts, progress) {
@@ -179,7 +186,9 @@ pub fn run_suite(
                         Outcome::Finished(status) => bump(&|s| match status {
                             RunStatus::Ok => s.ok += 1,
                             RunStatus::Diverged => s.diverged += 1,
-                            _ => s.failed += 1,
+                            RunStatus::Interrupted => s.interrupted += 1,
+                            RunStatus::Timeout => s.timeout += 1,
+                            RunStatus::Failed | RunStatus::Running => s.failed += 1,
                         }),
                     }
                 }
@@ -247,10 +256,24 @@ fn execute(
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Result<crate::store::Manifest, IoError> {
     let on_step = |r: &StepRecord| progress(Progress::Step { run, record: r });
-    let mut m = if suite.engine == "builtin" {
-        crate::engine::run::run_one(be, &run.run, &run.run_id, dir, Some(&opts.cache), on_step)?
-    } else {
-        crate::suite::command::run_command(suite, run, dir, &on_step)?
+    let stop = super::interrupt::requested;
+    let mut m = match suite.engine.as_str() {
+        "builtin" => crate::engine::run::run_one_until(
+            be,
+            &run.run,
+            &run.run_id,
+            dir,
+            Some(&opts.cache),
+            on_step,
+            &stop,
+        )?,
+        "command" => crate::suite::command::run_command(suite, run, dir, &on_step, &stop)?,
+        other => {
+            return Err(IoError::invalid(
+                &suite.path,
+                format!("engine `{other}` runs are not launched; `lockstep run` imports them"),
+            ));
+        }
     };
     m.suite = Some(suite.name.clone());
     m.extra
@@ -263,6 +286,47 @@ fn execute(
     );
     RunDir::open(dir).write_manifest(&m)?;
     Ok(m)
+}
+
+/// Re-read every finished command run of `runs` with the suite's current metrics mapping,
+/// without relaunching anything; reports each run as `Finished` with its new status.
+pub fn reingest_suite(
+    suite: &SuiteSpec,
+    runs: &[RunSpec],
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Result<Summary, IoError> {
+    let root = suite_dir(&opts.store, &suite.name)?;
+    let mut sum = Summary::default();
+    for run in runs {
+        let dir = root.join(&run.run_id);
+        let Some(_lock) = RunLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
+            progress(Progress::Busy { run });
+            sum.busy += 1;
+            continue;
+        };
+        match super::command::reingest(suite, run, &dir)? {
+            None => {
+                progress(Progress::Skipped { run });
+                sum.skipped += 1;
+            }
+            Some(m) => {
+                match m.status {
+                    RunStatus::Ok => sum.ok += 1,
+                    RunStatus::Diverged => sum.diverged += 1,
+                    RunStatus::Interrupted => sum.interrupted += 1,
+                    RunStatus::Timeout => sum.timeout += 1,
+                    RunStatus::Failed | RunStatus::Running => sum.failed += 1,
+                }
+                progress(Progress::Finished {
+                    run,
+                    status: m.status,
+                    error: m.error,
+                });
+            }
+        }
+    }
+    Ok(sum)
 }
 
 #[cfg(test)]

@@ -52,7 +52,10 @@ pub struct SuiteSpec {
     pub checks: toml::Table,
     /// Command engine settings (engine = "command").
     #[serde(default)]
-    pub command: Option<toml::Table>,
+    pub command: Option<CommandSpec>,
+    /// Where an `engine = "ingest"` suite finds its runs, and how to read them.
+    #[serde(default)]
+    pub ingest: Option<super::ingest::IngestMapping>,
     /// Defaults for `lockstep run --executor slurm` (command-line flags override them).
     #[serde(default)]
     pub slurm: super::slurm::SlurmSpec,
@@ -65,6 +68,61 @@ fn default_engine() -> String {
     "builtin".into()
 }
 
+/// `[command]`: how the command engine launches a framework's job. Every key is typed and
+/// unknown keys are errors, so `timeout = 60` (meant `timeout_s`) cannot silently mean 24 h.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandSpec {
+    /// The launcher and its arguments, each a string with `{placeholders}` (never a shell line).
+    pub argv: Vec<String>,
+    /// Environment for every run (a configuration's `env` adds to and overrides it).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Placeholder defaults for every run (a configuration's `vars` override them).
+    #[serde(default)]
+    pub vars: BTreeMap<String, String>,
+    /// Wall-clock limit per run; the launcher's process group is then stopped.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+    /// Seconds between SIGTERM and SIGKILL when a run is stopped (timeout or interrupt).
+    #[serde(default = "default_kill_grace_s")]
+    pub kill_grace_s: f64,
+    /// How to read what the launcher writes into `{out_dir}`.
+    #[serde(default)]
+    pub metrics: super::metrics::MetricsMapping,
+}
+
+fn default_timeout_s() -> f64 {
+    86_400.0
+}
+
+fn default_kill_grace_s() -> f64 {
+    10.0
+}
+
+impl CommandSpec {
+    /// The checks `serde` cannot make.
+    fn validate(&self) -> Result<(), String> {
+        if self.argv.first().is_none_or(|a| a.trim().is_empty()) {
+            return Err("[command] argv is empty: name the launcher first, e.g. argv = [\"python\", \"train.py\", \"--seed={seed}\"]".into());
+        }
+        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
+            return Err(format!(
+                "[command] timeout_s = {}: use a positive number of seconds",
+                self.timeout_s
+            ));
+        }
+        if !(self.kill_grace_s.is_finite() && (0.0..=3600.0).contains(&self.kill_grace_s)) {
+            return Err(format!(
+                "[command] kill_grace_s = {}: use 0 to 3600 seconds",
+                self.kill_grace_s
+            ));
+        }
+        self.metrics
+            .validate()
+            .map_err(|e| format!("[command.metrics] {e}"))
+    }
+}
 /// What every run of the suite does.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -150,7 +208,7 @@ pub enum SuiteError {
     Invalid { path: String, msg: String },
 }
 
-const TOP_KEYS: [&str; 10] = [
+const TOP_KEYS: [&str; 11] = [
     "name",
     "description",
     "engine",
@@ -160,6 +218,7 @@ const TOP_KEYS: [&str; 10] = [
     "sweep",
     "checks",
     "command",
+    "ingest",
     "slurm",
 ];
 const OTHER_KEYS: [&str; 34] = [
@@ -239,28 +298,81 @@ pub fn parse(text: &str, path: &Path) -> Result<SuiteSpec, SuiteError> {
             )));
         }
     }
-    if !matches!(s.engine.as_str(), "builtin" | "command") {
-        return Err(bad(format!(
-            "engine = \"{}\": use \"builtin\" or \"command\"",
-            s.engine
-        )));
+    match s.engine.as_str() {
+        "builtin" | "command" | "ingest" => {}
+        other => {
+            return Err(bad(format!(
+                "engine = \"{other}\": use \"builtin\", \"command\" or \"ingest\""
+            )));
+        }
     }
-    if s.engine == "command" && s.command.is_none() {
-        return Err(bad(
-            "engine = \"command\" needs a [command] table with argv".into(),
-        ));
+    match (&s.command, s.engine.as_str()) {
+        (None, "command") => {
+            return Err(bad(
+                "engine = \"command\" needs a [command] table with argv".into(),
+            ));
+        }
+        (Some(c), "command") => c.validate().map_err(bad)?,
+        (Some(_), e) => {
+            return Err(bad(format!(
+                "[command] is only read with engine = \"command\" (this suite's engine is \"{e}\"); remove it or set the engine"
+            )));
+        }
+        (None, _) => {}
+    }
+    match (&s.ingest, s.engine.as_str()) {
+        (None, "ingest") => {
+            return Err(bad(
+                "engine = \"ingest\" needs an [ingest] table with tree (the folder holding the runs) and path_pattern or meta_file".into(),
+            ));
+        }
+        (Some(i), "ingest") => {
+            if i.tree.is_none() {
+                return Err(bad(
+                    "[ingest] needs tree = \"DIR\": the folder holding the runs (relative to the suite file)".into(),
+                ));
+            }
+            i.metrics
+                .validate()
+                .map_err(|e| bad(format!("[ingest.metrics] {e}")))?;
+        }
+        (Some(_), e) => {
+            return Err(bad(format!(
+                "[ingest] is only read with engine = \"ingest\" (this suite's engine is \"{e}\"); remove it or set the engine"
+            )));
+        }
+        (None, _) => {}
     }
     Ok(s)
 }
 
-/// Add "did you mean" to an unknown-key error.
+/// Add "did you mean" to an unknown-key error, choosing among the keys of the table the key was
+/// found in (serde lists them as "expected one of ..."), so a top-level `seed` is not told to
+/// become `seed`.
 fn hint(msg: String) -> String {
     let Some(start) = msg.find("unknown field `") else {
         return msg.trim_end().to_string();
     };
     let field = msg[start + 15..].split('`').next().unwrap_or("");
-    let all: Vec<&str> = TOP_KEYS.iter().chain(OTHER_KEYS.iter()).copied().collect();
-    match suggest(field, &all) {
+    let expected: Vec<&str> = msg
+        .split_once("expected one of ")
+        .or_else(|| msg.split_once("expected "))
+        .map(|(_, list)| {
+            list.lines()
+                .next()
+                .unwrap_or("")
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .collect()
+        })
+        .unwrap_or_default();
+    let all: Vec<&str> = if expected.is_empty() {
+        TOP_KEYS.iter().chain(OTHER_KEYS.iter()).copied().collect()
+    } else {
+        expected
+    };
+    match suggest(field, &all).filter(|s| *s != field) {
         Some(s) => format!("{} (did you mean `{s}`?)", msg.trim_end()),
         None => msg.trim_end().to_string(),
     }

@@ -548,15 +548,9 @@ fn progress_of(suite: &SuiteSpec, run_dir: &Path) -> Option<(usize, Option<f64>)
     if suite.engine != "command" {
         return last_step(run_dir);
     }
-    let mapping = suite
-        .command
-        .as_ref()
-        .and_then(|c| c.get("metrics"))
-        .and_then(|m| m.as_table())
-        .cloned()
-        .unwrap_or_default();
-    let (records, _) = super::command::ingest_dir(&run_dir.join("out"), &mapping).ok()?;
-    let last = records.last()?;
+    let mapping = &suite.command.as_ref()?.metrics;
+    let read = super::metrics::read_metrics(&run_dir.join("out"), mapping).ok()?;
+    let last = read.records.last()?;
     Some((last.step, last.get("rollout/raw_reward")))
 }
 
