@@ -41,8 +41,44 @@ pub struct Event {
     pub kind: String,
     pub site: String,
     pub layer: i64,
+    /// The value that raised the event; `NaN`, `inf` and `-inf` are written as those strings
+    /// (JSON has no such numbers, and a `non_finite` event is exactly about them).
+    #[serde(with = "nonfinite_as_text")]
     pub value: f64,
     pub detail: String,
+}
+
+/// Serde for an f64 that may be non-finite: finite values as JSON numbers, others as `"NaN"`,
+/// `"inf"` or `"-inf"` (Rust's own spellings, which `str::parse::<f64>` reads back).
+mod nonfinite_as_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_str(&v.to_string())
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum NumberOrText {
+        Number(f64),
+        Text(String),
+        Null(()),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        match NumberOrText::deserialize(d)? {
+            NumberOrText::Number(x) => Ok(x),
+            NumberOrText::Text(t) => t
+                .parse()
+                .map_err(|_| serde::de::Error::custom(format!("`{t}` is not a number"))),
+            // Files written before values were spelled out held `null` for a non-finite value.
+            NumberOrText::Null(()) => Ok(f64::NAN),
+        }
+    }
 }
 
 /// Everything one step produced.
@@ -87,6 +123,28 @@ pub fn site_of(name: &str) -> (String, i64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_event_values_round_trip_through_json() {
+        for v in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1.5, -0.0] {
+            let e = Event {
+                step: 3,
+                kind: "non_finite".into(),
+                site: "train/loss".into(),
+                layer: -1,
+                value: v,
+                detail: String::new(),
+            };
+            let text = serde_json::to_string(&e).unwrap();
+            let back: Event = serde_json::from_str(&text).unwrap();
+            assert_eq!(back.value.to_bits(), v.to_bits(), "{text}");
+        }
+        let old: Event = serde_json::from_str(
+            r#"{"step":1,"kind":"non_finite","site":"x","layer":-1,"value":null,"detail":""}"#,
+        )
+        .unwrap();
+        assert!(old.value.is_nan());
+    }
 
     #[test]
     fn site_names_split_into_site_and_layer() {
