@@ -161,33 +161,11 @@ pub fn judge(
     if let Some(p) = problem {
         return (RunStatus::Failed, Some(format!("{p}; {progress}")));
     }
-    if !read.missing.is_empty() {
+    if let Some(short) = read.shortfall(Some(steps_planned)) {
         return (
             RunStatus::Failed,
             Some(format!(
-                "exit code 0, but the metrics file(s) {} were not written; check [metrics] files against what the launcher writes into {{out_dir}}",
-                read.missing
-                    .iter()
-                    .map(|f| format!("`{f}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
-        );
-    }
-    if read.records.is_empty() {
-        return (
-            RunStatus::Failed,
-            Some(format!(
-                "exit code 0, but no metric rows were read ({} lines skipped); check the metrics `step` key and the file format",
-                read.skipped
-            )),
-        );
-    }
-    if reached < steps_planned {
-        return (
-            RunStatus::Failed,
-            Some(format!(
-                "exit code 0 after {progress}; a run that stops early must say why (exit non-zero)"
+                "exit code 0, but {short}; a run that stops early must exit non-zero"
             )),
         );
     }

@@ -231,7 +231,6 @@ pub fn imported_status(
     steps_planned: Option<usize>,
 ) -> (RunStatus, Option<String>) {
     let said = meta.and_then(|m| m.get("status")).and_then(|s| s.as_str());
-    let reached = read.steps_reached();
     match said {
         Some("running") => {
             return (
@@ -265,30 +264,8 @@ pub fn imported_status(
             Some("the run's metadata says `diverged`".into()),
         );
     }
-    if !read.missing.is_empty() {
-        return (
-            RunStatus::Failed,
-            Some(format!(
-                "metrics file(s) {} not found; check [metrics] files",
-                read.missing
-                    .iter()
-                    .map(|f| format!("`{f}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
-        );
-    }
-    if read.records.is_empty() {
-        return (
-            RunStatus::Failed,
-            Some("no metric rows found; check [metrics] files and step".into()),
-        );
-    }
-    if let Some(n) = steps_planned.filter(|n| reached < *n) {
-        return (
-            RunStatus::Failed,
-            Some(format!("{reached} of {n} planned steps logged")),
-        );
+    if let Some(short) = read.shortfall(steps_planned) {
+        return (RunStatus::Failed, Some(short));
     }
     (RunStatus::Ok, None)
 }

@@ -272,6 +272,28 @@ impl MetricsRead {
         self.records.last().map_or(0, |r| r.step + 1)
     }
 
+    /// Why the metrics do not cover a finished run, if they do not: a mapped file was not written,
+    /// no row was read, or the steps stop short of `steps_planned`.
+    pub fn shortfall(&self, steps_planned: Option<usize>) -> Option<String> {
+        if !self.missing.is_empty() {
+            let files: Vec<String> = self.missing.iter().map(|f| format!("`{f}`")).collect();
+            return Some(format!(
+                "the metrics file(s) {} were not written; check [metrics] files against what the run writes",
+                files.join(", ")
+            ));
+        }
+        if self.records.is_empty() {
+            return Some(format!(
+                "no metric rows were read ({} lines skipped); check the metrics `step` key and the file format",
+                self.skipped
+            ));
+        }
+        let reached = self.steps_reached();
+        steps_planned
+            .filter(|n| reached < *n)
+            .map(|n| format!("{reached} of {n} planned steps logged"))
+    }
+
     /// The first non-finite value of a metric that ends a run (reward, loss, gradient norm), as
     /// (step, key).
     pub fn divergence(&self) -> Option<(usize, String)> {

@@ -65,6 +65,19 @@ pub struct Summary {
     pub timeout: usize,
 }
 
+impl Summary {
+    /// Count a run that ended with `status`.
+    fn count(&mut self, status: RunStatus) {
+        match status {
+            RunStatus::Ok => self.ok += 1,
+            RunStatus::Diverged => self.diverged += 1,
+            RunStatus::Interrupted => self.interrupted += 1,
+            RunStatus::Timeout => self.timeout += 1,
+            RunStatus::Failed | RunStatus::Running => self.failed += 1,
+        }
+    }
+}
+
 /// The suite's folder in the store. The suite name must be a plain name (letters, digits, `-`,
 /// `_`, `.` not leading), so it can never point outside the store.
 pub fn suite_dir(store: &Path, suite: &str) -> Result<PathBuf, IoError> {
@@ -183,13 +196,7 @@ pub fn run_suite(
                     match run_planned(be, suite, run, root, opts, progress) {
                         Outcome::Skipped => bump(&|s| s.skipped += 1),
                         Outcome::Busy => bump(&|s| s.busy += 1),
-                        Outcome::Finished(status) => bump(&|s| match status {
-                            RunStatus::Ok => s.ok += 1,
-                            RunStatus::Diverged => s.diverged += 1,
-                            RunStatus::Interrupted => s.interrupted += 1,
-                            RunStatus::Timeout => s.timeout += 1,
-                            RunStatus::Failed | RunStatus::Running => s.failed += 1,
-                        }),
+                        Outcome::Finished(status) => bump(&|s| s.count(status)),
                     }
                 }
             });
@@ -311,13 +318,7 @@ pub fn reingest_suite(
                 sum.skipped += 1;
             }
             Some(m) => {
-                match m.status {
-                    RunStatus::Ok => sum.ok += 1,
-                    RunStatus::Diverged => sum.diverged += 1,
-                    RunStatus::Interrupted => sum.interrupted += 1,
-                    RunStatus::Timeout => sum.timeout += 1,
-                    RunStatus::Failed | RunStatus::Running => sum.failed += 1,
-                }
+                sum.count(m.status);
                 progress(Progress::Finished {
                     run,
                     status: m.status,
