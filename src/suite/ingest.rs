@@ -615,6 +615,67 @@ files = ["metrics.jsonl"]
     }
 
     #[test]
+    fn a_tree_imports_all_or_nothing_even_with_a_300_character_config_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = tmp.path().join("t");
+        for (i, name) in ["a", "b", &"x".repeat(300)].iter().enumerate() {
+            write(
+                &tree.join(format!("r{i}/lockstep-run.json")),
+                &format!(r#"{{"config": "{name}", "seed": 0}}"#),
+            );
+            write(
+                &tree.join(format!("r{i}/metrics.jsonl")),
+                "{\"step\": 0, \"a\": 1}\n",
+            );
+        }
+        // A fourth run that cannot be read: nothing of the tree is imported.
+        write(
+            &tree.join("r3/lockstep-run.json"),
+            r#"{"config": "d", "seed": 0}"#,
+        );
+        write(&tree.join("r3/metrics.jsonl"), "junk only\n");
+        let store = tmp.path().join("runs");
+        assert!(ingest_tree(&tree, &mapping(), &store, "s", false, |_, _, _| {}).is_err());
+        assert!(
+            !store.join("s").exists() || std::fs::read_dir(store.join("s")).unwrap().count() == 0,
+            "a bad tree imports nothing"
+        );
+        std::fs::remove_dir_all(tree.join("r3")).unwrap();
+        let s = ingest_tree(&tree, &mapping(), &store, "s", false, |_, _, _| {}).unwrap();
+        assert_eq!(s.imported, 3, "the long name gets a bounded run id");
+        let longest = std::fs::read_dir(store.join("s"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().len())
+            .max()
+            .unwrap();
+        assert!(longest < 128, "{longest}");
+    }
+
+    #[test]
+    fn a_run_still_running_is_imported_unfinished() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = tmp.path().join("t");
+        write(
+            &tree.join("r/lockstep-run.json"),
+            r#"{"config": "a", "seed": 0, "status": "running"}"#,
+        );
+        write(&tree.join("r/metrics.jsonl"), "{\"step\": 0, \"a\": 1}\n");
+        let store = tmp.path().join("runs");
+        let s = ingest_tree(&tree, &mapping(), &store, "s", false, |_, _, _| {}).unwrap();
+        assert_eq!((s.imported, s.unfinished), (1, 1));
+        let d = std::fs::read_dir(store.join("s"))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        assert_eq!(
+            RunDir::open(&d).read_manifest().unwrap().status,
+            RunStatus::Running
+        );
+    }
+
+    #[test]
     fn bad_input_is_refused_with_the_file_named() {
         let tmp = tempfile::tempdir().unwrap();
         let tree = tmp.path().join("t");
