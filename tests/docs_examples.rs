@@ -44,7 +44,8 @@ fn every_toml_example_in_the_command_engine_guide_is_valid() {
                 .unwrap_or_else(|e| panic!("{e}\n{b}"));
             m.validate().unwrap();
             assert_eq!(
-                m.first_step, 1,
+                m.first_step(),
+                1,
                 "every framework but Miles logs from step 1"
             );
             fragments += 1;

@@ -575,6 +575,13 @@ band_reps = 50
     let s = suite.to_str().unwrap();
     let (code, out, err) = lockstep(tmp.path(), &["suite", "check", s]);
     assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = lockstep(tmp.path(), &["ingest", "--detect", "cluster"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("preset `verl` places 2 of 4 keys"), "{out}");
+    assert!(
+        out.contains("not placed by `verl`: grad_norm/layer_0/mlp.experts.linear_fc1"),
+        "{out}"
+    );
     // nvfp4 seed 2 is not in the tree: `run` (the import) says so, and the night is an error.
     let (code, out, err) = lockstep(tmp.path(), &["run", s, "--store", "runs"]);
     assert_eq!(code, 1, "{out}{err}");

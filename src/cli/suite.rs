@@ -384,14 +384,50 @@ fn run_path(store: &std::path::Path, suite: &str, run_id: &str) -> Result<PathBu
     Ok(suite_dir(store, suite)?.join(run_id))
 }
 
+/// `lockstep ingest --detect DIR`: which preset fits the keys logged under DIR.
+fn detect_cmd(dir: &std::path::Path) -> Result<bool> {
+    use lockstep::suite::frameworks::detect;
+    let keys = lockstep::suite::metrics::keys_under(dir).map_err(anyhow::Error::msg)?;
+    if keys.is_empty() {
+        bail!(
+            "{}: no metric keys found in .jsonl or .csv files (with a `step` key or column)",
+            dir.display()
+        );
+    }
+    let d = detect(&keys);
+    let Some((best, n)) = d.ranked.first() else {
+        println!(
+            "no preset places any of the {} keys found; map them yourself in [metrics.map]",
+            keys.len()
+        );
+        return Ok(false);
+    };
+    println!("preset `{best}` places {n} of {} keys found", keys.len());
+    for (other, m) in d.ranked.iter().skip(1) {
+        println!("  (`{other}` places {m})");
+    }
+    for k in &d.unplaced {
+        println!("  not placed by `{best}`: {k} (kept under its own name unless you map it)");
+    }
+    println!(
+        "add to the suite's [command.metrics] (or the mapping's [metrics]): preset = \"{best}\""
+    );
+    Ok(true)
+}
+
 #[derive(Debug, Args)]
 pub struct IngestArgs {
     /// Folder tree holding runs made elsewhere (e.g. a cluster's output); default: the mapping's
     /// `tree`.
     pub dir: Option<PathBuf>,
-    /// Mapping file (TOML): meta_file, path_pattern, [metrics] files/step/map. See `lockstep::suite::ingest`.
+    /// Mapping file (TOML): tree, meta_file, path_pattern, [metrics] preset/files/step/map/layers.
+    /// See docs/command-engine.md.
+    #[arg(long, required_unless_present = "detect")]
+    pub mapping: Option<PathBuf>,
+    /// Import nothing: read every metrics file (.jsonl, .csv) under DIR and say which framework
+    /// preset fits its keys and which keys that preset cannot place.
     #[arg(long)]
-    pub mapping: PathBuf,
+    pub detect: bool,
     /// Suite name to file the runs under (default: the folder's name).
     #[arg(long)]
     pub suite: Option<String>,
@@ -405,11 +441,17 @@ pub struct IngestArgs {
 
 pub fn ingest_cmd(args: &IngestArgs) -> Result<bool> {
     use lockstep::suite::ingest::{ingest_tree, load_mapping};
-    let mapping = load_mapping(&args.mapping)?;
+    let Some(mapping_file) = &args.mapping else {
+        let Some(dir) = &args.dir else {
+            bail!("name the folder to look at: lockstep ingest --detect DIR");
+        };
+        return detect_cmd(dir);
+    };
+    let mapping = load_mapping(mapping_file)?;
     let Some(dir) = args.dir.clone().or_else(|| mapping.tree.clone()) else {
         bail!(
             "name the folder to import (lockstep ingest DIR --mapping {}) or set tree = \"DIR\" in the mapping",
-            args.mapping.display()
+            mapping_file.display()
         );
     };
     let suite = match &args.suite {

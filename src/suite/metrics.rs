@@ -40,11 +40,16 @@ pub struct MetricsMapping {
     /// The key (JSON) or column (CSV) holding the step.
     #[serde(default = "default_step")]
     pub step: String,
-    /// The first step the framework logs: 1 for TRL, verl, NeMo-RL and OpenRLHF, whose steps are
-    /// 1-based. It is stored as step 0; rows logged before it (verl's validation at 0) are skipped
-    /// and counted.
+    /// The framework's names ([`super::frameworks`]): `miles`, `verl`, `nemo-rl`, `trl` or
+    /// `openrlhf`. `map` entries extend and override it key by key, `first_step` overrides its
+    /// first step.
     #[serde(default)]
-    pub first_step: u64,
+    pub preset: Option<String>,
+    /// The first step the framework logs: 1 for TRL, verl, NeMo-RL and OpenRLHF, whose steps are
+    /// 1-based (their presets say so). It is stored as step 0; rows logged before it (verl's
+    /// validation at 0) are skipped and counted.
+    #[serde(default)]
+    pub first_step: Option<u64>,
     /// Framework key → lockstep key.
     #[serde(default)]
     pub map: BTreeMap<String, String>,
@@ -67,7 +72,8 @@ impl Default for MetricsMapping {
         MetricsMapping {
             files: default_files(),
             step: default_step(),
-            first_step: 0,
+            preset: None,
+            first_step: None,
             map: BTreeMap::new(),
             layers: BTreeMap::new(),
         }
@@ -104,6 +110,9 @@ pub const MILES_MAPPING: [(&str, &str); 16] = [
 impl MetricsMapping {
     /// Everything `suite check` can know about the mapping without reading a file.
     pub fn validate(&self) -> Result<(), String> {
+        if let Some(p) = &self.preset {
+            super::frameworks::preset(p)?;
+        }
         if self.files.is_empty() {
             return Err(
                 "metrics `files` is empty: name at least one, e.g. files = [\"metrics.jsonl\"]"
@@ -136,13 +145,29 @@ impl MetricsMapping {
         Ok(())
     }
 
-    /// The lockstep key a framework key is stored under.
+    fn preset(&self) -> Option<&'static super::frameworks::Preset> {
+        self.preset
+            .as_deref()
+            .and_then(|p| super::frameworks::preset(p).ok())
+    }
+
+    /// The step stored as 0: `first_step`, else the preset's, else 0.
+    pub fn first_step(&self) -> u64 {
+        self.first_step
+            .or(self.preset().map(|p| p.first_step))
+            .unwrap_or(0)
+    }
+
+    /// The lockstep key a framework key is stored under: the suite's map, then the preset, then
+    /// Miles' names (lockstep's own), else the key itself.
     fn target<'a>(&'a self, key: &'a str) -> &'a str {
         if let Some(t) = self.map.get(key) {
             return t;
         }
-        MILES_MAPPING
+        let preset = self.preset().map_or(&[][..], |p| p.map);
+        preset
             .iter()
+            .chain(MILES_MAPPING.iter())
             .find(|(a, _)| *a == key)
             .map_or(key, |(_, b)| b)
     }
@@ -329,12 +354,13 @@ struct StepValues {
 
 struct Reader<'a> {
     mapping: &'a MetricsMapping,
+    first_step: u64,
     patterns: Vec<(LayerPattern, usize)>,
 }
 
 impl Reader<'_> {
     fn put(&self, acc: &mut Steps, step: u64, key: &str, v: f64) {
-        let Some(step) = step.checked_sub(self.mapping.first_step) else {
+        let Some(step) = step.checked_sub(self.first_step) else {
             acc.before_first += 1;
             return;
         };
@@ -360,6 +386,7 @@ pub fn read_metrics(root: &Path, mapping: &MetricsMapping) -> Result<MetricsRead
     mapping.validate()?;
     let reader = Reader {
         mapping,
+        first_step: mapping.first_step(),
         patterns: mapping
             .layers
             .iter()
@@ -390,6 +417,35 @@ pub fn read_metrics(root: &Path, mapping: &MetricsMapping) -> Result<MetricsRead
         before_first: acc.before_first,
         missing,
     })
+}
+
+/// Every metric key logged in the `.jsonl` and `.csv` files under `dir` (at most 1,000 files,
+/// read with the default step key and no map), for `lockstep ingest --detect`.
+pub fn keys_under(dir: &Path) -> Result<std::collections::BTreeSet<String>, String> {
+    let mut keys = std::collections::BTreeSet::new();
+    let files = walkdir::WalkDir::new(dir)
+        .sort_by_file_name()
+        .into_iter()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_file())
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy();
+            n.ends_with(".jsonl") || n.ends_with(".csv")
+        })
+        .take(1000);
+    for f in files {
+        let (Some(parent), Some(name)) = (f.path().parent(), f.path().file_name()) else {
+            continue;
+        };
+        let m = MetricsMapping {
+            files: vec![name.to_string_lossy().into_owned()],
+            ..MetricsMapping::default()
+        };
+        for r in read_metrics(parent, &m)?.records {
+            keys.extend(r.scalars.into_keys());
+        }
+    }
+    Ok(keys)
 }
 
 /// A regular file's bytes (`None` when it does not exist). FIFOs, devices and sockets are refused
@@ -762,6 +818,35 @@ mod tests {
         assert_eq!(r.before_first, 1, "the validation row at step 0");
         assert_eq!(r.skipped, 1, "step 2.5 is not a step");
         assert_eq!(r.steps_reached(), 2);
+    }
+
+    #[test]
+    fn a_preset_maps_a_framework_and_the_suite_overrides_it_key_by_key() {
+        let m = mapping("preset = \"verl\"\n[map]\n\"actor/entropy\" = \"my/entropy\"\n");
+        let r = read(
+            &[(
+                "metrics.jsonl",
+                b"{\"step\": 0, \"val/score\": 0.1}\n{\"step\": 1, \"critic/score/mean\": 0.4, \"actor/entropy\": 2.0, \"training/rollout_probs_diff_mean\": 0.01}\n",
+            )],
+            &m,
+        );
+        assert_eq!(r.before_first, 1, "verl's validation row at step 0");
+        assert_eq!(r.records[0].step, 0);
+        assert_eq!(r.records[0].get("rollout/raw_reward"), Some(0.4));
+        assert_eq!(
+            r.records[0].get("my/entropy"),
+            Some(2.0),
+            "the suite's map wins"
+        );
+        assert_eq!(
+            r.records[0].get("training/rollout_probs_diff_mean"),
+            Some(0.01),
+            "a probability-space difference keeps its name"
+        );
+        let m = mapping("preset = \"verl\"\nfirst_step = 0\n");
+        assert_eq!(m.first_step(), 0, "first_step overrides the preset's");
+        let e = mapping("preset = \"trll\"\n").validate().unwrap_err();
+        assert!(e.contains("did you mean `trl`"), "{e}");
     }
 
     #[test]

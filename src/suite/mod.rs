@@ -3,6 +3,7 @@
 //! ([`runner`]) or handed to Slurm as one job array ([`slurm`]). No statistics here.
 
 pub mod command;
+pub mod frameworks;
 pub mod ingest;
 pub mod interrupt;
 pub mod metrics;
