@@ -222,7 +222,7 @@ pub fn detect(keys: &BTreeSet<String>) -> Detection {
         .map(|p| (p.name, keys.iter().filter(|k| p.places(k)).count()))
         .filter(|(_, n)| *n > 0)
         .collect();
-    ranked.sort_by(|a, b| b.1.cmp(&a.1));
+    ranked.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
     let unplaced = ranked
         .first()
         .and_then(|(name, _)| PRESETS.iter().find(|p| p.name == *name))
