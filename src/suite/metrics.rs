@@ -8,7 +8,8 @@
 //! where spikes are found exactly as for the built-in engine.
 //!
 //! Formats: JSON lines with a step key and numeric fields, the Miles CI form
-//! `{"metric": NAME, "series": [[step, value], ...]}`, and CSV with a header. Python's `json.dumps`
+//! `{"metric": NAME, "series": [[step, value], ...]}`, CSV with a header, and TensorBoard event
+//! files ([`super::tensorboard`], by the `.tfevents.` in their name). Python's `json.dumps`
 //! spellings `NaN`, `Infinity` and `-Infinity` (and CSV's `nan`, `inf`) are values, stored as
 //! non-finite and raised as `non_finite` events, never dropped. A step may be written as `3` or
 //! `3.0`. Junk lines, non-numeric values and lines past the limits below are skipped and counted,
@@ -34,9 +35,14 @@ pub const MAX_KEYS_PER_LINE: usize = 100_000;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsMapping {
-    /// Files to read, relative to the run's output folder.
+    /// Files to read, relative to the run's output folder; `*` and `?` match within a name
+    /// (`tb/events.out.tfevents.*`), `**` across folders.
     #[serde(default = "default_files")]
     pub files: Vec<String>,
+    /// TensorBoard event files: keep the records before a truncated or corrupt one (a job killed
+    /// mid-write) instead of failing the read; the cut is counted as one skipped line.
+    #[serde(default)]
+    pub keep_partial_events: bool,
     /// The key (JSON) or column (CSV) holding the step.
     #[serde(default = "default_step")]
     pub step: String,
@@ -71,6 +77,7 @@ impl Default for MetricsMapping {
     fn default() -> Self {
         MetricsMapping {
             files: default_files(),
+            keep_partial_events: false,
             step: default_step(),
             preset: None,
             first_step: None,
@@ -122,6 +129,9 @@ impl MetricsMapping {
         for f in &self.files {
             crate::suite::runner::safe_relative(f)
                 .map_err(|why| format!("metrics file `{f}`: {why}"))?;
+            if f.contains(['*', '?']) {
+                globset::Glob::new(f).map_err(|e| format!("metrics file pattern `{f}`: {e}"))?;
+            }
         }
         if self.step.is_empty() {
             return Err("metrics `step` is empty: name the step key, e.g. step = \"step\"".into());
@@ -398,16 +408,26 @@ pub fn read_metrics(root: &Path, mapping: &MetricsMapping) -> Result<MetricsRead
     };
     let mut acc = Steps::default();
     let mut missing = Vec::new();
-    for f in &mapping.files {
-        let path = root.join(f);
-        let Some(bytes) = read_capped(&path)? else {
-            missing.push(f.clone());
-            continue;
-        };
-        if f.ends_with(".csv") {
-            read_csv(&bytes, &reader, &mut acc).map_err(|e| format!("{}: {e}", path.display()))?;
-        } else {
-            read_jsonl(&bytes, &reader, &mut acc);
+    for pattern in &mapping.files {
+        let names = expand_files(root, pattern);
+        if names.is_empty() {
+            missing.push(pattern.clone());
+        }
+        for f in names {
+            let path = root.join(&f);
+            let Some(bytes) = read_capped(&path)? else {
+                missing.push(f.clone());
+                continue;
+            };
+            let at = |e: String| format!("{}: {e}", path.display());
+            if f.ends_with(".csv") {
+                read_csv(&bytes, &reader, &mut acc).map_err(at)?;
+            } else if f.contains(".tfevents.") {
+                read_tfevents(&bytes, &reader, &mut acc, mapping.keep_partial_events)
+                    .map_err(at)?;
+            } else {
+                read_jsonl(&bytes, &reader, &mut acc);
+            }
         }
     }
     Ok(MetricsRead {
@@ -417,6 +437,55 @@ pub fn read_metrics(root: &Path, mapping: &MetricsMapping) -> Result<MetricsRead
         before_first: acc.before_first,
         missing,
     })
+}
+
+/// Most files a glob in `files` is matched against (a run's output folder, not a file system).
+const MAX_GLOB_WALK: usize = 10_000;
+
+/// The files under `root` a `files` entry names: itself when it has no `*` or `?`, else every
+/// regular file whose path relative to `root` matches, sorted.
+fn expand_files(root: &Path, pattern: &str) -> Vec<String> {
+    if !pattern.contains(['*', '?']) {
+        return vec![pattern.to_string()];
+    }
+    let Ok(glob) = globset::GlobBuilder::new(pattern)
+        .literal_separator(true)
+        .build()
+    else {
+        return Vec::new();
+    };
+    let m = glob.compile_matcher();
+    let mut out: Vec<String> = walkdir::WalkDir::new(root)
+        .into_iter()
+        .take(MAX_GLOB_WALK)
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_file())
+        .filter_map(|e| {
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .ok()?
+                .to_string_lossy()
+                .replace('\\', "/");
+            m.is_match(&rel).then_some(rel)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn read_tfevents(
+    bytes: &[u8],
+    r: &Reader<'_>,
+    acc: &mut Steps,
+    keep_partial: bool,
+) -> Result<(), String> {
+    let f = super::tensorboard::read(bytes, keep_partial)?;
+    for s in f.scalars {
+        r.put(acc, s.step, &s.tag, s.value);
+    }
+    acc.skipped += f.skipped + usize::from(f.stopped.is_some());
+    Ok(())
 }
 
 /// Every metric key logged in the `.jsonl` and `.csv` files under `dir` (at most 1,000 files,
@@ -430,7 +499,7 @@ pub fn keys_under(dir: &Path) -> Result<std::collections::BTreeSet<String>, Stri
         .filter(|e| e.file_type().is_file())
         .filter(|e| {
             let n = e.file_name().to_string_lossy();
-            n.ends_with(".jsonl") || n.ends_with(".csv")
+            n.ends_with(".jsonl") || n.ends_with(".csv") || n.contains(".tfevents.")
         })
         .take(1000);
     for f in files {

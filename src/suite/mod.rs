@@ -11,6 +11,7 @@ pub mod plan;
 pub mod runner;
 pub mod slurm;
 pub mod spec;
+pub mod tensorboard;
 
 pub use plan::{RunSpec, expand};
 pub use spec::{SuiteError, SuiteSpec, load, parse};
