@@ -503,8 +503,8 @@ fn compare(
                 ),
                 Some(_) => (Verdict::Inconclusive, "CI crosses the margin".to_string()),
                 None => (
-                    Verdict::Inconclusive,
-                    "no margin set for this metric".to_string(),
+                    Verdict::NoDifference,
+                    "no difference detected (no margin set: descriptive)".to_string(),
                 ),
             };
             ms.push(MetricComparison {
@@ -531,6 +531,9 @@ fn compare(
                 final_diff_bootstrap: Interval::default(),
                 baseline_iqm: 0.5,
                 seeds_needed: None,
+                pairing: None,
+                fold: None,
+                margin_rule: None,
             });
         }
         configs.push(ConfigComparison {
@@ -552,6 +555,7 @@ fn compare(
         });
     }
     SuiteComparison {
+        spike_rates: vec![],
         suite: shape.suite.clone(),
         baseline_config: baseline,
         method: Method {
@@ -569,6 +573,7 @@ fn compare(
             band_reps: 1000,
             power: 0.8,
             min_seeds: 3,
+            nights: 1,
         },
         configs,
         spikes,
@@ -576,6 +581,7 @@ fn compare(
         warnings: Vec::new(),
         contract,
         overall: OverallVerdict::Pass,
+        night_state: None,
     }
 }
 

@@ -6,7 +6,7 @@
 
 use super::figures::{Ctx, Figure, Section};
 use super::{ReportError, ReportInput};
-use crate::compare::{MetricComparison, OverallVerdict, Verdict};
+use crate::compare::{MetricComparison, Verdict};
 use crate::io::IoError;
 use base64::Engine;
 use std::collections::BTreeSet;
@@ -100,7 +100,7 @@ const STYLE: &str = r#"<style>
 body{font-family:"DejaVu Sans",Verdana,system-ui,sans-serif;margin:0 auto;max-width:1260px;padding:16px 20px 40px;color:#1a1a1a;line-height:1.45;font-size:16px}
 h1{font-size:26px;margin:8px 0 4px}h2{font-size:21px;margin:34px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}h3{font-size:18px;margin:22px 0 6px}
 .badge{display:inline-block;padding:3px 12px;border-radius:4px;font-weight:bold;color:#fff}
-.pass,.equivalent,.improved{background:#2a7d2e}.regression,.regressed{background:#c62828}.inconclusive{background:#8a6d00}
+.pass,.equivalent,.improved{background:#2a7d2e}.regression,.regressed{background:#c62828}.inconclusive,.pending{background:#8a6d00}.described{background:#4a5a6a}
 td .badge{font-size:13px;padding:1px 8px}
 .summary{font-size:17px;background:#f6f8fa;border:1px solid #e1e4e8;border-radius:6px;padding:10px 18px}
 .summary li{margin:4px 0}
@@ -127,6 +127,7 @@ fn verdict_badge(h: &mut Html, v: Verdict) {
         Verdict::Regressed => ("regressed", "regressed"),
         Verdict::Improved => ("improved", "improved"),
         Verdict::Inconclusive => ("inconclusive", "inconclusive"),
+        Verdict::Higher | Verdict::Lower | Verdict::NoDifference => ("described", v.words()),
     };
     h.raw("<span class=\"badge ")
         .raw(class)
@@ -149,15 +150,16 @@ pub fn page(input: &ReportInput<'_>, figs: &[Figure], dir: &Path) -> Result<Stri
         .raw("</head><body>\n<h1>lockstep report: ")
         .text(&cmp.suite)
         .raw(" ");
-    let (class, word): (&'static str, &str) = match cmp.overall {
-        OverallVerdict::Pass => ("pass", "PASS"),
-        OverallVerdict::Regression => ("regression", "REGRESSION"),
-        OverallVerdict::Inconclusive => ("inconclusive", "INCONCLUSIVE"),
+    let state = cmp.headline_state();
+    let class: &'static str = match state.as_str() {
+        "pass" => "pass",
+        "regression" | "error" => "regression",
+        _ => "inconclusive",
     };
     h.raw("<span class=\"badge ")
         .raw(class)
         .raw("\">")
-        .text(word)
+        .text(&state.to_uppercase())
         .raw("</span></h1>\n");
     if !input.spec.description.is_empty() {
         h.raw("<p class=\"muted\">")
