@@ -456,3 +456,172 @@ fn spikes_are_counted_against_the_baseline_per_site() {
     assert!(site.rate_ratio.lo > 1.0 && site.rate_ratio.hi.is_infinite());
     assert!((site.excess_per_1k - 1000.0 * 8.0 / 120.0).abs() < 1e-9);
 }
+
+// ---- Real engine runs: an A/A test and a recipe broken on purpose ------------------------------
+
+use lockstep::compare::analyze::sequential_looks;
+use lockstep::compare::data;
+use std::path::Path;
+use std::process::Command;
+
+/// Tiny MoE, 2-digit addition, 8 seeds x 30 steps: BF16, BF16 under another name (A/A), and
+/// NVFP4 whose rollout quantizes activations per tensor while training uses per-token scales (the
+/// contract broken on purpose, which lowers the reward).
+const AA_SUITE: &str = r#"
+name = "aa-broken"
+engine = "builtin"
+seeds = [0, 1, 2, 3, 4, 5, 6, 7]
+
+[workload]
+model = "tiny"
+task = "add:2"
+prompts_per_step = 8
+samples_per_prompt = 8
+max_response_tokens = 5
+steps = 30
+eval_every = 0
+
+[[configs]]
+name = "bf16"
+recipe = "bf16"
+
+[[configs]]
+name = "bf16-again"
+recipe = "bf16"
+
+[[configs]]
+name = "broken"
+recipe = "nvfp4-dq"
+contract_break = "per-tensor-nvfp4"
+
+[checks]
+MARGIN_LINE
+final_window = 10
+bootstrap_reps = 1000
+"#;
+
+fn lockstep_cli(dir: &Path, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(args)
+        .current_dir(dir)
+        .env("LOCKSTEP_CACHE", dir.join("cache"))
+        .output()
+        .expect("the lockstep binary runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn compare_with(dir: &Path, margin_line: &str) -> SuiteComparison {
+    let file = format!("aa-{}.toml", margin_line.len());
+    std::fs::write(
+        dir.join(&file),
+        AA_SUITE.replace("MARGIN_LINE", margin_line),
+    )
+    .unwrap();
+    let json = dir.join(format!("{file}.json"));
+    let (_, out) = lockstep_cli(
+        dir,
+        &[
+            "compare",
+            "--suite",
+            &file,
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap_or_else(|_| panic!("{out}")))
+        .unwrap()
+}
+
+fn reward_of<'a>(c: &'a SuiteComparison, config: &str) -> &'a lockstep::compare::MetricComparison {
+    c.configs
+        .iter()
+        .find(|x| x.config == config)
+        .and_then(|x| x.metrics.iter().find(|m| m.metric == REWARD))
+        .unwrap()
+}
+
+#[test]
+fn engine_runs_a_a_is_never_regressed_and_a_broken_recipe_is() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("aa.toml"),
+        AA_SUITE.replace("MARGIN_LINE", "margin = 0.05"),
+    )
+    .unwrap();
+    let (code, out) = lockstep_cli(dir, &["run", "aa.toml", "--store", "runs", "--jobs", "2"]);
+    assert_eq!(code, 0, "{out}");
+
+    // Absolute margin 0.05: the A/A arm is the same bytes seed by seed; the broken recipe is
+    // measurably lower, but by less than 0.05, and the verdict says both.
+    let c = compare_with(dir, "margin = 0.05");
+    let aa = reward_of(&c, "bf16-again");
+    assert_eq!(aa.verdict, Verdict::Equivalent, "{}", aa.reason);
+    assert_eq!(aa.final_diff.estimate, 0.0);
+    let broken = reward_of(&c, "broken");
+    assert!(
+        broken.pairing.is_some_and(|p| p.correlation > 0.5),
+        "{broken:?}"
+    );
+    assert!(broken.final_diff.hi < 0.0, "lower: {:?}", broken.final_diff);
+    assert_eq!(broken.verdict, Verdict::Equivalent, "{}", broken.reason);
+    assert!(
+        broken.reason.starts_with("equivalent; lower by"),
+        "{}",
+        broken.reason
+    );
+    let kl = c
+        .configs
+        .iter()
+        .find(|x| x.config == "broken")
+        .and_then(|x| x.metrics.iter().find(|m| m.metric == KL))
+        .unwrap();
+    assert_eq!(kl.verdict, Verdict::Higher, "{}", kl.reason);
+    assert!(kl.fold.is_some_and(|f| f.lo > 10.0), "{:?}", kl.fold);
+
+    // A margin of 5 % of BF16's reward level: the broken recipe is regressed, A/A still is not.
+    let c = compare_with(dir, "margin = { of_level = 0.05 }");
+    let broken = reward_of(&c, "broken");
+    assert_eq!(broken.verdict, Verdict::Regressed, "{}", broken.reason);
+    assert!(broken.margin_rule.as_deref().unwrap().contains("level"));
+    assert_ne!(reward_of(&c, "bf16-again").verdict, Verdict::Regressed);
+
+    // Sequential looks at 4, 6 and 8 seeds on the same runs: the A/A arm stops equivalent at
+    // the first look, the broken recipe regressed by the last.
+    let spec_dirs = data::run_dirs(&dir.join("runs/aa-broken")).unwrap();
+    let (runs, skipped) = data::load_runs(&spec_dirs, None);
+    assert!(skipped.is_empty(), "{skipped:?}");
+    let mut s = CompareSettings::default();
+    s.margin_rules
+        .insert(REWARD.into(), MarginRule::OfLevel(0.05));
+    for n in [4u64, 6, 8] {
+        let upto: Vec<RunData> = runs.iter().filter(|r| r.seed < n).cloned().collect();
+        let looks = sequential_looks(&upto, &s, 4, 8, 2).unwrap();
+        let get = |c: &str| looks.iter().find(|l| l.config == c).unwrap();
+        println!(
+            "{n} seeds: bf16-again {:?}, broken {:?} ({})",
+            get("bf16-again").decision.verdict,
+            get("broken").decision.verdict,
+            get("broken").decision.reason
+        );
+        assert!(get("broken").paired);
+        assert_ne!(
+            get("bf16-again").decision.verdict,
+            SequentialVerdict::Regressed
+        );
+        if n == 4 {
+            assert_eq!(
+                get("bf16-again").decision.verdict,
+                SequentialVerdict::Equivalent
+            );
+        }
+        if n == 8 {
+            assert_eq!(get("broken").decision.verdict, SequentialVerdict::Regressed);
+        }
+    }
+}

@@ -181,10 +181,17 @@ pub fn print_comparison(c: &SuiteComparison) {
                 println!("{:<28}   why: {}", "", mm.reason);
             }
             if let Some(p) = &mm.pairing {
-                println!(
-                    "{:<28}   paired over {} seeds: correlation {:.2}, interval {:.2}x narrower than Welch's (worth {:.1} independent seeds per arm)",
-                    "", p.seeds, p.correlation, p.se_ratio, p.effective_seeds
-                );
+                if p.se_ratio.is_finite() {
+                    println!(
+                        "{:<28}   paired over {} seeds: correlation {:.2}, interval {:.2}x narrower than Welch's (worth {:.1} independent seeds per arm)",
+                        "", p.seeds, p.correlation, p.se_ratio, p.effective_seeds
+                    );
+                } else {
+                    println!(
+                        "{:<28}   paired over {} seeds: the two arms are identical seed by seed",
+                        "", p.seeds
+                    );
+                }
             }
             if let Some(k) = &mm.kl {
                 println!(

@@ -6,6 +6,7 @@
 use super::data::{self, RunData};
 use super::expr::{self, Source};
 use super::result::*;
+use super::sequential::{SequentialDecision, SequentialPlan, SequentialVerdict};
 use super::settings::{self, CompareSettings, DEFAULT_METRICS, MarginRule, SettingsError};
 use super::spikes;
 use super::stats::{self, Resampler};
@@ -46,6 +47,12 @@ pub enum CompareError {
         "no finished runs of the baseline configuration `{baseline}` (configurations with runs: {have}); run it, or pick another with [checks] baseline / --baseline"
     )]
     NoBaseline { baseline: String, have: String },
+    #[error(transparent)]
+    Plan(#[from] super::sequential::PlanError),
+    #[error(
+        "sequential seeds decide on `{metric}`, which has no margin; set [checks] margin (or [checks.margins] \"{metric}\")"
+    )]
+    NoMargin { metric: String },
 }
 
 /// Compare the runs of `spec` found in `suite_dir` (normally `<store>/<suite>`). Only runs of the
@@ -307,6 +314,110 @@ pub fn compare_data(
     })
 }
 
+/// One configuration's sequential look on the primary metric.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SequentialLook {
+    pub config: String,
+    pub baseline: String,
+    /// Compared seed by seed (same seeds on the built-in engine), else Welch.
+    pub paired: bool,
+    pub decision: SequentialDecision,
+}
+
+/// The entry point for sequential seeds (`--seeds auto`): given every usable run of the suite so
+/// far, decide each configuration on the primary metric with the group-sequential procedure of
+/// [`super::sequential`] (looks at `min_seeds`, then every `batch`, up to `max_seeds` seeds per
+/// arm). A runner runs seeds `0..min_seeds` of every configuration, calls this, and runs the next
+/// batch only for the configurations whose decision is `continue` (and their baseline), up to
+/// `next_seeds`; the error rates hold when it looks only at the planned counts. The baseline runs
+/// every seed any configuration still needs. A relative margin is resolved from the baseline's
+/// runs at each look.
+pub fn sequential_looks(
+    runs: &[RunData],
+    settings: &CompareSettings,
+    min_seeds: usize,
+    max_seeds: usize,
+    batch: usize,
+) -> Result<Vec<SequentialLook>, CompareError> {
+    let s = settings;
+    let metric = s.primary.clone();
+    let Some(rule) = s.margin_rule(&metric) else {
+        return Err(CompareError::NoMargin { metric });
+    };
+    let groups = group(runs);
+    let Some(bi) = groups
+        .iter()
+        .position(|g| g.base == s.baseline && !g.runs.is_empty())
+    else {
+        return Err(CompareError::NoBaseline {
+            baseline: s.baseline.clone(),
+            have: groups
+                .iter()
+                .map(|g| g.config.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    };
+    let hib = s.higher_is_better(&metric);
+    let mut out = Vec::new();
+    for (gi, g) in groups.iter().enumerate() {
+        if g.base == s.baseline {
+            continue;
+        }
+        let b = groups
+            .iter()
+            .position(|b| b.base == s.baseline && b.axes == g.axes)
+            .unwrap_or(bi);
+        // Only the seeds both arms ran are looked at, so the arms stay at the same planned
+        // count and pair up seed by seed.
+        let mut x = Arm::build(&groups[gi], &metric, s);
+        let mut y = Arm::build(&groups[b], &metric, s);
+        let common: Vec<u64> = x
+            .seeds
+            .iter()
+            .copied()
+            .filter(|sd| y.seeds.contains(sd))
+            .collect();
+        x.keep_seeds(&common);
+        y.keep_seeds(&common);
+        let margin = match resolve_margin(rule, &y, hib, &s.baseline) {
+            Ok((m, _)) => m,
+            Err(_) => f64::NAN,
+        };
+        let coupled = g
+            .runs
+            .iter()
+            .chain(&groups[b].runs)
+            .all(|r| r.engine == COUPLING_ENGINE);
+        let paired = coupled && x.seeds == y.seeds;
+        let decision = if margin.is_finite() {
+            let plan =
+                SequentialPlan::new(s.alpha, s.power, margin, hib, min_seeds, max_seeds, batch)?;
+            plan.decide(&x.finals, &y.finals, paired)
+        } else {
+            SequentialDecision {
+                verdict: SequentialVerdict::Inconclusive,
+                seeds: x.finals.len().min(y.finals.len()),
+                next_seeds: None,
+                interval: difference(&x.finals, &y.finals, paired, s.alpha),
+                nominal_alpha: 0.0,
+                spent_alpha: 0.0,
+                seeds_needed: None,
+                reason: resolve_margin(rule, &y, hib, &s.baseline)
+                    .err()
+                    .unwrap_or_default(),
+            }
+        };
+        out.push(SequentialLook {
+            config: g.config.clone(),
+            baseline: groups[b].config.clone(),
+            paired,
+            decision,
+        });
+    }
+    Ok(out)
+}
+
 /// Tracked metrics present in at least one run.
 fn tracked_metrics(s: &CompareSettings, runs: &[RunData]) -> Vec<String> {
     let mut want: Vec<String> = match &s.metrics {
@@ -395,6 +506,18 @@ impl Arm {
                 per_seed,
             },
         }
+    }
+}
+
+impl Arm {
+    /// Keep the per-seed values of these seeds only (the curves and band stay as built).
+    fn keep_seeds(&mut self, seeds: &[u64]) {
+        let keep: Vec<usize> = (0..self.seeds.len())
+            .filter(|&i| seeds.contains(&self.seeds[i]))
+            .collect();
+        self.finals = keep.iter().map(|&i| self.finals[i]).collect();
+        self.initials = keep.iter().map(|&i| self.initials[i]).collect();
+        self.seeds = keep.iter().map(|&i| self.seeds[i]).collect();
     }
 }
 
@@ -904,13 +1027,20 @@ pub fn decide(
         return verdict_of(Verdict::Equivalent, reason);
     }
     if hi < 0.0 {
+        let past = if within {
+            format!(
+                "it lies inside the margin ±{}, but {n} seeds per arm are fewer than the {needed_txt} the margin needs to call that equivalent",
+                f(m)
+            )
+        } else {
+            format!("it reaches past the margin {}", f(m))
+        };
         return verdict_of(
             Verdict::Regressed,
             format!(
-                "{worse} by {} ({ci}): the whole {:.0} % interval is on the worse side of 0 and it reaches past the margin {}",
+                "{worse} by {} ({ci}): the whole {:.0} % interval is on the worse side of 0 and {past}",
                 f(est.abs()),
                 100.0 * (1.0 - 2.0 * s.alpha),
-                f(m)
             ),
         );
     }
