@@ -625,3 +625,51 @@ fn engine_runs_a_a_is_never_regressed_and_a_broken_recipe_is() {
         }
     }
 }
+
+// ---- The report draws what the comparison found -----------------------------------------------
+
+#[test]
+fn the_report_shows_pairing_spike_rates_and_the_nights_state() {
+    use lockstep::compare::{Pairing, SpikeRate};
+    use lockstep::report::fixture::{self, Shape};
+    use lockstep::report::{ReportInput, write_report};
+    let mut f = fixture::synthetic(&Shape::small());
+    let c = &mut f.comparison;
+    c.night_state = Some("pending".into());
+    c.overall = lockstep::compare::OverallVerdict::Regression;
+    let config = c.configs[0].config.clone();
+    c.configs[0].metrics[0].pairing = Some(Pairing {
+        seeds: 5,
+        correlation: 0.62,
+        se_ratio: 1.5,
+        effective_seeds: 11.25,
+    });
+    c.spike_rates.push(SpikeRate {
+        config: config.clone(),
+        baseline: c.baseline_config.clone(),
+        site: "mlp.experts.linear_fc1".into(),
+        layer: 3,
+        spikes: 9,
+        steps: 400,
+        baseline_spikes: 1,
+        baseline_steps: 400,
+        excess_per_1k: 20.0,
+        rate_ratio: lockstep::compare::stats::rate_ratio_interval(9, 400.0, 1, 400.0, 0.05),
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    let input = ReportInput {
+        spec: &f.spec,
+        suite_dir: Path::new("runs/synthetic"),
+        comparison: &f.comparison,
+        runs: &f.runs,
+    };
+    let html = std::fs::read_to_string(write_report(&input, tmp.path()).unwrap()).unwrap();
+    assert!(
+        html.contains(">PENDING</span></h1>"),
+        "the banner uses nightly's word"
+    );
+    assert!(!html.contains(">REGRESSION</span></h1>"));
+    assert!(html.contains("Overall: PENDING"));
+    assert!(html.contains("paired over 5 seeds: correlation 0.62"));
+    assert!(html.contains("excess per 1,000 steps") && html.contains("9 / 400"));
+}

@@ -242,9 +242,24 @@ fn verdict_row(h: &mut Html, ctx: &Ctx<'_>, config: &str, m: &MetricComparison) 
             .raw("]</span></td>"),
         None => h.td(""),
     };
-    h.raw("<td class=\"why\">")
-        .text(&m.reason)
-        .raw("</td></tr>\n");
+    h.raw("<td class=\"why\">").text(&m.reason);
+    if let Some(p) = &m.pairing {
+        h.raw("<br><span class=\"ci\">").text(&if p.se_ratio.is_finite() {
+            format!(
+                "paired over {} seeds: correlation {:.2}, interval {:.2}x narrower than Welch's (worth {:.1} independent seeds per arm)",
+                p.seeds, p.correlation, p.se_ratio, p.effective_seeds
+            )
+        } else {
+            format!("paired over {} seeds: identical seed by seed", p.seeds)
+        });
+        h.raw("</span>");
+    }
+    if let Some(r) = &m.margin_rule {
+        h.raw("<br><span class=\"ci\">margin: ")
+            .text(r)
+            .raw("</span>");
+    }
+    h.raw("</td></tr>\n");
 }
 
 fn checks_section(h: &mut Html, ctx: &Ctx<'_>) {
@@ -346,10 +361,12 @@ fn spike_table(h: &mut Html, ctx: &Ctx<'_>) {
         .text(&format!(
             "A spike is a step where a site's gradient norm has a robust z-score above {} \
              (log norm against the rolling median/MAD of the previous {} steps) or exceeds {}x \
-             the rolling maximum. Ratio: value over the rolling maximum.",
+             the rolling maximum (compare's offline rule; the engine's online `grad_spike` \
+             events are a second rule, counted as events). Ratio: value over the rolling maximum.",
             m.spike_z, m.spike_window, m.spike_ratio
         ))
         .raw("</p>\n");
+    spike_rate_table(h, ctx);
     if cmp.spikes.is_empty() {
         h.raw("<p>No spikes in any configuration.</p>\n");
         return;
@@ -373,6 +390,35 @@ fn spike_table(h: &mut Html, ctx: &Ctx<'_>) {
             .num(&fmt_g(s.value))
             .num(&fmt_g(s.ratio))
             .num(&fmt_g(s.z))
+            .raw("</tr>\n");
+    }
+    h.raw("</table>\n");
+}
+
+/// Spikes counted against the baseline: per configuration over all sites, then per site and
+/// layer where either arm has one.
+fn spike_rate_table(h: &mut Html, ctx: &Ctx<'_>) {
+    let rates = &ctx.cmp().spike_rates;
+    if rates.is_empty() {
+        return;
+    }
+    h.raw("<p>Against the baseline: spikes per judged step, the excess per 1,000 steps, and the rate ratio with its exact interval (spikes treated as Poisson events).</p>\n");
+    h.raw("<table><tr><th>configuration</th><th>site</th><th>layer</th><th>spikes / steps</th><th>baseline spikes / steps</th><th>excess per 1,000 steps</th><th>rate ratio</th></tr>\n");
+    for r in rates {
+        h.raw("<tr><td>");
+        swatch(h, ctx, &r.config);
+        h.raw("</td><td><code>")
+            .text(&r.site)
+            .raw("</code></td>")
+            .num(&if r.layer < 0 {
+                "all".to_string()
+            } else {
+                r.layer.to_string()
+            })
+            .num(&format!("{} / {}", r.spikes, r.steps))
+            .num(&format!("{} / {}", r.baseline_spikes, r.baseline_steps))
+            .num(&format!("{:+.1}", r.excess_per_1k))
+            .ci(&r.rate_ratio)
             .raw("</tr>\n");
     }
     h.raw("</table>\n");
