@@ -277,6 +277,19 @@ struct Night {
 }
 
 fn compare_night(n: &Night, s: &CompareSettings, sim: u64) -> SuiteComparison {
+    compare_runs(&night_runs(n, sim), s)
+}
+
+fn compare_runs(runs: &[RunData], s: &CompareSettings) -> SuiteComparison {
+    let opts = CompareOptions {
+        bootstrap_reps: Some(500),
+        band_reps: Some(20),
+        ..Default::default()
+    };
+    compare_data("sim", runs, s, &opts).unwrap()
+}
+
+fn night_runs(n: &Night, sim: u64) -> Vec<RunData> {
     let mut rng = ChaCha8Rng::seed_from_u64(sim);
     let mut runs = Vec::new();
     for seed in 0..n.seeds {
@@ -298,12 +311,7 @@ fn compare_night(n: &Night, s: &CompareSettings, sim: u64) -> SuiteComparison {
         };
         runs.push(sim_run("nvfp4", n.engine, seed, &config, &mut rng));
     }
-    let opts = CompareOptions {
-        bootstrap_reps: Some(500),
-        band_reps: Some(20),
-        ..Default::default()
-    };
-    compare_data("sim", &runs, s, &opts).unwrap()
+    runs
 }
 
 fn settings(margin: MarginRule) -> CompareSettings {
@@ -360,6 +368,18 @@ fn coupled_seeds_are_compared_pairwise_and_say_what_it_saved() {
     );
     let w = metric(&other, REWARD);
     assert!(w.pairing.is_none());
+    // The built-in engine, but one seed of the configuration missing: Welch, and a warning.
+    let mut runs = night_runs(&night, 1);
+    runs.retain(|r| !(r.config == "nvfp4" && r.seed == 2));
+    let c = compare_runs(&runs, &settings(MarginRule::Absolute(0.05)));
+    assert!(metric(&c, REWARD).pairing.is_none());
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("instead of seed by seed")),
+        "{:?}",
+        c.warnings
+    );
     assert!(
         w.final_diff.hi - w.final_diff.lo > 2.0 * (m.final_diff.hi - m.final_diff.lo),
         "Welch {:?} vs paired {:?}",

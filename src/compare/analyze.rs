@@ -1,7 +1,9 @@
 //! The comparison procedure: group runs by configuration, compare every configuration with the
-//! baseline configuration metric by metric, find gradient spikes, total the contract checks,
-//! evaluate the declared checks, and reach one overall verdict. Pure over [`RunData`] except the
-//! two entry points that read a suite folder or explicit run folders.
+//! baseline configuration metric by metric (seed by seed when the built-in engine ran both on the
+//! same seeds, else Welch; metrics without a margin described rather than judged), count gradient
+//! spikes against the baseline, total the contract checks, evaluate the declared checks, and reach
+//! one overall verdict. Pure over [`RunData`] except the two entry points that read a suite folder
+//! or explicit run folders; [`sequential_looks`] is the per-look entry point for sequential seeds.
 
 use super::data::{self, RunData};
 use super::expr::{self, Source};
@@ -268,6 +270,8 @@ pub fn compare_data(
                 .iter()
                 .chain(&groups[bi].runs)
                 .all(|r| r.engine == COUPLING_ENGINE);
+            let seeds_of = |g: &Group<'_>| g.runs.iter().map(|r| r.seed).collect::<Vec<_>>();
+            let unpaired = coupled && seeds_of(g) != seeds_of(&groups[bi]);
             let metrics = metrics
                 .iter()
                 .filter_map(|m| {
@@ -276,14 +280,30 @@ pub fn compare_data(
                         .then(|| compare_metric(m, x, y, &s, &g.config, coupled))
                 })
                 .collect();
-            ConfigComparison {
+            let note = unpaired.then(|| {
+                format!(
+                    "{}: seeds {:?} differ from {}'s {:?}, so it is compared by Welch's test instead of seed by seed; run the same seeds to pair them",
+                    g.config,
+                    seeds_of(g),
+                    groups[bi].config,
+                    seeds_of(&groups[bi])
+                )
+            });
+            let cc = ConfigComparison {
                 config: g.config.clone(),
                 seeds: g.runs.iter().map(|r| r.seed).collect(),
                 metrics,
                 baseline: groups[bi].config.clone(),
                 diverged: g.diverged,
                 failed: g.failed,
-            }
+            };
+            (cc, note)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|(cc, note)| {
+            warnings.extend(note);
+            cc
         })
         .collect();
     let spikes = find_spikes(&groups, &s);
@@ -928,19 +948,23 @@ pub struct Decision {
 /// seeds" with probability at most 1 %, and must then also pass TOST.
 pub const SD_BOUND_LEVEL: f64 = 0.01;
 
-/// Decide from per-seed final-window values `x` (configuration) and `y` (baseline).
+/// Decide from per-seed final-window values `x` (configuration) and `y` (baseline); with
+/// `paired`, `x[i]` and `y[i]` come from the same seed and the interval is the paired t interval
+/// of the differences, else Welch's. Without a margin the metric is described ([`describe`]).
 ///
-/// With `g` the difference oriented so that positive is better and `[lo, hi]` its Welch interval
-/// at `1 - 2·alpha`:
+/// With the difference oriented so that positive is better and `[lo, hi]` its interval at
+/// `1 - 2·alpha`:
 /// 1. fewer than `min_seeds` seeds in an arm: inconclusive;
 /// 2. `-margin < lo` and `hi < margin` (TOST) and the seeds reach the margin's required count:
-///    equivalent;
+///    equivalent (and when the interval also excludes 0, the reason says by how much it is lower
+///    or higher: a real difference inside the margin);
 /// 3. `hi < 0`: regressed (worse, at one-sided level alpha; this is what bounds false alarms);
 /// 4. `lo > 0`: improved;
 /// 5. otherwise inconclusive, saying how many seeds the margin needs.
 ///
-/// The required count uses the 99 % upper confidence bound of the pooled standard deviation
-/// ([`SD_BOUND_LEVEL`]), so a small sample that happens to look quiet cannot claim equivalence.
+/// The required count uses the 99 % upper confidence bound of the standard deviation (pooled,
+/// or of the paired differences; [`SD_BOUND_LEVEL`]), so a small sample that happens to look
+/// quiet cannot claim equivalence.
 pub fn decide(
     x: &[f64],
     y: &[f64],
