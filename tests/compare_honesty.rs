@@ -53,6 +53,7 @@ fn run(
         base: config.into(),
         axes: BTreeMap::new(),
         seed,
+        engine: String::new(),
         status: RunStatus::Ok,
         metrics: [(METRIC.to_string(), pts)].into(),
         layers: vec![],

@@ -6,7 +6,7 @@ use lockstep::compare::expr::fmt_num;
 use lockstep::compare::golden::{self, GoldenDiff};
 use lockstep::compare::nightly::{self, NightState};
 use lockstep::compare::{
-    CompareOptions, CompareSettings, OverallVerdict, SuiteComparison, Verdict, data, settings,
+    CompareOptions, CompareSettings, SuiteComparison, Verdict, data, settings,
 };
 use lockstep::io::atomic;
 use lockstep::store::RunDir;
@@ -58,6 +58,10 @@ pub struct CompareArgs {
     /// Where to write compare.json (default: the suite folder; with --runs: not written unless set).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// The night this comparison stands for (YYYY-MM-DD, default today), as `nightly --date`:
+    /// under a rule of several nights, `compare` says what `nightly` would say on that date.
+    #[arg(long)]
+    pub date: Option<String>,
     #[command(flatten)]
     pub flags: CompareFlags,
 }
@@ -81,8 +85,10 @@ pub fn compare_cmd(a: &CompareArgs) -> Result<bool> {
             bail!("name a suite (--suite SUITE.toml) or run folders (--runs DIR...)");
         };
         let spec = load(f)?;
+        let s = settings::from_spec(&spec)?;
         let dir = suite_dir(&a.store, &spec.name)?;
-        let cmp = lockstep::compare::compare_suite(&spec, &dir, &a.flags.options())?;
+        let mut cmp = lockstep::compare::compare_suite(&spec, &dir, &a.flags.options())?;
+        cmp.night_state = night_state(&cmp, &s, &dir, a.date.as_deref())?;
         (cmp, Some(dir.join("compare.json")))
     };
     print_comparison(&cmp);
@@ -91,7 +97,38 @@ pub fn compare_cmd(a: &CompareArgs) -> Result<bool> {
         println!("wrote {}", p.display());
     }
     problems_error(&cmp)?;
-    Ok(cmp.overall != OverallVerdict::Regression)
+    Ok(cmp.headline_state() != "regression")
+}
+
+/// The state `lockstep nightly` would give tonight (`pass`, `pending`, `regression`,
+/// `inconclusive`), from the suite's nights so far in `nightly-state.json`, without recording
+/// tonight; `None` under a one-night rule, where the comparison's own verdict is the same word.
+/// Golden values are not diffed here, so a night failing only on them reads `pass` here.
+fn night_state(
+    cmp: &SuiteComparison,
+    s: &CompareSettings,
+    dir: &Path,
+    date: Option<&str>,
+) -> Result<Option<String>> {
+    if s.nights <= 1 {
+        return Ok(None);
+    }
+    let path = dir.join("nightly-state.json");
+    let mut state: NightState = match std::fs::read_to_string(&path) {
+        Ok(t) => serde_json::from_str(&t).with_context(|| {
+            format!(
+                "{}: not a nightly state file; delete it to start over",
+                path.display()
+            )
+        })?,
+        Err(_) => NightState::default(),
+    };
+    let date = date.map_or_else(
+        || lockstep::store::run::now_utc()[..10].to_string(),
+        str::to_string,
+    );
+    let v = nightly::verdict(cmp, None, &mut state, &date, s.nights, s.inconclusive_fails);
+    Ok(Some(v.verdict))
 }
 
 /// An error (exit 2) naming the first problem when the comparison does not cover the suite.
@@ -136,9 +173,9 @@ pub fn print_comparison(c: &SuiteComparison) {
     );
     for cc in &c.configs {
         for mm in &cc.metrics {
-            let verdict = match (mm.margin, mm.verdict) {
-                (None, _) => "-".to_string(),
-                (_, v) => format!("{v:?}").to_lowercase(),
+            let verdict = match mm.verdict {
+                Verdict::NoDifference => "no diff.".to_string(),
+                v => v.words().to_string(),
             };
             println!(
                 "{:<28} {:<38} {:<12} {:>30} {:>7} {:>6.2} {:>9} {:>5}",
@@ -156,8 +193,21 @@ pub fn print_comparison(c: &SuiteComparison) {
                 fmt_num(mm.iqm),
                 cc.seeds.len()
             );
-            if mm.margin.is_some() && mm.verdict != Verdict::Equivalent {
+            if mm.verdict != Verdict::Equivalent || mm.reason.starts_with("equivalent;") {
                 println!("{:<28}   why: {}", "", mm.reason);
+            }
+            if let Some(p) = &mm.pairing {
+                if p.se_ratio.is_finite() {
+                    println!(
+                        "{:<28}   paired over {} seeds: correlation {:.2}, interval {:.2}x narrower than Welch's (worth {:.1} independent seeds per arm)",
+                        "", p.seeds, p.correlation, p.se_ratio, p.effective_seeds
+                    );
+                } else {
+                    println!(
+                        "{:<28}   paired over {} seeds: the two arms are identical seed by seed",
+                        "", p.seeds
+                    );
+                }
             }
             if let Some(k) = &mm.kl {
                 println!(
@@ -198,14 +248,22 @@ pub fn print_comparison(c: &SuiteComparison) {
     for w in &c.warnings {
         println!("warning: {w}");
     }
-    if c.problems.is_empty() {
-        println!("overall: {}", format!("{:?}", c.overall).to_uppercase());
-    } else {
-        println!(
-            "overall: ERROR ({} problem(s); the comparison of what did run says {})",
+    let state = c.headline_state();
+    match state.as_str() {
+        "pending" => println!(
+            "overall: PENDING (a regression tonight, not yet on {} consecutive nights)",
+            c.method.nights
+        ),
+        "failing" => println!(
+            "overall: FAILING tonight (a regression alerts after {} consecutive nights; `lockstep nightly` keeps the count)",
+            c.method.nights
+        ),
+        "error" => println!(
+            "overall: ERROR ({} problem(s) listed first; the comparison of what did run says {})",
             c.problems.len(),
             format!("{:?}", c.overall).to_uppercase()
-        );
+        ),
+        s => println!("overall: {}", s.to_uppercase()),
     }
 }
 

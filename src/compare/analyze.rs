@@ -1,12 +1,15 @@
 //! The comparison procedure: group runs by configuration, compare every configuration with the
-//! baseline configuration metric by metric, find gradient spikes, total the contract checks,
-//! evaluate the declared checks, and reach one overall verdict. Pure over [`RunData`] except the
-//! two entry points that read a suite folder or explicit run folders.
+//! baseline configuration metric by metric (seed by seed when the built-in engine ran both on the
+//! same seeds, else Welch; metrics without a margin described rather than judged), count gradient
+//! spikes against the baseline, total the contract checks, evaluate the declared checks, and reach
+//! one overall verdict. Pure over [`RunData`] except the two entry points that read a suite folder
+//! or explicit run folders; [`sequential_looks`] is the per-look entry point for sequential seeds.
 
 use super::data::{self, RunData};
 use super::expr::{self, Source};
 use super::result::*;
-use super::settings::{self, CompareSettings, DEFAULT_METRICS, SettingsError};
+use super::sequential::{SequentialDecision, SequentialPlan, SequentialVerdict};
+use super::settings::{self, CompareSettings, DEFAULT_METRICS, MarginRule, SettingsError};
 use super::spikes;
 use super::stats::{self, Resampler};
 use crate::io::IoError;
@@ -46,6 +49,12 @@ pub enum CompareError {
         "no finished runs of the baseline configuration `{baseline}` (configurations with runs: {have}); run it, or pick another with [checks] baseline / --baseline"
     )]
     NoBaseline { baseline: String, have: String },
+    #[error(transparent)]
+    Plan(#[from] super::sequential::PlanError),
+    #[error(
+        "sequential seeds decide on `{metric}`, which has no margin; set [checks] margin (or [checks.margins] \"{metric}\")"
+    )]
+    NoMargin { metric: String },
 }
 
 /// Compare the runs of `spec` found in `suite_dir` (normally `<store>/<suite>`). Only runs of the
@@ -144,7 +153,7 @@ fn wanted_metrics(s: &CompareSettings) -> Option<BTreeSet<String>> {
         Some(m) => m.iter().cloned().collect(),
         None => DEFAULT_METRICS.iter().map(|m| m.to_string()).collect(),
     };
-    w.extend(s.margins.keys().cloned());
+    w.extend(s.gated_metrics().cloned());
     for c in &s.checks {
         w.extend(c.check.metrics());
     }
@@ -273,25 +282,49 @@ pub fn compare_data(
                         .find(|&b| groups[b].axes.is_empty())
                 })
                 .unwrap_or(baselines[0]);
+            let coupled = g
+                .runs
+                .iter()
+                .chain(&groups[bi].runs)
+                .all(|r| r.engine == COUPLING_ENGINE);
+            let seeds_of = |g: &Group<'_>| g.runs.iter().map(|r| r.seed).collect::<Vec<_>>();
+            let unpaired = coupled && seeds_of(g) != seeds_of(&groups[bi]);
             let metrics = metrics
                 .iter()
                 .filter_map(|m| {
                     let (x, y) = (&bands[&(gi, m.clone())], &bands[&(bi, m.clone())]);
                     (!x.seeds.is_empty() && !y.seeds.is_empty())
-                        .then(|| compare_metric(m, x, y, &s, &g.config))
+                        .then(|| compare_metric(m, x, y, &s, &g.config, coupled))
                 })
                 .collect();
-            ConfigComparison {
+            let note = unpaired.then(|| {
+                format!(
+                    "{}: seeds {:?} differ from {}'s {:?}, so it is compared by Welch's test instead of seed by seed; run the same seeds to pair them",
+                    g.config,
+                    seeds_of(g),
+                    groups[bi].config,
+                    seeds_of(&groups[bi])
+                )
+            });
+            let cc = ConfigComparison {
                 config: g.config.clone(),
                 seeds: g.runs.iter().map(|r| r.seed).collect(),
                 metrics,
                 baseline: groups[bi].config.clone(),
                 diverged: g.diverged,
                 failed: g.failed,
-            }
+            };
+            (cc, note)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|(cc, note)| {
+            warnings.extend(note);
+            cc
         })
         .collect();
     let spikes = find_spikes(&groups, &s);
+    let spike_rates = spike_rates(&groups, &configs, &spikes, &s);
     let contract = groups
         .iter()
         .map(|g| ContractRow {
@@ -309,12 +342,118 @@ pub fn compare_data(
         method: method(&s),
         configs,
         spikes,
+        spike_rates,
         checks,
         contract,
         overall,
+        night_state: None,
         warnings,
         problems: Vec::new(),
     })
+}
+
+/// One configuration's sequential look on the primary metric.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SequentialLook {
+    pub config: String,
+    pub baseline: String,
+    /// Compared seed by seed (same seeds on the built-in engine), else Welch.
+    pub paired: bool,
+    pub decision: SequentialDecision,
+}
+
+/// The entry point for sequential seeds (`--seeds auto`): given every usable run of the suite so
+/// far, decide each configuration on the primary metric with the group-sequential procedure of
+/// [`super::sequential`] (looks at `min_seeds`, then every `batch`, up to `max_seeds` seeds per
+/// arm). A runner runs seeds `0..min_seeds` of every configuration, calls this, and runs the next
+/// batch only for the configurations whose decision is `continue` (and their baseline), up to
+/// `next_seeds`; the error rates hold when it looks only at the planned counts. The baseline runs
+/// every seed any configuration still needs. A relative margin is resolved from the baseline's
+/// runs at each look.
+pub fn sequential_looks(
+    runs: &[RunData],
+    settings: &CompareSettings,
+    min_seeds: usize,
+    max_seeds: usize,
+    batch: usize,
+) -> Result<Vec<SequentialLook>, CompareError> {
+    let s = settings;
+    let metric = s.primary.clone();
+    let Some(rule) = s.margin_rule(&metric) else {
+        return Err(CompareError::NoMargin { metric });
+    };
+    let groups = group(runs);
+    let Some(bi) = groups
+        .iter()
+        .position(|g| g.base == s.baseline && !g.runs.is_empty())
+    else {
+        return Err(CompareError::NoBaseline {
+            baseline: s.baseline.clone(),
+            have: groups
+                .iter()
+                .map(|g| g.config.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    };
+    let hib = s.higher_is_better(&metric);
+    let mut out = Vec::new();
+    for (gi, g) in groups.iter().enumerate() {
+        if g.base == s.baseline {
+            continue;
+        }
+        let b = groups
+            .iter()
+            .position(|b| b.base == s.baseline && b.axes == g.axes)
+            .unwrap_or(bi);
+        // Only the seeds both arms ran are looked at, so the arms stay at the same planned
+        // count and pair up seed by seed.
+        let mut x = Arm::build(&groups[gi], &metric, s);
+        let mut y = Arm::build(&groups[b], &metric, s);
+        let common: Vec<u64> = x
+            .seeds
+            .iter()
+            .copied()
+            .filter(|sd| y.seeds.contains(sd))
+            .collect();
+        x.keep_seeds(&common);
+        y.keep_seeds(&common);
+        let margin = match resolve_margin(rule, &y, hib, &s.baseline) {
+            Ok((m, _)) => m,
+            Err(_) => f64::NAN,
+        };
+        let coupled = g
+            .runs
+            .iter()
+            .chain(&groups[b].runs)
+            .all(|r| r.engine == COUPLING_ENGINE);
+        let paired = coupled && x.seeds == y.seeds;
+        let decision = if margin.is_finite() {
+            let plan =
+                SequentialPlan::new(s.alpha, s.power, margin, hib, min_seeds, max_seeds, batch)?;
+            plan.decide(&x.finals, &y.finals, paired)
+        } else {
+            SequentialDecision {
+                verdict: SequentialVerdict::Inconclusive,
+                seeds: x.finals.len().min(y.finals.len()),
+                next_seeds: None,
+                interval: difference(&x.finals, &y.finals, paired, s.alpha),
+                nominal_alpha: 0.0,
+                spent_alpha: 0.0,
+                seeds_needed: None,
+                reason: resolve_margin(rule, &y, hib, &s.baseline)
+                    .err()
+                    .unwrap_or_default(),
+            }
+        };
+        out.push(SequentialLook {
+            config: g.config.clone(),
+            baseline: groups[b].config.clone(),
+            paired,
+            decision,
+        });
+    }
+    Ok(out)
 }
 
 /// Tracked metrics present in at least one run.
@@ -323,7 +462,7 @@ fn tracked_metrics(s: &CompareSettings, runs: &[RunData]) -> Vec<String> {
         Some(m) => m.clone(),
         None => DEFAULT_METRICS.iter().map(|m| m.to_string()).collect(),
     };
-    for m in s.margins.keys() {
+    for m in s.gated_metrics() {
         if !want.contains(m) {
             want.push(m.clone());
         }
@@ -343,6 +482,8 @@ struct Arm {
     points: Vec<Vec<(usize, f64)>>,
     /// Per seed, the mean over the final window.
     finals: Vec<f64>,
+    /// Per seed, the mean over the first window (as many steps as the final one).
+    initials: Vec<f64>,
     band: Band,
 }
 
@@ -364,6 +505,10 @@ impl Arm {
         let finals = points
             .iter()
             .map(|p| final_mean(p, s.final_window))
+            .collect();
+        let initials = points
+            .iter()
+            .map(|p| first_mean(p, s.final_window))
             .collect();
         // The band is over the steps every seed has (sorted, distinct).
         let mut common: Option<Vec<usize>> = None;
@@ -390,6 +535,7 @@ impl Arm {
             seeds,
             points,
             finals,
+            initials,
             band: Band {
                 steps,
                 mean,
@@ -398,6 +544,18 @@ impl Arm {
                 per_seed,
             },
         }
+    }
+}
+
+impl Arm {
+    /// Keep the per-seed values of these seeds only (the curves and band stay as built).
+    fn keep_seeds(&mut self, seeds: &[u64]) {
+        let keep: Vec<usize> = (0..self.seeds.len())
+            .filter(|&i| seeds.contains(&self.seeds[i]))
+            .collect();
+        self.finals = keep.iter().map(|&i| self.finals[i]).collect();
+        self.initials = keep.iter().map(|&i| self.initials[i]).collect();
+        self.seeds = keep.iter().map(|&i| self.seeds[i]).collect();
     }
 }
 
@@ -459,6 +617,19 @@ pub fn final_mean(p: &[(usize, f64)], window: usize) -> f64 {
     stats::mean(&v)
 }
 
+/// Mean of the points within the first `window` steps of the series.
+pub fn first_mean(p: &[(usize, f64)], window: usize) -> f64 {
+    let Some(first) = p.first().map(|x| x.0) else {
+        return f64::NAN;
+    };
+    let v: Vec<f64> = p
+        .iter()
+        .filter(|x| x.0 < first + window)
+        .map(|x| x.1)
+        .collect();
+    stats::mean(&v)
+}
+
 /// A bootstrap stream per (configuration, metric, purpose), independent of evaluation order.
 fn stream_seed(seed: u64, config: &str, metric: &str, purpose: u64) -> u64 {
     use sha2::{Digest, Sha256};
@@ -475,18 +646,135 @@ fn is_kl_type(metric: &str) -> bool {
         || m.contains("probs_diff")
 }
 
+/// The engine whose configurations of one seed are coupled (see [`crate::engine::trainer`]: the
+/// warm start, each step's prompts and the sampler's random stream depend on the seed only), so
+/// its arms are compared seed by seed.
+pub const COUPLING_ENGINE: &str = "builtin";
+
+/// The paired values of two arms: per seed both ran, `(x, y)` in seed order. `None` unless both
+/// arms ran exactly the same seeds (at least two).
+fn pair_up(x: &Arm, y: &Arm, values: fn(&Arm) -> &Vec<f64>) -> Option<(Vec<f64>, Vec<f64>)> {
+    if x.seeds != y.seeds || x.seeds.len() < 2 {
+        return None;
+    }
+    Some((values(x).clone(), values(y).clone()))
+}
+
+/// A margin rule turned into metric units from the baseline arm, with its description; `Err`
+/// says why it cannot be (the baseline did not gain, or has no level).
+fn resolve_margin(
+    rule: MarginRule,
+    y: &Arm,
+    higher_is_better: bool,
+    baseline: &str,
+) -> Result<(f64, String), String> {
+    let f = expr::fmt_num;
+    match rule {
+        MarginRule::Absolute(m) => Ok((m, format!("absolute {}", f(m)))),
+        MarginRule::OfLevel(r) => {
+            let level = stats::mean(&y.finals).abs();
+            if level.is_finite() && level > 0.0 {
+                Ok((
+                    r * level,
+                    format!(
+                        "{} % of {baseline}'s final-window level {} = {}",
+                        f(100.0 * r),
+                        f(level),
+                        f(r * level)
+                    ),
+                ))
+            } else {
+                Err(format!(
+                    "{baseline}'s final-window level is {}: a margin relative to it is undefined; set an absolute margin",
+                    f(level)
+                ))
+            }
+        }
+        MarginRule::OfGain(r) => {
+            let sign = if higher_is_better { 1.0 } else { -1.0 };
+            let gain = sign * (stats::mean(&y.finals) - stats::mean(&y.initials));
+            if gain.is_finite() && gain > 0.0 {
+                Ok((
+                    r * gain,
+                    format!(
+                        "{} % of {baseline}'s gain over the run {} = {} (keeps at least {} % of it)",
+                        f(100.0 * r),
+                        f(gain),
+                        f(r * gain),
+                        f(100.0 * (1.0 - r))
+                    ),
+                ))
+            } else {
+                Err(format!(
+                    "{baseline} did not gain over the run (final minus first window {}): a margin relative to its gain is undefined; run longer or set an absolute margin",
+                    f(gain)
+                ))
+            }
+        }
+    }
+}
+
 fn compare_metric(
     metric: &str,
     x: &Arm,
     y: &Arm,
     s: &CompareSettings,
     config: &str,
+    coupled: bool,
 ) -> MetricComparison {
     let hib = s.higher_is_better(metric);
-    let margin = s.margin(metric);
-    let d = decide(&x.finals, &y.finals, margin, hib, s);
+    let rule = s.margin_rule(metric);
+    let resolved = rule.map(|r| resolve_margin(r, y, hib, &s.baseline));
+    let margin = resolved.as_ref().and_then(|r| r.as_ref().ok()).map(|r| r.0);
+    let margin_rule = resolved.as_ref().map(|r| match r {
+        Ok((_, t)) => t.clone(),
+        Err(e) => e.clone(),
+    });
+    let paired = if coupled {
+        pair_up(x, y, |a| &a.finals)
+    } else {
+        None
+    };
+    let (xs, ys) = paired
+        .clone()
+        .unwrap_or_else(|| (x.finals.clone(), y.finals.clone()));
+    let pairing = paired.as_ref().map(|(a, b)| pairing_of(a, b));
+    let mut fold = None;
+    let d = match (&resolved, rule) {
+        (Some(Err(e)), _) => Decision {
+            verdict: Verdict::Inconclusive,
+            reason: e.clone(),
+            interval: difference(&xs, &ys, paired.is_some(), s.alpha),
+            seeds_needed: None,
+        },
+        (_, Some(_)) => decide(&xs, &ys, margin, hib, paired.is_some(), s),
+        (_, None) => {
+            let positive = xs.iter().chain(&ys).all(|v| *v > 0.0);
+            if is_kl_type(metric) && positive && xs.len().min(ys.len()) >= 2 {
+                let (lx, ly): (Vec<f64>, Vec<f64>) = (
+                    xs.iter().map(|v| v.ln()).collect(),
+                    ys.iter().map(|v| v.ln()).collect(),
+                );
+                let log = difference(&lx, &ly, paired.is_some(), s.alpha);
+                fold = Some(stats::exp_interval(log));
+                describe_fold(
+                    metric,
+                    &s.baseline,
+                    log,
+                    difference(&xs, &ys, paired.is_some(), s.alpha),
+                    s,
+                )
+            } else {
+                describe(&xs, &ys, paired.is_some(), s)
+            }
+        }
+    };
     let mut rs = Resampler::new(stream_seed(s.bootstrap_seed, config, metric, 2));
-    let final_boot = rs.diff_interval(&x.finals, &y.finals, s.bootstrap_reps, s.alpha, stats::mean);
+    let final_boot = if paired.is_some() {
+        rs.paired_interval(&xs, &ys, s.bootstrap_reps, s.alpha, stats::mean)
+    } else {
+        rs.diff_interval(&x.finals, &y.finals, s.bootstrap_reps, s.alpha, stats::mean)
+    };
     // Area under the curve per step over the steps both arms share.
     let common: BTreeSet<usize> = x
         .band
@@ -536,6 +824,129 @@ fn compare_metric(
         reason: d.reason,
         seeds_needed: d.seeds_needed,
         kl,
+        pairing,
+        fold,
+        margin_rule,
+    }
+}
+
+/// The difference `mean(x) - mean(y)` with its interval at `1 - 2·alpha`: paired t over the
+/// seeds' differences, or Welch.
+fn difference(x: &[f64], y: &[f64], paired: bool, alpha: f64) -> Interval {
+    if paired {
+        stats::paired_interval(x, y, alpha)
+    } else {
+        stats::welch_interval(x, y, alpha)
+    }
+}
+
+/// What pairing gave: the arms' correlation, and Welch's standard error over the paired one.
+fn pairing_of(x: &[f64], y: &[f64]) -> Pairing {
+    let (_, se_p, _) = stats::paired(x, y);
+    let (_, se_w, _) = stats::welch(x, y);
+    let ratio = se_w / se_p;
+    Pairing {
+        seeds: x.len(),
+        correlation: stats::correlation(x, y),
+        se_ratio: ratio,
+        effective_seeds: x.len() as f64 * ratio * ratio,
+    }
+}
+
+/// A metric without a margin, described: `higher` or `lower` when the interval excludes 0,
+/// otherwise `no difference detected`.
+pub fn describe(x: &[f64], y: &[f64], paired: bool, s: &CompareSettings) -> Decision {
+    let i = difference(x, y, paired, s.alpha);
+    let f = expr::fmt_num;
+    let ci = format!("{} [{}, {}]", f(i.estimate), f(i.lo), f(i.hi));
+    let level = 100.0 * (1.0 - 2.0 * s.alpha);
+    let (verdict, reason) = if !(i.lo.is_finite() && i.hi.is_finite()) {
+        (
+            Verdict::NoDifference,
+            format!(
+                "no difference detected: difference {ci}, too few seeds for an interval (no margin set: descriptive)"
+            ),
+        )
+    } else if i.lo > 0.0 {
+        (
+            Verdict::Higher,
+            format!(
+                "higher by {} [{}, {}] ({level:.0} % interval; no margin set: descriptive)",
+                f(i.estimate),
+                f(i.lo),
+                f(i.hi)
+            ),
+        )
+    } else if i.hi < 0.0 {
+        (
+            Verdict::Lower,
+            format!(
+                "lower by {} [{}, {}] ({level:.0} % interval; no margin set: descriptive)",
+                f(-i.estimate),
+                f(-i.hi),
+                f(-i.lo)
+            ),
+        )
+    } else {
+        (
+            Verdict::NoDifference,
+            format!(
+                "no difference detected: difference {ci} ({level:.0} % interval holds 0; no margin set: descriptive)"
+            ),
+        )
+    };
+    Decision {
+        verdict,
+        reason,
+        interval: i,
+        seeds_needed: None,
+    }
+}
+
+/// A KL-type metric without a margin, described as a fold change over the baseline: the per-seed
+/// final-window values are compared on the log scale (their spread is multiplicative, and a
+/// 38-fold difference is the finding), and the interval of the mean log ratio is exponentiated.
+fn describe_fold(
+    metric: &str,
+    baseline: &str,
+    log: Interval,
+    linear: Interval,
+    s: &CompareSettings,
+) -> Decision {
+    let ratio = stats::exp_interval(log);
+    let fx = |v: f64| {
+        if v >= 10.0 {
+            format!("{v:.0}x")
+        } else {
+            format!("{v:.2}x")
+        }
+    };
+    let text = format!(
+        "{metric} {} {baseline} [{}, {}]",
+        fx(ratio.estimate),
+        fx(ratio.lo),
+        fx(ratio.hi)
+    );
+    let level = 100.0 * (1.0 - 2.0 * s.alpha);
+    let verdict = if log.lo > 0.0 {
+        Verdict::Higher
+    } else if log.hi < 0.0 {
+        Verdict::Lower
+    } else {
+        Verdict::NoDifference
+    };
+    let word = match verdict {
+        Verdict::Higher => "higher",
+        Verdict::Lower => "lower",
+        _ => "no difference detected",
+    };
+    Decision {
+        verdict,
+        reason: format!(
+            "{word}: {text} (geometric means, {level:.0} % interval on the log scale; no margin set: descriptive)"
+        ),
+        interval: linear,
+        seeds_needed: None,
     }
 }
 
@@ -555,27 +966,35 @@ pub struct Decision {
 /// seeds" with probability at most 1 %, and must then also pass TOST.
 pub const SD_BOUND_LEVEL: f64 = 0.01;
 
-/// Decide from per-seed final-window values `x` (configuration) and `y` (baseline).
+/// Decide from per-seed final-window values `x` (configuration) and `y` (baseline); with
+/// `paired`, `x[i]` and `y[i]` come from the same seed and the interval is the paired t interval
+/// of the differences, else Welch's. Without a margin the metric is described ([`describe`]).
 ///
-/// With `g` the difference oriented so that positive is better and `[lo, hi]` its Welch interval
-/// at `1 - 2·alpha`:
+/// With the difference oriented so that positive is better and `[lo, hi]` its interval at
+/// `1 - 2·alpha`:
 /// 1. fewer than `min_seeds` seeds in an arm: inconclusive;
 /// 2. `-margin < lo` and `hi < margin` (TOST) and the seeds reach the margin's required count:
-///    equivalent;
+///    equivalent (and when the interval also excludes 0, the reason says by how much it is lower
+///    or higher: a real difference inside the margin);
 /// 3. `hi < 0`: regressed (worse, at one-sided level alpha; this is what bounds false alarms);
 /// 4. `lo > 0`: improved;
 /// 5. otherwise inconclusive, saying how many seeds the margin needs.
 ///
-/// The required count uses the 99 % upper confidence bound of the pooled standard deviation
-/// ([`SD_BOUND_LEVEL`]), so a small sample that happens to look quiet cannot claim equivalence.
+/// The required count uses the 99 % upper confidence bound of the standard deviation (pooled,
+/// or of the paired differences; [`SD_BOUND_LEVEL`]), so a small sample that happens to look
+/// quiet cannot claim equivalence.
 pub fn decide(
     x: &[f64],
     y: &[f64],
     margin: Option<f64>,
     higher_is_better: bool,
+    paired: bool,
     s: &CompareSettings,
 ) -> Decision {
-    let raw = stats::welch_interval(x, y, s.alpha);
+    let Some(m) = margin else {
+        return describe(x, y, paired, s);
+    };
+    let raw = difference(x, y, paired, s.alpha);
     let sign = if higher_is_better { 1.0 } else { -1.0 };
     let (lo, hi) = if higher_is_better {
         (raw.lo, raw.hi)
@@ -584,9 +1003,15 @@ pub fn decide(
     };
     let est = sign * raw.estimate;
     let n = x.len().min(y.len());
-    let (var, df) = stats::pooled_variance(x, y);
-    let sd_up = stats::sd_upper(var, df, SD_BOUND_LEVEL);
-    let needed = margin.and_then(|m| stats::seeds_needed(sd_up, m, s.alpha, s.power));
+    let needed = if paired {
+        let d: Vec<f64> = x.iter().zip(y).map(|(a, b)| a - b).collect();
+        let up = stats::sd_upper(stats::variance(&d), n as f64 - 1.0, SD_BOUND_LEVEL);
+        stats::seeds_needed_diff(up, m, s.alpha, s.power)
+    } else {
+        let (var, df) = stats::pooled_variance(x, y);
+        let sd_up = stats::sd_upper(var, df, SD_BOUND_LEVEL);
+        stats::seeds_needed(sd_up, m, s.alpha, s.power)
+    };
     let worse = if higher_is_better { "lower" } else { "higher" };
     let f = expr::fmt_num;
     let ci = format!("{} [{}, {}]", f(raw.estimate), f(raw.lo), f(raw.hi));
@@ -595,12 +1020,6 @@ pub fn decide(
         reason,
         interval: raw,
         seeds_needed: needed,
-    };
-    let Some(m) = margin else {
-        return verdict_of(
-            Verdict::Inconclusive,
-            format!("no margin set for this metric (descriptive only): difference {ci}"),
-        );
     };
     if n < s.min_seeds {
         return verdict_of(
@@ -624,23 +1043,46 @@ pub fn decide(
     let enough = needed.is_some_and(|k| n >= k);
     let needed_txt = needed.map_or("more".to_string(), |k| k.to_string());
     if within && enough {
-        return verdict_of(
-            Verdict::Equivalent,
+        let how = if paired { "paired TOST" } else { "TOST" };
+        let reason = if hi < 0.0 || lo > 0.0 {
+            // Significant, yet inside the margin: say both.
+            let (word, a, b) = if raw.hi < 0.0 {
+                ("lower", -raw.hi, -raw.lo)
+            } else {
+                ("higher", raw.lo, raw.hi)
+            };
             format!(
-                "difference {ci} lies inside ±{} (TOST at alpha {})",
+                "equivalent; {word} by {} [{}, {}], a real difference inside ±{} ({how} at alpha {})",
+                f(raw.estimate.abs()),
+                f(a),
+                f(b),
                 f(m),
                 s.alpha
-            ),
-        );
+            )
+        } else {
+            format!(
+                "difference {ci} lies inside ±{} ({how} at alpha {})",
+                f(m),
+                s.alpha
+            )
+        };
+        return verdict_of(Verdict::Equivalent, reason);
     }
     if hi < 0.0 {
+        let past = if within {
+            format!(
+                "it lies inside the margin ±{}, but {n} seeds per arm are fewer than the {needed_txt} the margin needs to call that equivalent",
+                f(m)
+            )
+        } else {
+            format!("it reaches past the margin {}", f(m))
+        };
         return verdict_of(
             Verdict::Regressed,
             format!(
-                "{worse} by {} ({ci}): the whole {:.0} % interval is on the worse side of 0 and it reaches past the margin {}",
+                "{worse} by {} ({ci}): the whole {:.0} % interval is on the worse side of 0 and {past}",
                 f(est.abs()),
                 100.0 * (1.0 - 2.0 * s.alpha),
-                f(m)
             ),
         );
     }
@@ -715,6 +1157,70 @@ fn find_spikes(groups: &[Group<'_>], s: &CompareSettings) -> Vec<Spike> {
             })
         })
         .collect()
+}
+
+/// Spike rates of every configuration against its baseline group: per site and layer where either
+/// arm has a spike, and over all sites. A run's exposure at a site is the steps the rule could
+/// judge (those after `min_history` steps of history).
+fn spike_rates(
+    groups: &[Group<'_>],
+    configs: &[ConfigComparison],
+    spikes: &[Spike],
+    s: &CompareSettings,
+) -> Vec<SpikeRate> {
+    type Key = (String, i64);
+    let tally = |g: &Group<'_>| -> BTreeMap<Key, (u64, u64)> {
+        let mut t: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
+        for r in &g.runs {
+            for l in &r.layers {
+                let judged = l.grad_norm.len().saturating_sub(s.spikes.min_history) as u64;
+                t.entry((l.site.clone(), l.layer)).or_default().1 += judged;
+            }
+        }
+        for sp in spikes.iter().filter(|sp| sp.config == g.config) {
+            t.entry((sp.site.clone(), sp.layer)).or_default().0 += 1;
+        }
+        t
+    };
+    let by_name = |name: &str| groups.iter().find(|g| g.config == name);
+    let mut out = Vec::new();
+    for c in configs {
+        let (Some(g), Some(b)) = (by_name(&c.config), by_name(&c.baseline)) else {
+            continue;
+        };
+        let (tx, ty) = (tally(g), tally(b));
+        let row = |site: &str, layer: i64, (a, ea): (u64, u64), (bb, eb): (u64, u64)| SpikeRate {
+            config: c.config.clone(),
+            baseline: c.baseline.clone(),
+            site: site.to_string(),
+            layer,
+            spikes: a,
+            steps: ea,
+            baseline_spikes: bb,
+            baseline_steps: eb,
+            excess_per_1k: 1000.0 * (a as f64 / ea as f64 - bb as f64 / eb as f64),
+            rate_ratio: stats::rate_ratio_interval(a, ea as f64, bb, eb as f64, s.alpha),
+        };
+        let sum = |t: &BTreeMap<Key, (u64, u64)>| {
+            t.values().fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1))
+        };
+        let (ax, ay) = (sum(&tx), sum(&ty));
+        if ax.1 == 0 || ay.1 == 0 {
+            continue; // no per-layer grad norms: nothing to count
+        }
+        out.push(row("all", -1, ax, ay));
+        let keys: BTreeSet<&Key> = tx.keys().chain(ty.keys()).collect();
+        for k in keys {
+            let (x, y) = (
+                tx.get(k).copied().unwrap_or_default(),
+                ty.get(k).copied().unwrap_or_default(),
+            );
+            if x.0 + y.0 > 0 && x.1 > 0 && y.1 > 0 {
+                out.push(row(&k.0, k.1, x, y));
+            }
+        }
+    }
+    out
 }
 
 /// What checks read: groups by configuration name, and the spikes found.
@@ -861,7 +1367,7 @@ fn overall(
     let gated: Vec<&MetricComparison> = configs
         .iter()
         .flat_map(|c| &c.metrics)
-        .filter(|m| m.margin.is_some())
+        .filter(|m| m.margin.is_some() || m.margin_rule.is_some())
         .collect();
     if gated.iter().any(|m| m.verdict == Verdict::Regressed) || checks.iter().any(|c| !c.passed) {
         return OverallVerdict::Regression;
@@ -889,6 +1395,7 @@ fn method(s: &CompareSettings) -> Method {
         band_reps: s.band_reps,
         power: s.power,
         min_seeds: s.min_seeds,
+        nights: s.nights,
         description: vec![
             format!(
                 "Each run (seed) is one observation: a metric is reduced per seed to the mean of its last {} steps, and seeds, not steps, are resampled, because steps within a run are correlated.",
@@ -898,7 +1405,7 @@ fn method(s: &CompareSettings) -> Method {
                 "Intervals are two-sided {level:.0} % intervals, so an interval inside ±margin is exactly the two one-sided tests (TOST) at level {}.",
                 s.alpha
             ),
-            "The verdict uses Welch's t interval for the difference of per-seed final-window means (unequal variances); with 3-10 seeds a percentile bootstrap covers less than it claims, so the bootstrap interval is shown alongside but does not decide.".to_string(),
+            "Paired or not: when both arms ran the same seeds on the built-in engine, whose configurations of one seed share the warm start, each step's prompts and the sampler's random stream (common random numbers; each configuration's own arithmetic is untouched), the verdict uses the paired t interval over the per-seed differences (and a paired bootstrap, resampling seeds with their pair), and reports the arms' correlation, how much narrower the interval is than Welch's, and the independent seeds per arm it is worth. Otherwise (other engines, or different seed sets) it uses Welch's t interval (unequal variances). With 3-10 seeds a percentile bootstrap covers less than it claims, so the bootstrap interval is shown alongside but does not decide.".to_string(),
             format!(
                 "Verdicts (difference oriented so positive is better): equivalent when the interval lies inside ±margin and the seeds reach the count the margin needs; regressed when the whole interval is on the worse side of 0 (a false alarm rate of at most {} when nothing changed); improved when it is wholly on the better side; inconclusive otherwise, or with fewer than {} seeds per arm.",
                 s.alpha, s.min_seeds
@@ -917,6 +1424,12 @@ fn method(s: &CompareSettings) -> Method {
             format!(
                 "Gradient spikes, per site and layer: a step is flagged when its log grad norm is at least {} robust z-scores (1.4826·MAD, floor {}) above the median of the previous {} steps and a new high of that window, or when it is at least {}x the largest of them; a step needs {} earlier values to be judged.",
                 s.spikes.z, s.spikes.mad_floor, s.spikes.window, s.spikes.ratio, s.spikes.min_history
+            ),
+            "Margins: absolute (metric units), `of_level` (a fraction of the baseline's final-window level) or `of_gain` (a fraction of the baseline's gain over the run, final window minus the first window of as many steps, so `of_gain = 0.1` means keeping at least 90 % of BF16's gain). Relative margins are computed from the baseline runs of the same comparison and then treated as fixed. A difference that is significant but inside the margin is reported as both: `equivalent; lower by d [lo, hi]`.".to_string(),
+            "Metrics without a margin are described, never left inconclusive: `higher` or `lower` when the interval excludes 0, else `no difference detected` (which is not evidence of no difference). KL-type and mismatch metrics, whose per-seed values are positive and spread multiplicatively, are described as a fold change: the interval of the mean log ratio (paired or Welch, as above), exponentiated, i.e. a ratio of geometric means. These descriptive intervals are per metric, without a correction for the number of metrics.".to_string(),
+            format!(
+                "Spike rates against the baseline, per site and layer and over all sites: spikes (the offline rule above) per judged step (steps after {} of history, summed over seeds), the excess per 1,000 steps over the baseline's, and the rate ratio with an exact conditional-binomial (Clopper-Pearson) {level:.0} % interval that treats spikes as Poisson events; spikes that cluster within a seed make it too narrow. The engine's own `grad_spike` events are a second, online rule (a grad norm above 10x the median of that site's previous 10 steps, as the run goes) and are counted separately, as events.",
+                s.spikes.min_history
             ),
             "Overall: regression if any metric with a margin regressed or any declared check failed; pass if every metric with a margin is equivalent or improved; inconclusive otherwise. Metrics without a margin are descriptive.".to_string(),
         ],

@@ -76,6 +76,7 @@ pub fn synthetic(runs: usize, steps: usize, configs: usize, sites: usize) -> Vec
                 base: config.clone(),
                 axes: BTreeMap::new(),
                 seed,
+                engine: "builtin".into(),
                 status: RunStatus::Ok,
                 metrics,
                 layers,

@@ -29,6 +29,9 @@ pub struct RunData {
     /// Sweep values.
     pub axes: BTreeMap<String, String>,
     pub seed: u64,
+    /// The engine that ran it (`builtin`, `command`, ...): the built-in engine couples the
+    /// configurations of one seed, so only its runs are compared seed by seed.
+    pub engine: String,
     pub status: RunStatus,
     /// Metric key → `(step, value)` points in step order (absent steps are absent, never 0).
     pub metrics: BTreeMap<String, Vec<(usize, f64)>>,
@@ -105,6 +108,7 @@ pub fn load_run(dir: &Path, wanted: Wanted<'_>) -> Result<RunData, IoError> {
         base,
         axes,
         seed: m.seed,
+        engine: m.engine.clone(),
         status: m.status,
         metrics,
         layers,

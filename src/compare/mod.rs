@@ -1,7 +1,7 @@
 //! Comparing a suite's configurations against BF16 across seeds (issue 5). [`result`] holds the
 //! plain result types, [`stats`] the statistics over per-seed values, [`expr`] the check language,
 //! [`settings`] the suite's `[checks]` table, [`data`] the runs read into memory, [`spikes`] the
-//! gradient-spike rules, [`analyze`] the procedure that fills a [`SuiteComparison`], [`golden`]
+//! gradient-spike rules, [`sequential`] the group-sequential seed procedure, [`analyze`] the procedure that fills a [`SuiteComparison`], [`golden`]
 //! the golden-value diff, [`nightly`] the nightly verdict, Markdown and JUnit, and [`bench`] the
 //! timing of a large comparison.
 
@@ -13,6 +13,7 @@ pub mod golden;
 pub mod health;
 pub mod nightly;
 pub mod result;
+pub mod sequential;
 pub mod settings;
 pub mod spikes;
 pub mod stats;

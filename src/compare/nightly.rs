@@ -449,10 +449,12 @@ mod tests {
                 band_reps: 0,
                 power: 0.8,
                 min_seeds: 3,
+                nights: 1,
                 description: vec![],
             },
             configs: vec![],
             spikes: vec![],
+            spike_rates: vec![],
             checks: vec![CheckResult {
                 expr: "contract_violations == 0".into(),
                 config: "nvfp4<hp>".into(),
@@ -468,6 +470,7 @@ mod tests {
             } else {
                 OverallVerdict::Pass
             },
+            night_state: None,
             warnings: vec![],
             problems: vec![],
         }

@@ -14,11 +14,20 @@ pub struct SuiteComparison {
     pub configs: Vec<ConfigComparison>,
     /// Gradient-spike events found in the per-layer gradient norms (all configs, all seeds).
     pub spikes: Vec<Spike>,
+    /// Spike rates of each configuration against its baseline, per site and layer.
+    #[serde(default)]
+    pub spike_rates: Vec<SpikeRate>,
     /// Checks declared in the suite, evaluated.
     pub checks: Vec<CheckResult>,
     /// Contract-check totals per configuration.
     pub contract: Vec<ContractRow>,
     pub overall: OverallVerdict,
+    /// The night's state in `nightly`'s words (`pass`, `pending`, `regression`, `inconclusive`,
+    /// `error`) when it is known: `nightly` knows it, `compare` works it out from the suite's
+    /// nights so far without recording tonight. Reports print this instead of `overall`, so a
+    /// regression that has not yet repeated on enough nights reads PENDING everywhere.
+    #[serde(default)]
+    pub night_state: Option<String>,
     /// Runs left out (failed, not run yet, unreadable, stale) and similar, one line each.
     #[serde(default)]
     pub warnings: Vec<String>,
@@ -74,6 +83,9 @@ pub struct Method {
     /// Fewer seeds per arm than this: inconclusive.
     #[serde(default)]
     pub min_seeds: usize,
+    /// Consecutive failing nights before `nightly` alerts (1: the first).
+    #[serde(default)]
+    pub nights: usize,
     /// One line per test used, in plain words.
     pub description: Vec<String>,
 }
@@ -182,21 +194,70 @@ impl Serialize for Band {
     }
 }
 
-/// A difference with its confidence interval.
+/// A difference with its confidence interval. A bound that does not exist (too few seeds, or a
+/// rate ratio without baseline events) is NaN or infinite in memory and `null` in compare.json,
+/// which reads back as NaN.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Interval {
+    #[serde(deserialize_with = "null_as_nan")]
     pub estimate: f64,
+    #[serde(deserialize_with = "null_as_nan")]
     pub lo: f64,
+    #[serde(deserialize_with = "null_as_nan")]
     pub hi: f64,
 }
 
+/// serde_json writes a non-finite number as `null`; read it back as NaN instead of failing.
+pub fn null_as_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// A metric's verdict. With a margin: `equivalent`, `regressed`, `improved` or `inconclusive`.
+/// Without one the metric is described, never left `inconclusive`: `higher`, `lower` (the whole
+/// interval on one side of 0; for KL-type metrics the fold change's interval on one side of 1) or
+/// `no_difference` (the interval holds 0: no difference detected, which is not a proof of none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Verdict {
     Equivalent,
     Regressed,
     Improved,
     Inconclusive,
+    Higher,
+    Lower,
+    NoDifference,
+}
+
+impl Verdict {
+    /// The verdict in words, as reports print it.
+    pub fn words(self) -> &'static str {
+        match self {
+            Verdict::Equivalent => "equivalent",
+            Verdict::Regressed => "regressed",
+            Verdict::Improved => "improved",
+            Verdict::Inconclusive => "inconclusive",
+            Verdict::Higher => "higher",
+            Verdict::Lower => "lower",
+            Verdict::NoDifference => "no difference detected",
+        }
+    }
+}
+
+/// How the per-seed values of the two arms were compared.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Pairing {
+    /// Seeds compared pairwise (both arms ran them).
+    pub seeds: usize,
+    /// Correlation of the two arms' per-seed values over those seeds (NaN for a constant arm).
+    #[serde(deserialize_with = "null_as_nan")]
+    pub correlation: f64,
+    /// Welch's standard error over the paired one: how much the pairing narrows the interval.
+    #[serde(deserialize_with = "null_as_nan")]
+    pub se_ratio: f64,
+    /// Seeds per arm two independent arms would need for the paired interval's width
+    /// (`seeds · se_ratio²`); the pairing saved `effective_seeds - seeds` of them.
+    #[serde(deserialize_with = "null_as_nan")]
+    pub effective_seeds: f64,
 }
 
 /// One metric of one configuration against the baseline.
@@ -232,6 +293,37 @@ pub struct MetricComparison {
     pub seeds_needed: Option<usize>,
     /// For KL-type metrics: level, step-0 offset and drift.
     pub kl: Option<KlSummary>,
+    /// Present when the arms were compared seed by seed (same seeds, coupled by the engine);
+    /// absent: Welch's two-sample comparison.
+    #[serde(default)]
+    pub pairing: Option<Pairing>,
+    /// For KL-type and mismatch metrics without a margin: configuration / baseline as a fold
+    /// change of the per-seed final-window values (geometric means), with its interval.
+    #[serde(default)]
+    pub fold: Option<Interval>,
+    /// How the margin was set, in words, e.g. "10 % of bf16's gain over the run (0.23)".
+    #[serde(default)]
+    pub margin_rule: Option<String>,
+}
+
+/// Gradient spikes of one configuration against its baseline at one site and layer (or every
+/// site, `site = "all"`, `layer = -1`), counted by compare's offline rule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpikeRate {
+    pub config: String,
+    pub baseline: String,
+    pub site: String,
+    pub layer: i64,
+    pub spikes: u64,
+    /// Steps judged (those with enough history), summed over seeds.
+    pub steps: u64,
+    pub baseline_spikes: u64,
+    pub baseline_steps: u64,
+    /// Spikes per 1,000 judged steps above the baseline's.
+    #[serde(deserialize_with = "null_as_nan")]
+    pub excess_per_1k: f64,
+    /// Rate ratio configuration / baseline with its exact (conditional binomial) interval.
+    pub rate_ratio: Interval,
 }
 
 /// A KL-type metric split into a constant format offset and growth over the run.
@@ -302,9 +394,43 @@ pub enum OverallVerdict {
     Inconclusive,
 }
 
+impl SuiteComparison {
+    /// The headline state in one vocabulary with `nightly` (`pass`, `pending`, `regression`,
+    /// `inconclusive`, `error`): the night's state when known; otherwise the comparison's own
+    /// verdict, except that a regression under a rule of several nights is `failing` (tonight
+    /// fails; whether it alerts depends on the nights before, which only `nightly` records).
+    pub fn headline_state(&self) -> String {
+        if !self.problems.is_empty() {
+            return "error".into();
+        }
+        if let Some(s) = &self.night_state {
+            return s.clone();
+        }
+        match self.overall {
+            OverallVerdict::Pass => "pass".into(),
+            OverallVerdict::Inconclusive => "inconclusive".into(),
+            OverallVerdict::Regression if self.method.nights > 1 => "failing".into(),
+            OverallVerdict::Regression => "regression".into(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn missing_bounds_survive_compare_json() {
+        let i = Interval {
+            estimate: f64::NAN,
+            lo: 0.0,
+            hi: f64::INFINITY,
+        };
+        let text = serde_json::to_string(&i).unwrap();
+        assert_eq!(text, r#"{"estimate":null,"lo":0.0,"hi":null}"#);
+        let back: Interval = serde_json::from_str(&text).unwrap();
+        assert!(back.estimate.is_nan() && back.hi.is_nan() && back.lo == 0.0);
+    }
 
     #[test]
     fn rounding_keeps_six_significant_digits() {

@@ -21,7 +21,9 @@
 //! inconclusive = "pass"              # or "fail": what nightly does with an inconclusive verdict
 //! expr = ["max(train/train_rollout_kl) < 3e-3", "contract_violations == 0"]
 //! [checks.margins]                   # per-metric margins (override `margin` for `primary`)
-//! "eval/accuracy" = 0.1
+//! "eval/accuracy" = 0.1              # absolute, in the metric's units
+//! "rollout/raw_reward" = { of_gain = 0.1 }   # keeps at least 90 % of BF16's gain over the run
+//! "train/grad_norm" = { of_level = 0.2 }     # within 20 % of BF16's final-window level
 //! [[checks.rule]]                    # a check limited to some configurations (globs)
 //! expr = "spikes(site=\"*experts*\") <= 2"
 //! configs = ["nvfp4*"]
@@ -64,7 +66,7 @@ pub const DEFAULT_GOLDEN_METRICS: [&str; 5] = [
 #[serde(deny_unknown_fields)]
 struct ChecksToml {
     baseline: Option<String>,
-    margin: Option<f64>,
+    margin: Option<MarginToml>,
     primary: Option<String>,
     metrics: Option<Vec<String>>,
     higher_is_better: Option<Vec<String>>,
@@ -85,11 +87,51 @@ struct ChecksToml {
     #[serde(default)]
     expr: Vec<String>,
     #[serde(default)]
-    margins: BTreeMap<String, f64>,
+    margins: BTreeMap<String, MarginToml>,
     #[serde(default)]
     rule: Vec<RuleToml>,
     #[serde(default)]
     golden: Option<GoldenToml>,
+}
+
+/// A margin as written: a number (absolute) or a table with exactly one of `absolute`,
+/// `of_level`, `of_gain`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum MarginToml {
+    Absolute(f64),
+    Rule(MarginRuleToml),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MarginRuleToml {
+    absolute: Option<f64>,
+    of_level: Option<f64>,
+    of_gain: Option<f64>,
+}
+
+/// How a metric's equivalence margin is set. The relative kinds are turned into metric units from
+/// the baseline's own runs in the same comparison (a plug-in: the margin is then treated as fixed,
+/// which the report states).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MarginRule {
+    /// In the metric's units (`margin = 0.05`).
+    Absolute(f64),
+    /// A fraction of the baseline's final-window level (`{ of_level = 0.05 }`: within 5 % of
+    /// BF16's reward).
+    OfLevel(f64),
+    /// A fraction of the baseline's gain over the run, final window minus first window, oriented
+    /// so that improving is a gain (`{ of_gain = 0.1 }`: keeps at least 90 % of BF16's gain).
+    OfGain(f64),
+}
+
+impl MarginRule {
+    fn value(self) -> f64 {
+        match self {
+            MarginRule::Absolute(v) | MarginRule::OfLevel(v) | MarginRule::OfGain(v) => v,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -196,7 +238,11 @@ pub struct CompareSettings {
     pub primary: String,
     /// Tracked metrics; `None`: the defaults that are present in the runs.
     pub metrics: Option<Vec<String>>,
+    /// Absolute margins, in each metric's units.
     pub margins: BTreeMap<String, f64>,
+    /// Margins relative to the baseline (`of_level`, `of_gain`); a metric is in one map or the
+    /// other.
+    pub margin_rules: BTreeMap<String, MarginRule>,
     pub higher_is_better: Vec<String>,
     pub alpha: f64,
     pub power: f64,
@@ -219,6 +265,7 @@ impl Default for CompareSettings {
             primary: "rollout/raw_reward".into(),
             metrics: None,
             margins: BTreeMap::new(),
+            margin_rules: BTreeMap::new(),
             higher_is_better: Vec::new(),
             alpha: 0.05,
             power: 0.8,
@@ -247,9 +294,22 @@ impl Default for CompareSettings {
 }
 
 impl CompareSettings {
-    /// The margin of a metric, if one is set.
+    /// The absolute margin of a metric, if one is set.
     pub fn margin(&self, metric: &str) -> Option<f64> {
         self.margins.get(metric).copied()
+    }
+
+    /// How a metric's margin is set (absolute or relative to the baseline), if it has one.
+    pub fn margin_rule(&self, metric: &str) -> Option<MarginRule> {
+        self.margins
+            .get(metric)
+            .map(|m| MarginRule::Absolute(*m))
+            .or_else(|| self.margin_rules.get(metric).copied())
+    }
+
+    /// Metrics with a margin of any kind.
+    pub fn gated_metrics(&self) -> impl Iterator<Item = &String> {
+        self.margins.keys().chain(self.margin_rules.keys())
     }
 
     /// Whether larger values are better: rewards, accuracies and throughputs, or anything listed in
@@ -346,17 +406,45 @@ pub fn from_table(
     }
     s.primary = t.primary.unwrap_or(d.primary);
     s.metrics = t.metrics;
-    s.margins = t.margins;
+    let mut margins = t.margins;
     if let Some(m) = t.margin {
-        s.margins.entry(s.primary.clone()).or_insert(m);
+        margins.entry(s.primary.clone()).or_insert(m);
     }
-    for (k, m) in &s.margins {
-        if !(m.is_finite() && *m > 0.0) {
+    for (k, m) in margins {
+        let rule = match m {
+            MarginToml::Absolute(v) => MarginRule::Absolute(v),
+            MarginToml::Rule(r) => match (r.absolute, r.of_level, r.of_gain) {
+                (Some(v), None, None) => MarginRule::Absolute(v),
+                (None, Some(v), None) => MarginRule::OfLevel(v),
+                (None, None, Some(v)) => MarginRule::OfGain(v),
+                _ => {
+                    return Err(err(
+                        Some(&k),
+                        0,
+                        format!(
+                            "margin of `{k}`: give exactly one of `absolute`, `of_level`, `of_gain`, e.g. {{ of_gain = 0.1 }}"
+                        ),
+                    ));
+                }
+            },
+        };
+        let v = rule.value();
+        if !(v.is_finite() && v > 0.0) {
             return Err(err(
-                Some(k),
+                Some(&k),
                 0,
-                format!("margin of `{k}` is {m}: use a positive number in the metric's units"),
+                format!(
+                    "margin of `{k}` is {v}: use a positive number (absolute: in the metric's units; of_level/of_gain: a fraction such as 0.1)"
+                ),
             ));
+        }
+        match rule {
+            MarginRule::Absolute(v) => {
+                s.margins.insert(k, v);
+            }
+            r => {
+                s.margin_rules.insert(k, r);
+            }
         }
     }
     s.higher_is_better = t.higher_is_better.unwrap_or_default();
@@ -472,6 +560,37 @@ mod tests {
             (10_000, 0.05, "bf16")
         );
         assert!(s.higher_is_better("eval/accuracy") && !s.higher_is_better("train/grad_norm"));
+    }
+
+    #[test]
+    fn margins_may_be_relative_to_the_baseline() {
+        let s = from_table(
+            &table("margin = { of_gain = 0.1 }\n[margins]\n\"train/grad_norm\" = { of_level = 0.2 }\n\"eval/accuracy\" = { absolute = 0.03 }"),
+            &cfgs(),
+            "s.toml",
+            "",
+        )
+        .unwrap();
+        assert_eq!(
+            s.margin_rule("rollout/raw_reward"),
+            Some(MarginRule::OfGain(0.1))
+        );
+        assert_eq!(s.margin("rollout/raw_reward"), None, "not absolute");
+        assert_eq!(
+            s.margin_rule("train/grad_norm"),
+            Some(MarginRule::OfLevel(0.2))
+        );
+        assert_eq!(s.margin("eval/accuracy"), Some(0.03));
+        assert_eq!(s.gated_metrics().count(), 3);
+        let e = from_table(
+            &table("margin = { of_gain = 0.1, of_level = 0.1 }"),
+            &cfgs(),
+            "s.toml",
+            "",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("exactly one of"), "{e}");
     }
 
     #[test]

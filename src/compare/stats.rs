@@ -131,6 +131,100 @@ pub fn welch_interval(x: &[f64], y: &[f64], alpha: f64) -> Interval {
     }
 }
 
+/// Pearson correlation of paired values (NaN below two pairs or with a constant arm).
+pub fn correlation(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len().min(y.len());
+    if n < 2 {
+        return f64::NAN;
+    }
+    let (mx, my) = (mean(&x[..n]), mean(&y[..n]));
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for i in 0..n {
+        let (a, b) = (x[i] - mx, y[i] - my);
+        sxy += a * b;
+        sxx += a * a;
+        syy += b * b;
+    }
+    if sxx == 0.0 || syy == 0.0 {
+        return f64::NAN;
+    }
+    sxy / (sxx * syy).sqrt()
+}
+
+/// Paired comparison of means: `x[i]` and `y[i]` come from the same seed. Returns
+/// `(mean(x - y), standard error, degrees of freedom n - 1)`; the standard error is NaN below two
+/// pairs. When the seed moves both arms the same way (common random numbers) the differences
+/// vary less than either arm, and the paired standard error is the smaller one.
+pub fn paired(x: &[f64], y: &[f64]) -> (f64, f64, f64) {
+    let d: Vec<f64> = x.iter().zip(y).map(|(a, b)| a - b).collect();
+    let n = d.len() as f64;
+    (mean(&d), (variance(&d) / n).sqrt(), n - 1.0)
+}
+
+/// The paired t interval for `mean(x - y)` at two-sided level `1 - 2·alpha` (its inclusion in
+/// `(-margin, margin)` is the paired TOST at level alpha).
+pub fn paired_interval(x: &[f64], y: &[f64], alpha: f64) -> Interval {
+    let (d, se, df) = paired(x, y);
+    let h = if se == 0.0 {
+        0.0
+    } else {
+        t_quantile(1.0 - alpha, df) * se
+    };
+    Interval {
+        estimate: d,
+        lo: d - h,
+        hi: d + h,
+    }
+}
+
+/// An interval on the log scale turned into a fold change: `exp` of each end.
+pub fn exp_interval(i: Interval) -> Interval {
+    Interval {
+        estimate: i.estimate.exp(),
+        lo: i.lo.exp(),
+        hi: i.hi.exp(),
+    }
+}
+
+/// Exact (Clopper-Pearson) interval of a Poisson rate ratio `(a / ea) / (b / eb)` at two-sided
+/// level `1 - 2·alpha`, for `a` events over exposure `ea` against `b` over `eb`. Given the total
+/// `a + b`, `a` is binomial with `p = ea·RR / (ea·RR + eb)`, so the Clopper-Pearson interval of
+/// `p` maps to one of the ratio; it stays defined with zero events on either side (lower end 0
+/// or upper end infinite). The estimate is NaN when both counts are zero.
+pub fn rate_ratio_interval(a: u64, ea: f64, b: u64, eb: f64, alpha: f64) -> Interval {
+    use statrs::distribution::Beta;
+    let n = a + b;
+    let (af, bf) = (a as f64, b as f64);
+    let estimate = if n == 0 {
+        f64::NAN
+    } else {
+        (af / ea) / (bf / eb)
+    };
+    let q = |p: f64, s: f64, f: f64| {
+        Beta::new(s, f)
+            .map(|d| d.inverse_cdf(p))
+            .unwrap_or(f64::NAN)
+    };
+    let p_lo = if a == 0 { 0.0 } else { q(alpha, af, bf + 1.0) };
+    let p_hi = if b == 0 {
+        1.0
+    } else {
+        q(1.0 - alpha, af + 1.0, bf)
+    };
+    let to_rr = |p: f64| {
+        if p >= 1.0 {
+            f64::INFINITY
+        } else {
+            p / (1.0 - p) * eb / ea
+        }
+    };
+    Interval {
+        estimate,
+        lo: if n == 0 { 0.0 } else { to_rr(p_lo) },
+        hi: if n == 0 { f64::INFINITY } else { to_rr(p_hi) },
+    }
+}
+
 /// A seeded resampler: every bootstrap in a comparison draws from one ChaCha stream, so the same
 /// inputs and seed give the same intervals on every machine.
 pub struct Resampler {
@@ -200,6 +294,35 @@ impl Resampler {
             d.push(stat(&bx) - stat(&by));
         }
         let (lo, hi) = percentile_pair(&mut d, alpha);
+        Interval { estimate, lo, hi }
+    }
+
+    /// Paired percentile bootstrap of `stat(x - y)`: the seeds are resampled with their pair,
+    /// so the interval keeps the correlation the seed induces between the arms.
+    pub fn paired_interval(
+        &mut self,
+        x: &[f64],
+        y: &[f64],
+        reps: usize,
+        alpha: f64,
+        stat: fn(&[f64]) -> f64,
+    ) -> Interval {
+        let d: Vec<f64> = x.iter().zip(y).map(|(a, b)| a - b).collect();
+        let estimate = stat(&d);
+        if d.is_empty() || reps == 0 {
+            return Interval {
+                estimate,
+                lo: f64::NAN,
+                hi: f64::NAN,
+            };
+        }
+        let mut bd = vec![0.0; d.len()];
+        let mut out = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            self.fill(&d, &mut bd);
+            out.push(stat(&bd));
+        }
+        let (lo, hi) = percentile_pair(&mut out, alpha);
         Interval { estimate, lo, hi }
     }
 
@@ -330,18 +453,25 @@ pub fn mean_interval(x: &[f64], alpha: f64) -> Interval {
 /// came out at 0.78 for a stated 0.8, so the conservative count keeps the stated power a floor.
 /// `None` when `sd` is not finite.
 pub fn seeds_needed(sd: f64, margin: f64, alpha: f64, power: f64) -> Option<usize> {
-    if !sd.is_finite() || margin.is_nan() || margin <= 0.0 {
+    seeds_needed_diff(sd * std::f64::consts::SQRT_2, margin, alpha, power)
+}
+
+/// Seeds needed when one seed gives one difference of standard deviation `sd_diff` (a paired
+/// design, where `sd_diff = sd·sqrt(2(1 - rho))`; two independent arms are `sd·sqrt(2)`): the
+/// smallest `n` with `margin / (sd_diff / sqrt(n)) >= t(1-alpha, n-1) + t(power, n-1)`.
+pub fn seeds_needed_diff(sd_diff: f64, margin: f64, alpha: f64, power: f64) -> Option<usize> {
+    if !sd_diff.is_finite() || margin.is_nan() || margin <= 0.0 {
         return None;
     }
-    if sd == 0.0 {
+    if sd_diff == 0.0 {
         return Some(2);
     }
     // The normal-quantile answer is a lower bound (t quantiles are larger): start the search there.
     let z = t_quantile(1.0 - alpha, f64::INFINITY) + t_quantile(power, f64::INFINITY);
-    let n0 = (2.0 * (z * sd / margin).powi(2)).floor().clamp(2.0, 1e9) as usize;
+    let n0 = ((z * sd_diff / margin).powi(2)).floor().clamp(2.0, 1e9) as usize;
     (n0..n0 + 10_000).find(|&n| {
         let df = (n - 1) as f64;
-        margin / (sd * (2.0 / n as f64).sqrt())
+        margin / (sd_diff / (n as f64).sqrt())
             >= t_quantile(1.0 - alpha, df) + t_quantile(power, df)
     })
 }
@@ -469,6 +599,56 @@ mod tests {
         let want = (quantile(&w, 0.1), quantile(&w, 0.9));
         assert_eq!(percentile_pair(&mut w, 0.1), want);
         assert!((want.0 - 1.3).abs() < 1e-12 && (want.1 - 3.7).abs() < 1e-12);
+    }
+
+    #[test]
+    fn paired_intervals_use_the_differences() {
+        // Arms that move together: the differences are 1, 1.1, 0.9, 1.0.
+        let x = [2.0, 5.1, 3.9, 8.0];
+        let y = [1.0, 4.0, 3.0, 7.0];
+        let (d, se, df) = paired(&x, &y);
+        assert!((d - 1.0).abs() < 1e-12 && df == 3.0);
+        let sd = (0.02f64 / 3.0).sqrt();
+        assert!((se - sd / 2.0).abs() < 1e-12, "{se}");
+        let (_, welch_se, _) = welch(&x, &y);
+        assert!(
+            welch_se > 10.0 * se,
+            "the pairing removes the seed-to-seed spread"
+        );
+        assert!(correlation(&x, &y) > 0.99);
+        let i = paired_interval(&x, &y, 0.05);
+        assert!((i.hi - 1.0 - t_quantile(0.95, 3.0) * se).abs() < 1e-12);
+        let b = Resampler::new(3).paired_interval(&x, &y, 4000, 0.05, mean);
+        assert!(
+            b.lo >= 0.9 && b.hi <= 1.1 && b.lo < 1.0 && b.hi > 1.0,
+            "{b:?}"
+        );
+        // Two paired seeds at rho: a seed count that follows sd·sqrt(2(1 - rho)).
+        let indep = seeds_needed(1.0, 1.0, 0.05, 0.8).unwrap();
+        let rho = seeds_needed_diff((2.0f64 * 0.5).sqrt(), 1.0, 0.05, 0.8).unwrap();
+        assert!(rho < indep && rho >= indep / 2 - 1, "{rho} vs {indep}");
+    }
+
+    #[test]
+    fn rate_ratio_interval_is_exact_and_handles_zeros() {
+        // 10 events in 100 steps against 10 in 100: ratio 1, interval brackets it.
+        let i = rate_ratio_interval(10, 100.0, 10, 100.0, 0.05);
+        assert_eq!(i.estimate, 1.0);
+        assert!(
+            i.lo < 1.0 && i.hi > 1.0 && i.lo > 0.3 && i.hi < 3.0,
+            "{i:?}"
+        );
+        // Exposure scales the ratio: the same counts over half the steps is twice the rate.
+        let j = rate_ratio_interval(10, 50.0, 10, 100.0, 0.05);
+        assert!((j.estimate - 2.0).abs() < 1e-12 && (j.lo - 2.0 * i.lo).abs() < 1e-9);
+        // No baseline events: the ratio has no upper end.
+        let k = rate_ratio_interval(5, 100.0, 0, 100.0, 0.05);
+        assert!(k.hi.is_infinite() && k.lo > 1.0, "{k:?}");
+        // Clopper-Pearson for 0 of 5 (upper 1 - 0.05^(1/5)) maps to the ratio's upper end.
+        let z = rate_ratio_interval(0, 100.0, 5, 100.0, 0.05);
+        let p = 1.0 - 0.05f64.powf(0.2);
+        assert_eq!(z.lo, 0.0);
+        assert!((z.hi - p / (1.0 - p)).abs() < 1e-9, "{z:?}");
     }
 
     #[test]

@@ -155,6 +155,17 @@ pub enum TrainerError {
 }
 
 /// The GRPO trainer: master weights, optimizer state, the precision plans of both sides.
+///
+/// What configurations run under one seed share (common random numbers, which is what lets
+/// `compare` pair them seed by seed): the warm start (seeded by the suite's warm-start seed, not
+/// the run seed, so every run of a suite starts from the same weights); each step's training
+/// prompts, in order ([`Trainer::train_problems`], a function of the run seed and the step only);
+/// the seed of each step's sampling stream ([`Trainer::sampling_seed`]); and the held-out
+/// evaluation problems. The sampler draws one uniform per live sequence and position in a fixed
+/// order, so the draws stay aligned across configurations until a sequence ends in one
+/// configuration and not in the other (an ended sequence draws nothing), after which that step's
+/// later draws shift. Not shared, by design: everything the precision changes, i.e. the quantized
+/// weights and activations, hence the logits, the sampled tokens, the rewards and the updates.
 pub struct Trainer {
     pub config: GrpoConfig,
     pub task: Task,
@@ -252,11 +263,7 @@ impl Trainer {
 
         // 2. Rollout and, side by side, the trainer's own preparation of its weights (it
         // quantizes independently of the export: the contract check compares the two).
-        let problems = self.task.sample(
-            Split::Train,
-            c.prompts_per_step,
-            mix(self.seed, self.step, 1),
-        );
+        let problems = self.train_problems();
         let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
         let ((ro, rollout_time), train_prep) = rayon::join(
             || {
@@ -268,7 +275,7 @@ impl Trainer {
                     c.samples_per_prompt,
                     c.max_response_tokens,
                     c.temperature,
-                    mix(self.seed, self.step, 2),
+                    self.sampling_seed(),
                 );
                 (ro, t0.elapsed().as_secs_f64())
             },
@@ -342,6 +349,21 @@ impl Trainer {
         rec.set("perf/step_time", t_step.elapsed().as_secs_f64());
         self.step += 1;
         rec
+    }
+
+    /// This step's training problems, in order: a function of the run seed and the step only, so
+    /// every configuration run under one seed trains on the same prompts.
+    pub fn train_problems(&self) -> Vec<super::task::Problem> {
+        self.task.sample(
+            Split::Train,
+            self.config.prompts_per_step,
+            mix(self.seed, self.step, 1),
+        )
+    }
+
+    /// Seed of this step's sampling stream: the same for every configuration of one seed.
+    pub fn sampling_seed(&self) -> u64 {
+        mix(self.seed, self.step, 2)
     }
 
     /// Greedy exact-match accuracy on the held-out split, through the given (rollout) model.
@@ -826,6 +848,42 @@ mod tests {
         assert!((a[0] - 3f32.sqrt()).abs() < 1e-4, "{a:?}");
         assert!((a[1] + 1.0 / 3f32.sqrt()).abs() < 1e-4);
         assert_eq!(&a[4..], &[0.0; 4]); // a group where everyone is right carries no signal
+    }
+
+    #[test]
+    fn configurations_of_one_seed_share_prompts_and_sampling_stream() {
+        let cfg = ModelConfig::tiny();
+        let init = Params::init(&cfg, 0).unwrap();
+        let task = Task::Add(2);
+        let grpo = GrpoConfig {
+            max_response_tokens: task.answer_len() + 1,
+            ..Default::default()
+        };
+        let make = |recipe: &str, seed: u64| {
+            let r = crate::recipe::presets::preset(recipe).unwrap();
+            Trainer::new(
+                init.clone(),
+                task,
+                r,
+                grpo.clone(),
+                seed,
+                ContractBreak::None,
+            )
+            .unwrap()
+        };
+        let (mut bf16, mut nvfp4) = (make("bf16", 7), make("nvfp4-dq", 7));
+        assert_ne!(bf16.plan, nvfp4.plan, "two different precisions");
+        for step in 0..3 {
+            bf16.step = step;
+            nvfp4.step = step;
+            assert_eq!(bf16.train_problems(), nvfp4.train_problems(), "step {step}");
+            assert_eq!(bf16.sampling_seed(), nvfp4.sampling_seed());
+        }
+        // The seed is what they share: another seed gives other prompts and another stream.
+        let other = make("bf16", 8);
+        let first = make("bf16", 7);
+        assert_ne!(first.train_problems(), other.train_problems());
+        assert_ne!(first.sampling_seed(), other.sampling_seed());
     }
 
     #[test]

@@ -504,8 +504,8 @@ fn compare(
                 ),
                 Some(_) => (Verdict::Inconclusive, "CI crosses the margin".to_string()),
                 None => (
-                    Verdict::Inconclusive,
-                    "no margin set for this metric".to_string(),
+                    Verdict::NoDifference,
+                    "no difference detected (no margin set: descriptive)".to_string(),
                 ),
             };
             ms.push(MetricComparison {
@@ -532,6 +532,9 @@ fn compare(
                 final_diff_bootstrap: Interval::default(),
                 baseline_iqm: 0.5,
                 seeds_needed: None,
+                pairing: None,
+                fold: None,
+                margin_rule: None,
             });
         }
         configs.push(ConfigComparison {
@@ -553,6 +556,7 @@ fn compare(
         });
     }
     SuiteComparison {
+        spike_rates: vec![],
         suite: shape.suite.clone(),
         baseline_config: baseline,
         method: Method {
@@ -570,6 +574,7 @@ fn compare(
             band_reps: 1000,
             power: 0.8,
             min_seeds: 3,
+            nights: 1,
         },
         configs,
         spikes,
@@ -578,6 +583,7 @@ fn compare(
         problems: Vec::new(),
         contract,
         overall: OverallVerdict::Pass,
+        night_state: None,
     }
 }
 

@@ -6,7 +6,7 @@
 
 use super::figures::{Ctx, Figure, Section};
 use super::{ReportError, ReportInput};
-use crate::compare::{MetricComparison, OverallVerdict, Verdict};
+use crate::compare::{MetricComparison, Verdict};
 use crate::io::IoError;
 use base64::Engine;
 use std::collections::BTreeSet;
@@ -100,7 +100,7 @@ const STYLE: &str = r#"<style>
 body{font-family:"DejaVu Sans",Verdana,system-ui,sans-serif;margin:0 auto;max-width:1260px;padding:16px 20px 40px;color:#1a1a1a;line-height:1.45;font-size:16px}
 h1{font-size:26px;margin:8px 0 4px}h2{font-size:21px;margin:34px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}h3{font-size:18px;margin:22px 0 6px}
 .badge{display:inline-block;padding:3px 12px;border-radius:4px;font-weight:bold;color:#fff}
-.pass,.equivalent,.improved{background:#2a7d2e}.regression,.regressed{background:#c62828}.inconclusive{background:#8a6d00}
+.pass,.equivalent,.improved{background:#2a7d2e}.regression,.regressed{background:#c62828}.inconclusive,.pending{background:#8a6d00}.described{background:#4a5a6a}
 td .badge{font-size:13px;padding:1px 8px}
 .summary{font-size:17px;background:#f6f8fa;border:1px solid #e1e4e8;border-radius:6px;padding:10px 18px}
 .summary li{margin:4px 0}
@@ -127,6 +127,7 @@ fn verdict_badge(h: &mut Html, v: Verdict) {
         Verdict::Regressed => ("regressed", "regressed"),
         Verdict::Improved => ("improved", "improved"),
         Verdict::Inconclusive => ("inconclusive", "inconclusive"),
+        Verdict::Higher | Verdict::Lower | Verdict::NoDifference => ("described", v.words()),
     };
     h.raw("<span class=\"badge ")
         .raw(class)
@@ -149,16 +150,16 @@ pub fn page(input: &ReportInput<'_>, figs: &[Figure], dir: &Path) -> Result<Stri
         .raw("</head><body>\n<h1>lockstep report: ")
         .text(&cmp.suite)
         .raw(" ");
-    let (class, word): (&'static str, &str) = match cmp.overall {
-        _ if !cmp.problems.is_empty() => ("regression", "ERROR"),
-        OverallVerdict::Pass => ("pass", "PASS"),
-        OverallVerdict::Regression => ("regression", "REGRESSION"),
-        OverallVerdict::Inconclusive => ("inconclusive", "INCONCLUSIVE"),
+    let state = cmp.headline_state();
+    let class: &'static str = match state.as_str() {
+        "pass" => "pass",
+        "regression" | "error" => "regression",
+        _ => "inconclusive",
     };
     h.raw("<span class=\"badge ")
         .raw(class)
         .raw("\">")
-        .text(word)
+        .text(&state.to_uppercase())
         .raw("</span></h1>\n");
     if !input.spec.description.is_empty() {
         h.raw("<p class=\"muted\">")
@@ -241,9 +242,24 @@ fn verdict_row(h: &mut Html, ctx: &Ctx<'_>, config: &str, m: &MetricComparison) 
             .raw("]</span></td>"),
         None => h.td(""),
     };
-    h.raw("<td class=\"why\">")
-        .text(&m.reason)
-        .raw("</td></tr>\n");
+    h.raw("<td class=\"why\">").text(&m.reason);
+    if let Some(p) = &m.pairing {
+        h.raw("<br><span class=\"ci\">").text(&if p.se_ratio.is_finite() {
+            format!(
+                "paired over {} seeds: correlation {:.2}, interval {:.2}x narrower than Welch's (worth {:.1} independent seeds per arm)",
+                p.seeds, p.correlation, p.se_ratio, p.effective_seeds
+            )
+        } else {
+            format!("paired over {} seeds: identical seed by seed", p.seeds)
+        });
+        h.raw("</span>");
+    }
+    if let Some(r) = &m.margin_rule {
+        h.raw("<br><span class=\"ci\">margin: ")
+            .text(r)
+            .raw("</span>");
+    }
+    h.raw("</td></tr>\n");
 }
 
 fn checks_section(h: &mut Html, ctx: &Ctx<'_>) {
@@ -345,10 +361,12 @@ fn spike_table(h: &mut Html, ctx: &Ctx<'_>) {
         .text(&format!(
             "A spike is a step where a site's gradient norm has a robust z-score above {} \
              (log norm against the rolling median/MAD of the previous {} steps) or exceeds {}x \
-             the rolling maximum. Ratio: value over the rolling maximum.",
+             the rolling maximum (compare's offline rule; the engine's online `grad_spike` \
+             events are a second rule, counted as events). Ratio: value over the rolling maximum.",
             m.spike_z, m.spike_window, m.spike_ratio
         ))
         .raw("</p>\n");
+    spike_rate_table(h, ctx);
     if cmp.spikes.is_empty() {
         h.raw("<p>No spikes in any configuration.</p>\n");
         return;
@@ -372,6 +390,35 @@ fn spike_table(h: &mut Html, ctx: &Ctx<'_>) {
             .num(&fmt_g(s.value))
             .num(&fmt_g(s.ratio))
             .num(&fmt_g(s.z))
+            .raw("</tr>\n");
+    }
+    h.raw("</table>\n");
+}
+
+/// Spikes counted against the baseline: per configuration over all sites, then per site and
+/// layer where either arm has one.
+fn spike_rate_table(h: &mut Html, ctx: &Ctx<'_>) {
+    let rates = &ctx.cmp().spike_rates;
+    if rates.is_empty() {
+        return;
+    }
+    h.raw("<p>Against the baseline: spikes per judged step, the excess per 1,000 steps, and the rate ratio with its exact interval (spikes treated as Poisson events).</p>\n");
+    h.raw("<table><tr><th>configuration</th><th>site</th><th>layer</th><th>spikes / steps</th><th>baseline spikes / steps</th><th>excess per 1,000 steps</th><th>rate ratio</th></tr>\n");
+    for r in rates {
+        h.raw("<tr><td>");
+        swatch(h, ctx, &r.config);
+        h.raw("</td><td><code>")
+            .text(&r.site)
+            .raw("</code></td>")
+            .num(&if r.layer < 0 {
+                "all".to_string()
+            } else {
+                r.layer.to_string()
+            })
+            .num(&format!("{} / {}", r.spikes, r.steps))
+            .num(&format!("{} / {}", r.baseline_spikes, r.baseline_steps))
+            .num(&format!("{:+.1}", r.excess_per_1k))
+            .ci(&r.rate_ratio)
             .raw("</tr>\n");
     }
     h.raw("</table>\n");

@@ -31,10 +31,18 @@ fn diff(iv: &crate::compare::Interval) -> String {
 /// The summary sentences, most important first.
 pub fn sentences(cmp: &SuiteComparison, emulated: bool) -> Vec<String> {
     let base = &cmp.baseline_config;
-    let mut out = vec![match cmp.overall {
-        OverallVerdict::Pass => format!("Overall: PASS. No regression against {base}."),
-        OverallVerdict::Regression => format!("Overall: REGRESSION against {base}."),
-        OverallVerdict::Inconclusive => {
+    let nights = cmp.method.nights;
+    let mut out = vec![match (cmp.headline_state().as_str(), cmp.overall) {
+        ("pending", _) => format!(
+            "Overall: PENDING. A regression against {base} tonight, not yet on {nights} consecutive nights."
+        ),
+        ("failing", _) => format!(
+            "Overall: FAILING against {base} tonight; it alerts as a regression after {nights} consecutive failing nights (`lockstep nightly` keeps the count)."
+        ),
+        ("error", _) => "Overall: ERROR. Some runs failed; see the warnings.".to_string(),
+        (_, OverallVerdict::Pass) => format!("Overall: PASS. No regression against {base}."),
+        (_, OverallVerdict::Regression) => format!("Overall: REGRESSION against {base}."),
+        (_, OverallVerdict::Inconclusive) => {
             format!("Overall: INCONCLUSIVE. The runs cannot decide equivalence to {base} yet.")
         }
     }];
