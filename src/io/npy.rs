@@ -135,21 +135,25 @@ fn check_header_shape(bytes: &[u8]) -> Result<(), String> {
         return Ok(());
     }
     let mut total: u64 = 4;
+    let mut dims = Vec::new();
     for dim in rest[open + 1..close]
         .split(',')
         .map(str::trim)
         .filter(|d| !d.is_empty())
     {
         let n: u64 = dim.trim_end_matches('L').parse().map_err(|_| {
-            format!("header shape has `{dim}`, not a size; write the file with numpy.save")
+            format!(
+                "header shape has `{}`, not a size; write the file with numpy.save",
+                super::one_line(dim)
+            )
         })?;
         total = total.saturating_mul(n);
+        dims.push(n);
     }
     let data = (bytes.len() - start).saturating_sub(len) as u64;
     if total > data {
         return Err(format!(
-            "truncated or wrong header: shape {} needs {total} bytes of float32 data, the file has {data}",
-            rest[open..=close].trim()
+            "truncated or wrong header: shape {dims:?} needs {total} bytes of float32 data, the file has {data}"
         ));
     }
     Ok(())
