@@ -13,6 +13,7 @@ const EXIT_ERROR: u8 = 2;
 
 fn main() -> ExitCode {
     keep_freed_memory();
+    quiet_broken_pipe();
     let cli = Cli::parse();
     match dispatch(&cli.command) {
         Ok(true) => ExitCode::from(EXIT_PASS),
@@ -23,11 +24,32 @@ fn main() -> ExitCode {
                 ExitCode::from(lockstep::suite::interrupt::exit_code(i.0))
             }
             None => {
-                eprintln!("error: {e:#}");
+                // One line whatever the error (a parser's snippet or a name holding a newline),
+                // so logs and scripts see one error per line.
+                eprintln!("error: {}", lockstep::io::one_line(&format!("{e:#}")));
                 ExitCode::from(EXIT_ERROR)
             }
         },
     }
+}
+
+/// `lockstep recipe show ... | head` closes stdout early; `println!` then panics with "failed
+/// printing to stdout: Broken pipe". A reader that stopped reading is not an error: end quietly
+/// with exit 0, as `cat` and ripgrep do. Every other panic keeps the default report.
+fn quiet_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to std") && msg.contains("Broken pipe") {
+            std::process::exit(i32::from(EXIT_PASS));
+        }
+        default(info)
+    }));
 }
 
 /// glibc hands buffers of 128 KiB and more back to the kernel on free (mmap/munmap, heap trim), so

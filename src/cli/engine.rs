@@ -157,7 +157,9 @@ pub fn recipe_cmd(cmd: &RecipeCommand) -> Result<bool> {
     let RecipeCommand::Show { name, model } = cmd;
     let cfg = model_preset(model)?;
     let recipe = load(name)?;
-    let plan = recipe.resolve(cfg.n_layers)?;
+    let plan = recipe
+        .resolve(cfg.n_layers)
+        .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
     println!(
         "recipe {} on model {model} ({} layers)",
         recipe.name, cfg.n_layers

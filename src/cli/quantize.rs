@@ -89,7 +89,8 @@ pub struct QuantizeArgs {
     /// Input: a 2-D float32 .npy.
     #[arg(long = "in", value_name = "X.npy", required_unless_present = "check")]
     pub input: Option<PathBuf>,
-    /// Output folder (replaced as a whole; nothing is written on error).
+    /// Output folder: new, empty, or a previous quantize output (replaced as a whole). Never `.`,
+    /// `..`, a folder holding the input, or a folder with other files; nothing is written on error.
     #[arg(long, value_name = "DIR", required_unless_present = "check")]
     pub out: Option<PathBuf>,
     /// Run every golden vector file in DIR (laid out like tests/golden/) and print pass/fail per case.
@@ -205,6 +206,14 @@ pub fn run(args: &QuantizeArgs) -> Result<bool> {
     println!("max abs error  {:.6e}", m.max_abs_error);
     println!("relative RMSE  {:.6e}", m.relative_rmse);
     println!("SQNR           {:.2} dB", m.sqnr_db);
+    println!(
+        "finite         {} (the statistics above cover these)",
+        m.finite
+    );
+    println!(
+        "non-finite     {} NaN, {} inf in the input; {} overflowed to inf",
+        m.nan, m.inf, m.overflow
+    );
     println!("wrote          {}", out.display());
     Ok(true)
 }

@@ -1256,7 +1256,7 @@ impl Data<'_, '_> {
 
 fn site_matches(glob: Option<&str>, site: &str, layer: i64) -> bool {
     let Some(g) = glob else { return true };
-    let Ok(m) = globset::Glob::new(g).map(|g| g.compile_matcher()) else {
+    let Ok(m) = crate::recipe::glob_matcher(g) else {
         return false;
     };
     m.is_match(site) || m.is_match(format!("decoder.layers.{layer}.{site}"))
@@ -1326,7 +1326,7 @@ fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Ve
         let matchers: Vec<globset::GlobMatcher> = c
             .configs
             .iter()
-            .filter_map(|g| globset::Glob::new(g).ok().map(|g| g.compile_matcher()))
+            .filter_map(|g| crate::recipe::glob_matcher(g).ok())
             .collect();
         for g in groups {
             let applies = if matchers.is_empty() {

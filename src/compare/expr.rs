@@ -305,14 +305,34 @@ struct Parser<'a> {
     toks: Vec<Token>,
     i: usize,
     names: &'a Names,
+    /// Current nesting (parentheses and unary signs), bounded by [`MAX_DEPTH`].
+    depth: usize,
 }
+
+/// Deepest nesting of parentheses and signs a check may use. The parser and the evaluator recurse
+/// once per level, so without a bound a hostile check overflows the stack (an abort, not an error).
+pub const MAX_DEPTH: usize = 64;
+
+/// Most tokens a check may have: a long chain `a + a + ...` nests as deep as it is long.
+pub const MAX_TOKENS: usize = 512;
 
 /// Parse a check against the suite's names.
 pub fn parse(text: &str, names: &Names) -> Result<Check, ExprError> {
+    let toks = tokenize(text)?;
+    if toks.len() > MAX_TOKENS {
+        return Err(ExprError::at(
+            toks[MAX_TOKENS].start,
+            format!(
+                "check has {} tokens, at most {MAX_TOKENS} are allowed; split it into several checks",
+                toks.len()
+            ),
+        ));
+    }
     let mut p = Parser {
-        toks: tokenize(text)?,
+        toks,
         i: 0,
         names,
+        depth: 0,
     };
     let lhs = p.sum()?;
     let t = p.next();
@@ -420,6 +440,21 @@ impl Parser<'_> {
     }
 
     fn unary(&mut self) -> Result<Node, ExprError> {
+        if self.depth >= MAX_DEPTH {
+            return Err(ExprError::at(
+                self.peek().start,
+                format!(
+                    "nested more than {MAX_DEPTH} levels deep (parentheses or signs); simplify the check"
+                ),
+            ));
+        }
+        self.depth += 1;
+        let n = self.unary_inner();
+        self.depth -= 1;
+        n
+    }
+
+    fn unary_inner(&mut self) -> Result<Node, ExprError> {
         if self.peek().tok == Tok::Op("-") {
             self.next();
             return Ok(Node::Neg(Box::new(self.unary()?)));
@@ -638,7 +673,7 @@ impl Parser<'_> {
             }
             "site" => {
                 let s = text(&v)?;
-                globset::Glob::new(&s)
+                crate::recipe::glob_matcher(&s)
                     .map_err(|e| ExprError::at(v.start, format!("bad site pattern: {e}")))?;
                 c.site = Some(s);
             }
@@ -1069,5 +1104,21 @@ mod tests {
         assert_eq!(err("rollout/raw_reward > 0").pos, 0);
         let r = err("mean(a, lst=3) > 0").render("mean(a, lst=3) > 0");
         assert!(r.ends_with("\n            ^"), "{r}");
+    }
+
+    #[test]
+    fn deep_nesting_and_long_chains_are_errors_not_stack_overflows() {
+        let deep = format!("{}1{} < 2", "(".repeat(200), ")".repeat(200));
+        let e = parse(&deep, &names()).unwrap_err();
+        assert!(e.msg.contains("nested more than 64"), "{e}");
+        let signs = format!("{}1 < 2", "-".repeat(200));
+        assert!(parse(&signs, &names()).unwrap_err().msg.contains("nested"));
+        let deeper = format!("{}1{} < 2", "(".repeat(5000), ")".repeat(5000));
+        assert!(parse(&deeper, &names()).is_err());
+        let chain = format!("1{} < 2", " + 1".repeat(5000));
+        let e = parse(&chain, &names()).unwrap_err();
+        assert!(e.msg.contains("at most 512"), "{e}");
+        let ok = format!("{}1{} < 2", "(".repeat(60), ")".repeat(60));
+        assert!(parse(&ok, &names()).is_ok());
     }
 }

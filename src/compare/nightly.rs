@@ -225,8 +225,8 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         _ => "❔",
     };
     let mut s = format!(
-        "### {icon} lockstep nightly `{}` {}: **{}**\n\n",
-        v.suite,
+        "### {icon} lockstep nightly {} {}: **{}**\n\n",
+        md_code(&v.suite),
         v.date,
         v.verdict.to_uppercase()
     );
@@ -258,11 +258,11 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         s.push_str(&format!("**{title}**\n"));
         for f in fs {
             s.push_str(&format!(
-                "- `{}` {}: {} (since {}, {} night{})\n",
-                f.config,
-                f.what,
-                f.detail,
-                f.since,
+                "- {} {}: {} (since {}, {} night{})\n",
+                md_code(&f.config),
+                md_text(&f.what),
+                md_text(&f.detail),
+                md_text(&f.since),
                 f.nights,
                 if f.nights == 1 { "" } else { "s" }
             ));
@@ -278,8 +278,8 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
             let m = c.metrics.iter().find(|m| m.margin.is_some())?;
             Some(format!(
                 "| {} | {} | {} | {} [{}, {}] | {} |",
-                c.config,
-                m.metric,
+                md_text(&c.config),
+                md_text(&m.metric),
                 format!("{:?}", m.verdict).to_lowercase(),
                 signed(m.final_diff.estimate),
                 fmt_num(m.final_diff.lo),
@@ -291,7 +291,7 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
     if !primary.is_empty() {
         s.push_str(&format!(
             "| config | metric | verdict | vs {} | seeds |\n|---|---|---|---|---|\n",
-            cmp.baseline_config
+            md_text(&cmp.baseline_config)
         ));
         for l in primary {
             s.push_str(&l);
@@ -309,10 +309,49 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         s.push_str(&format!(
             "{} warning(s): {}\n",
             v.warnings.len(),
-            v.warnings[0]
+            md_text(&v.warnings[0])
         ));
     }
     s
+}
+
+/// Text from the input (configuration names, metrics, details) as inert Markdown: on one line,
+/// with every character that could start emphasis, a link, an image, HTML, a heading or a table
+/// cell backslash-escaped, so a hostile name renders as itself in CI systems and chat tools.
+pub fn md_text(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' | '\r' => o.push(' '),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '&' => o.push_str("&amp;"),
+            '\\' | '`' | '*' | '_' | '[' | ']' | '(' | ')' | '#' | '!' | '|' | '~' | '{' | '}' => {
+                o.push('\\');
+                o.push(c);
+            }
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+/// Text from the input as a Markdown code span: fenced with more backticks than it contains and
+/// on one line, so nothing in it is interpreted (`|` is still escaped: GitHub tables split on it
+/// even inside code).
+pub fn md_code(s: &str) -> String {
+    let flat: String = s
+        .chars()
+        .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
+        .collect();
+    let longest = flat.split(|c| c != '`').map(str::len).max().unwrap_or(0);
+    let fence = "`".repeat(longest + 1);
+    let pad = if flat.starts_with('`') || flat.ends_with('`') {
+        " "
+    } else {
+        ""
+    };
+    format!("{fence}{pad}{}{pad}{fence}", flat.replace('|', "\\|"))
 }
 
 fn xml(s: &str) -> String {
@@ -512,5 +551,28 @@ mod tests {
         assert!(x.contains("3 &quot;violations&quot; &amp; more"), "{x}");
         assert!(!x.contains("\"violations\""));
         assert!(junit(&cmp(false), None).contains("failures=\"0\""));
+    }
+
+    #[test]
+    fn markdown_helpers_make_hostile_names_inert() {
+        let evil = "x` [click](http://e.vil) <img src=x> | *b* _i_\n# h";
+        let t = md_text(evil);
+        assert!(
+            !t.contains('\n') && !t.contains("<img") && !t.contains("]("),
+            "{t}"
+        );
+        assert!(
+            t.contains("\\|") && t.contains("\\*b\\*") && t.contains("\\["),
+            "{t}"
+        );
+        let c = md_code(evil);
+        assert!(
+            c.starts_with("``") && c.ends_with("``") && !c.contains('\n'),
+            "{c}"
+        );
+        assert_eq!(md_code("bf16"), "`bf16`");
+        assert_eq!(md_code("a``b"), "```a``b```");
+        assert_eq!(md_code("`x"), "`` `x ``");
+        assert_eq!(md_text("nvfp4-dq"), "nvfp4-dq");
     }
 }

@@ -505,14 +505,19 @@ pub fn from_table(
     };
     let parse_one = |text: &str, name: Option<String>, globs: Vec<String>| {
         for g in &globs {
-            globset::Glob::new(g)
-                .map_err(|e| err(Some(g), 0, format!("configs pattern `{g}`: {e}")))?;
+            crate::recipe::glob_matcher(g).map_err(|e| {
+                err(
+                    Some(g),
+                    0,
+                    format!("configs pattern `{}`: {e}", crate::recipe::shorten(g)),
+                )
+            })?;
         }
         let check = expr::parse(text, &names).map_err(|e| {
             err(
                 Some(text),
                 e.pos,
-                format!("check `{text}`: {}", e.render(text)),
+                format!("check `{}`: {e}", crate::recipe::shorten(text)),
             )
         })?;
         Ok::<CheckSpec, SettingsError>(CheckSpec {

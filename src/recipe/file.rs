@@ -40,6 +40,19 @@ pub fn load(spec: &str) -> Result<Recipe, LoadError> {
     if !is_file {
         return Ok(preset(spec)?);
     }
+    let meta = std::fs::metadata(p).map_err(|err| LoadError::Io {
+        path: spec.into(),
+        err,
+    })?;
+    if !meta.is_file() || meta.len() > MAX_RECIPE_BYTES as u64 {
+        return Err(LoadError::Parse {
+            path: spec.into(),
+            msg: format!(
+                "must be a regular file of at most {MAX_RECIPE_BYTES} bytes ({} bytes)",
+                meta.len()
+            ),
+        });
+    }
     let text = std::fs::read_to_string(p).map_err(|err| LoadError::Io {
         path: spec.into(),
         err,
@@ -47,19 +60,79 @@ pub fn load(spec: &str) -> Result<Recipe, LoadError> {
     parse(&text, p)
 }
 
+/// Largest recipe file read (real recipes are well under 10 KiB).
+pub const MAX_RECIPE_BYTES: usize = 1 << 20;
+/// Deepest `[`/`{` nesting a recipe may use (real recipes use 2). The YAML parser takes time
+/// quadratic in the nesting (60 KB of `[` took 19.5 s), so it is bounded before parsing.
+pub const MAX_NESTING: usize = 32;
+
+/// Reject text too large or nested too deep before a parser sees it: `(line, column, what)`.
+fn check_shape(text: &str) -> Result<(), (usize, usize, String)> {
+    if text.len() > MAX_RECIPE_BYTES {
+        return Err((
+            1,
+            1,
+            format!(
+                "{} bytes, at most {MAX_RECIPE_BYTES} are allowed",
+                text.len()
+            ),
+        ));
+    }
+    let (mut depth, mut quote) = (0usize, None::<char>);
+    for (n, line) in text.lines().enumerate() {
+        for (col, c) in line.chars().enumerate() {
+            match (quote, c) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '\'' | '"') => quote = Some(c),
+                (None, '#') => break,
+                (None, '[' | '{') => {
+                    depth += 1;
+                    if depth > MAX_NESTING {
+                        return Err((
+                            n + 1,
+                            col + 1,
+                            format!("nested more than {MAX_NESTING} levels of [ or {{; flatten it"),
+                        ));
+                    }
+                }
+                (None, ']' | '}') => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        if quote == Some('\'') || quote == Some('"') {
+            // TOML and YAML flow strings end on their line (multi-line strings only lose the count).
+            quote = None;
+        }
+    }
+    Ok(())
+}
+
 /// Parse recipe text; the format follows the extension of `path` (which also names errors).
 pub fn parse(text: &str, path: &Path) -> Result<Recipe, LoadError> {
+    if let Err((line, col, what)) = check_shape(text) {
+        return Err(LoadError::Parse {
+            path: format!("{}:{line}:{col}", path.display()),
+            msg: what,
+        });
+    }
     let yaml = matches!(
         path.extension().and_then(|e| e.to_str()),
         Some("yaml" | "yml")
     );
-    let res: Result<Recipe, String> = if yaml {
-        serde_norway::from_str(text).map_err(|e| e.to_string())
+    let res: Result<Recipe, (String, String)> = if yaml {
+        serde_norway::from_str(text).map_err(|e| {
+            let at = match e.location() {
+                Some(l) => format!("{}:{}:{}", path.display(), l.line(), l.column()),
+                None => path.display().to_string(),
+            };
+            (at, crate::io::one_line(&e.to_string()))
+        })
     } else {
-        toml::from_str(text).map_err(|e| e.to_string())
+        toml::from_str(text).map_err(|e| crate::io::toml_error(path, text, &e))
     };
-    let mut r = res.map_err(|msg| LoadError::Parse {
-        path: path.display().to_string(),
+    let mut r = res.map_err(|(at, msg)| LoadError::Parse {
+        path: at,
         msg: with_suggestion(msg),
     })?;
     if r.name.is_empty() {
@@ -122,13 +195,12 @@ format = "bf16"
     fn errors_name_line_and_suggest_keys() {
         let bad = TOML.replace("bf16_first = 1", "bf16_frist = 1");
         let e = parse(&bad, Path::new("r.toml")).unwrap_err().to_string();
-        assert!(e.starts_with("r.toml:"), "{e}");
-        assert!(e.contains("line 5"), "{e}");
+        assert!(e.starts_with("r.toml:5:1: "), "{e}");
         assert!(e.contains("did you mean `bf16_first`"), "{e}");
         let bad = TOML.replace("format = \"nvfp4\"", "format = \"nvfp5\"");
         let e = parse(&bad, Path::new("r.toml")).unwrap_err().to_string();
         assert!(
-            e.contains("nvfp5") && e.contains("line 9, column 10"),
+            e.contains("nvfp5") && e.starts_with("r.toml:9:10: ") && e.lines().count() == 1,
             "{e}"
         );
         let e = load("mxfp9").unwrap_err().to_string();
@@ -143,5 +215,23 @@ format = "bf16"
         )
         .unwrap();
         assert_eq!(r.name, "my-recipe");
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_before_the_parser_sees_it() {
+        for p in ["r.yaml", "r.toml"] {
+            let e = parse(&"[".repeat(60_000), Path::new(p))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with(&format!("{p}:1:33: ")) && e.contains("nested"),
+                "{e}"
+            );
+        }
+        let ok = "rules: [{pattern: '[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[*', format: bf16}]\n";
+        assert!(
+            check_shape(ok).is_ok(),
+            "brackets inside quotes do not count"
+        );
     }
 }

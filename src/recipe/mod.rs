@@ -305,6 +305,50 @@ impl LayerCount {
     }
 }
 
+/// Longest site or configuration glob accepted (site names are well under 100 characters).
+pub const MAX_GLOB_LEN: usize = 256;
+
+/// Compile a glob over site or configuration names. Longer than [`MAX_GLOB_LEN`] is an error, and
+/// so is a glob whose regex is too big: `GlobSet::build` reports that as an error where
+/// `Glob::compile_matcher` would panic ("regex compilation shouldn't fail").
+pub fn glob_matcher(pattern: &str) -> Result<GlobMatcher, String> {
+    if pattern.len() > MAX_GLOB_LEN {
+        return Err(format!(
+            "{} characters long, at most {MAX_GLOB_LEN} are allowed; shorten it",
+            pattern.len()
+        ));
+    }
+    let g = Glob::new(pattern).map_err(|e| e.to_string())?;
+    globset::GlobSetBuilder::new()
+        .add(g.clone())
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(g.compile_matcher())
+}
+
+/// `s` for a one-line message: cut to 40 characters (a hostile pattern can be megabytes) and with
+/// control characters escaped ([`escape_controls`]).
+pub fn shorten(s: &str) -> String {
+    match s.char_indices().nth(40) {
+        Some((i, _)) => format!("{}...", escape_controls(&s[..i])),
+        None => escape_controls(s),
+    }
+}
+
+/// `s` with control characters such as a newline escaped (`\n`), so a name from the input cannot
+/// split a one-line message.
+pub fn escape_controls(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() {
+            o.extend(c.escape_default());
+        } else {
+            o.push(c);
+        }
+    }
+    o
+}
+
 /// A precision recipe: ordered glob rules, layer ranges, NVFP4 options and weight decay.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -396,6 +440,14 @@ pub enum RecipeError {
         field: &'static str,
         value: f64,
     },
+    #[error("recipe `{recipe}`: {field} = {value} must be a number in [0, 1]")]
+    BadWeightDecay {
+        recipe: String,
+        field: &'static str,
+        value: f32,
+    },
+    #[error("recipe `{recipe}`: {what} holds a control character (newline, tab...); remove it")]
+    ControlChar { recipe: String, what: String },
     #[error("recipe `{recipe}`: nvfp4_shards must be at least 1")]
     BadShards { recipe: String },
     #[error("unknown recipe `{name}`{hint}; presets: {presets}")]
@@ -491,19 +543,35 @@ impl Recipe {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                Glob::new(&r.pattern)
-                    .map(|g| g.compile_matcher())
-                    .map_err(|e| RecipeError::BadGlob {
-                        recipe: self.name.clone(),
-                        index: i + 1,
-                        pattern: r.pattern.clone(),
-                        why: e.to_string(),
-                    })
+                glob_matcher(&r.pattern).map_err(|why| RecipeError::BadGlob {
+                    recipe: self.name.clone(),
+                    index: i + 1,
+                    pattern: shorten(&r.pattern),
+                    why,
+                })
             })
             .collect()
     }
 
     fn validate(&self) -> Result<(), RecipeError> {
+        let name_bad = self.name.chars().any(char::is_control);
+        if let Some(what) = name_bad.then(|| "its name".to_string()).or_else(|| {
+            self.rules
+                .iter()
+                .position(|r| r.pattern.chars().any(char::is_control))
+                .map(|i| {
+                    format!(
+                        "rule {} pattern `{}`",
+                        i + 1,
+                        shorten(&self.rules[i].pattern)
+                    )
+                })
+        }) {
+            return Err(RecipeError::ControlChar {
+                recipe: shorten(&self.name),
+                what,
+            });
+        }
         for (field, c) in [
             ("bf16_first", self.bf16_first),
             ("bf16_last", self.bf16_last),
@@ -515,6 +583,21 @@ impl Recipe {
                     recipe: self.name.clone(),
                     field,
                     value: f,
+                });
+            }
+        }
+        for (field, value) in [
+            ("weight_decay", self.weight_decay),
+            (
+                "weight_decay_low_precision",
+                self.weight_decay_low_precision,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(RecipeError::BadWeightDecay {
+                    recipe: self.name.clone(),
+                    field,
+                    value,
                 });
             }
         }
@@ -695,5 +778,28 @@ mod tests {
             0.0
         );
         assert_eq!(r.weight_decay_for(&SitePlan::BF16), 0.01);
+    }
+
+    #[test]
+    fn weight_decay_must_be_a_number_in_0_1() {
+        let mut r = recipe(vec![rule("*", Precision::Bf16)]);
+        for bad in [f32::NAN, -0.1, 2.0, f32::INFINITY] {
+            r.weight_decay = bad;
+            let e = r.resolve(2).unwrap_err().to_string();
+            assert!(e.contains("weight_decay") && e.contains("[0, 1]"), "{e}");
+        }
+        r.weight_decay = 0.0;
+        r.weight_decay_low_precision = f32::NAN;
+        assert!(r.resolve(2).is_err());
+    }
+
+    #[test]
+    fn huge_globs_are_errors_not_panics() {
+        let mut r = recipe(vec![rule("*", Precision::Bf16)]);
+        r.rules[0].pattern = "*".repeat(100_000);
+        let e = r.resolve(2).unwrap_err().to_string();
+        assert!(e.contains("at most 256") && e.len() < 300, "{e}");
+        assert!(glob_matcher(&"*".repeat(100_000)).is_err());
+        assert!(glob_matcher(&"a*".repeat(128)).is_ok());
     }
 }

@@ -65,24 +65,27 @@ pub fn parse_break(s: &str) -> Option<ContractBreak> {
     }
 }
 
+/// Whether a configuration's `recipe` names a file (else a preset).
+fn recipe_is_file(recipe: &str) -> bool {
+    recipe.ends_with(".toml") || recipe.ends_with(".yaml") || recipe.ends_with(".yml")
+}
+
 /// The recipe of a configuration with one sweep combination applied.
 fn build_recipe(
     s: &SuiteSpec,
     c: &ConfigSpec,
     axes: &BTreeMap<String, String>,
 ) -> Result<Recipe, SuiteError> {
-    let spec =
-        if c.recipe.ends_with(".toml") || c.recipe.ends_with(".yaml") || c.recipe.ends_with(".yml")
-        {
-            s.path
-                .parent()
-                .unwrap_or(std::path::Path::new("."))
-                .join(&c.recipe)
-                .display()
-                .to_string()
-        } else {
-            c.recipe.clone()
-        };
+    let spec = if recipe_is_file(&c.recipe) {
+        s.path
+            .parent()
+            .unwrap_or(std::path::Path::new("."))
+            .join(&c.recipe)
+            .display()
+            .to_string()
+    } else {
+        c.recipe.clone()
+    };
     let mut r = crate::recipe::file::load(&spec)
         .map_err(|e| invalid(s, format!("config `{}`: {e}", c.name)))?;
     let get = |k: &str| axes.get(k).cloned();
@@ -193,19 +196,125 @@ fn combinations(s: &SuiteSpec) -> Vec<BTreeMap<String, String>> {
     out
 }
 
+/// Most steps a run may have.
+pub const MAX_STEPS: usize = 10_000_000;
+/// Most prompts per step and samples per prompt.
+pub const MAX_PROMPTS: usize = 4096;
+pub const MAX_SAMPLES: usize = 1024;
+/// Most memory the activations of one step may need (estimated by [`step_memory_bytes`]).
+pub const MAX_STEP_MEMORY: u64 = 64 << 30;
+
+/// A rough lower bound on what one training step of `batch` sequences of `seq` tokens keeps in
+/// memory: the forward's activations (residual stream, attention, the routed experts' and the
+/// shared expert's hidden layers, logits) in FP32, which the backward needs back.
+pub fn step_memory_bytes(m: &ModelConfig, batch: usize, seq: usize) -> u64 {
+    let per_token = m.vocab as u64
+        + m.n_layers as u64
+            * (16 * m.d_model as u64 + 3 * (m.top_k * m.d_ff) as u64 + 3 * m.d_ff_shared as u64);
+    (batch as u64)
+        .saturating_mul(seq as u64)
+        .saturating_mul(per_token)
+        .saturating_mul(4)
+}
+
+/// Every value of the suite that `run` would reject or mishandle, checked once, with the range
+/// the value must be in: steps, learning rate, batch sizes (and the memory they need), duplicate
+/// seeds and a suite name that must be a path component of the run store.
+fn check_workload(
+    s: &SuiteSpec,
+    model: &ModelConfig,
+    grpo: &GrpoConfig,
+    seq: usize,
+) -> Result<(), SuiteError> {
+    let bad = |msg: String| Err(invalid(s, msg));
+    if let Err(why) = super::runner::safe_component(&s.name) {
+        return bad(format!(
+            "name = \"{}\": {why}; it names the run store folder",
+            crate::recipe::shorten(&s.name)
+        ));
+    }
+    let w = &s.workload;
+    if !(1..=MAX_STEPS).contains(&w.steps) {
+        return bad(format!(
+            "workload.steps = {}: must be in 1..={MAX_STEPS}",
+            w.steps
+        ));
+    }
+    if !(grpo.lr.is_finite() && grpo.lr > 0.0 && grpo.lr <= 1.0) {
+        return bad(format!(
+            "workload.lr = {}: must be a number in (0, 1], e.g. 1e-3",
+            grpo.lr
+        ));
+    }
+    if !(1..=MAX_PROMPTS).contains(&grpo.prompts_per_step) {
+        return bad(format!(
+            "workload.prompts_per_step = {}: must be in 1..={MAX_PROMPTS}",
+            grpo.prompts_per_step
+        ));
+    }
+    if !(1..=MAX_SAMPLES).contains(&grpo.samples_per_prompt) {
+        return bad(format!(
+            "workload.samples_per_prompt = {}: must be in 1..={MAX_SAMPLES}",
+            grpo.samples_per_prompt
+        ));
+    }
+    if grpo.max_response_tokens == 0 {
+        return bad("workload.max_response_tokens = 0: must be at least 1".into());
+    }
+    let batch = grpo.prompts_per_step * grpo.samples_per_prompt;
+    let need = step_memory_bytes(model, batch, seq);
+    if need > MAX_STEP_MEMORY {
+        return bad(format!(
+            "workload.prompts_per_step x samples_per_prompt = {batch} sequences of {seq} tokens need about {:.0} GiB per step (at most {} GiB); lower them",
+            need as f64 / (1u64 << 30) as f64,
+            MAX_STEP_MEMORY >> 30
+        ));
+    }
+    for c in &s.configs {
+        for (what, v) in [("name", &c.name), ("recipe", &c.recipe)] {
+            if v.chars().any(char::is_control) {
+                return bad(format!(
+                    "[[configs]] {what} = \"{}\" holds a control character (newline, tab...); remove it",
+                    crate::recipe::shorten(v)
+                ));
+            }
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for &seed in &s.seeds {
+        if !seen.insert(seed) {
+            return bad(format!(
+                "seeds lists {seed} twice: each seed must appear once"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Expand and validate a suite (this is `lockstep suite check`).
 pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     let model = model_preset(&s.workload.model).ok_or_else(|| {
         invalid(
             s,
-            format!("workload.model `{}`: use tiny or small", s.workload.model),
+            format!(
+                "workload.model `{}`: use tiny or small",
+                crate::recipe::shorten(&s.workload.model)
+            ),
         )
     })?;
     let task: Task = s
         .workload
         .task
         .parse()
-        .map_err(|e| invalid(s, format!("workload.task: {e}")))?;
+        .map_err(|e: crate::engine::task::TaskError| {
+            invalid(
+                s,
+                format!(
+                    "workload.task: {}",
+                    crate::recipe::escape_controls(&e.to_string())
+                ),
+            )
+        })?;
     let mut grpo = GrpoConfig::default();
     let w = &s.workload;
     grpo.prompts_per_step = w.prompts_per_step.unwrap_or(grpo.prompts_per_step);
@@ -214,6 +323,12 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     grpo.lr = w.lr.unwrap_or(grpo.lr);
     grpo.routing_replay = w.routing_replay.unwrap_or(grpo.routing_replay);
     grpo.eval_every = w.eval_every.unwrap_or(grpo.eval_every);
+    check_workload(
+        s,
+        &model,
+        &grpo,
+        task.prompt_len().saturating_add(grpo.max_response_tokens),
+    )?;
     if let Some(ws) = &w.warm_start {
         ws.validate()
             .map_err(|e| invalid(s, format!("workload.warm_start: {e}")))?;
@@ -226,21 +341,33 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 None => ContractBreak::None,
                 Some(b) => parse_break(b).ok_or_else(|| invalid(s, format!("config `{}`: contract_break `{b}`: use none, per-tensor-nvfp4, shards:N or mxfp8-floor-scale", c.name)))?,
             };
+            let template = RunConfig {
+                model: model.clone(),
+                task,
+                recipe,
+                grpo: grpo.clone(),
+                warm_start: w.warm_start.clone().unwrap_or_default(),
+                contract_break: brk,
+                seed: 0,
+                steps: w.steps,
+            };
+            // Checked once per configuration: the seed changes nothing `check_run` looks at.
+            if s.engine == "builtin" {
+                crate::engine::trainer::check_run(&template).map_err(|e| {
+                    // A recipe file's own errors name the file, not only the recipe.
+                    let file = if recipe_is_file(&c.recipe) {
+                        format!(" (recipe file {})", c.recipe)
+                    } else {
+                        String::new()
+                    };
+                    invalid(s, format!("config `{}`{file}: {e}", c.name))
+                })?;
+            }
             for &seed in &s.seeds {
                 let run = RunConfig {
-                    model: model.clone(),
-                    task,
-                    recipe: recipe.clone(),
-                    grpo: grpo.clone(),
-                    warm_start: w.warm_start.clone().unwrap_or_default(),
-                    contract_break: brk,
                     seed,
-                    steps: w.steps,
+                    ..template.clone()
                 };
-                if s.engine == "builtin" {
-                    crate::engine::trainer::check_run(&run)
-                        .map_err(|e| invalid(s, format!("config `{}`: {e}", c.name)))?;
-                }
                 let config = if axes.is_empty() {
                     c.name.clone()
                 } else {
@@ -395,7 +522,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("line 6") && e.contains("did you mean `lr`"),
+            e.starts_with("t.toml:6:") && e.contains("did you mean `lr`"),
             "{e}"
         );
         let e = expand(
@@ -429,6 +556,114 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("tiny or small")
+        );
+    }
+
+    fn check_err(workload: &str, top: &str) -> String {
+        let text = format!(
+            "name = \"t\"\nseeds = [0, 1]\n{top}\n[workload]\n{workload}\n[[configs]]\nname = \"x\"\nrecipe = \"bf16\"\n"
+        );
+        match expand(&parse(&text, Path::new("t.toml")).unwrap()) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn values_run_would_mishandle_are_rejected_with_their_range() {
+        for (w, want) in [
+            ("steps = 0", "steps = 0: must be in 1..="),
+            (
+                "steps = 3\nlr = nan",
+                "lr = NaN: must be a number in (0, 1]",
+            ),
+            ("steps = 3\nlr = -1e-3", "must be a number in (0, 1]"),
+            ("steps = 3\nlr = 0.0", "must be a number in (0, 1]"),
+            (
+                "steps = 3\nprompts_per_step = 0",
+                "prompts_per_step = 0: must be in 1..=4096",
+            ),
+            (
+                "steps = 3\nsamples_per_prompt = 0",
+                "samples_per_prompt = 0: must be in 1..=1024",
+            ),
+            (
+                "steps = 3\nsamples_per_prompt = 100000000000",
+                "must be in 1..=1024",
+            ),
+            (
+                "steps = 3\nprompts_per_step = 4096\nsamples_per_prompt = 1024",
+                "GiB per step",
+            ),
+            (
+                "steps = 3\nmax_response_tokens = 0",
+                "max_response_tokens = 0",
+            ),
+        ] {
+            let e = check_err(w, "");
+            assert!(e.starts_with("t.toml: ") && e.contains(want), "{w}: {e}");
+        }
+        assert!(check_err("steps = 3", "").is_empty());
+        let e = check_err("steps = 3", "").to_string();
+        assert!(e.is_empty(), "{e}");
+        let text = "name = \"t\"\nseeds = [3, 1, 3]\n[workload]\nsteps = 3\n[[configs]]\nname = \"x\"\nrecipe = \"bf16\"\n";
+        let e = expand(&parse(text, Path::new("t.toml")).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("seeds lists 3 twice"), "{e}");
+        for name in ["../../etc", "a/b", ".hidden", ""] {
+            let text = format!(
+                "name = \"{name}\"\nseeds = [0]\n[workload]\nsteps = 3\n[[configs]]\nname = \"x\"\nrecipe = \"bf16\"\n"
+            );
+            let e = expand(&parse(&text, Path::new("t.toml")).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("names the run store folder"), "{name}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_memory_estimate_grows_with_the_batch() {
+        let m = ModelConfig::tiny();
+        let one = step_memory_bytes(&m, 1, 16);
+        assert!(one > 0);
+        assert_eq!(step_memory_bytes(&m, 64, 16), 64 * one);
+        assert_eq!(step_memory_bytes(&m, usize::MAX, usize::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn many_seeds_share_one_check_and_keep_their_ids() {
+        let seeds: Vec<String> = (0..500).map(|i| i.to_string()).collect();
+        let text = format!(
+            "name = \"t\"\nseeds = [{}]\n[workload]\nsteps = 3\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[[configs]]\nname = \"nv\"\nrecipe = \"nvfp4-dq\"\n",
+            seeds.join(", ")
+        );
+        let runs = expand(&parse(&text, Path::new("t.toml")).unwrap()).unwrap();
+        assert_eq!(runs.len(), 1000);
+        let ids: std::collections::BTreeSet<_> = runs.iter().map(|r| &r.run_id).collect();
+        assert_eq!(ids.len(), 1000);
+        assert!(
+            runs.iter()
+                .zip(&runs[1..])
+                .all(|(a, b)| a.base != b.base || a.seed + 1 == b.seed)
+        );
+    }
+
+    #[test]
+    fn a_recipe_file_error_names_the_recipe_file() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(
+            d.path().join("r.toml"),
+            "weight_decay = -0.5\n[[rules]]\npattern = \"*\"\nformat = \"bf16\"\n",
+        )
+        .unwrap();
+        let p = d.path().join("s.toml");
+        let text = "name = \"t\"\nseeds = [0]\n[workload]\nsteps = 3\n[[configs]]\nname = \"x\"\nrecipe = \"r.toml\"\n";
+        let e = expand(&parse(text, &p).unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("recipe file r.toml")
+                && e.contains("weight_decay = -0.5 must be a number in [0, 1]"),
+            "{e}"
         );
     }
 }

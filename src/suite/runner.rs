@@ -123,17 +123,26 @@ pub fn is_finished(dir: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// An exclusive per-run lock; released on drop.
+/// An exclusive per-run lock; released on drop. The lock file holds its owner as `PID START`,
+/// START being the process start time (field 22 of `/proc/PID/stat`, clock ticks since boot), so
+/// a lock left by a killed process is taken over even when its pid now belongs to another live
+/// process. A lock holding only a pid (or on a system without `/proc`) is trusted while that pid
+/// exists.
 struct RunLock(PathBuf);
 
 impl RunLock {
     fn acquire(path: &Path) -> Option<RunLock> {
-        // The lock appears with its pid already in it: the pid is written to a private file that
-        // is then hard-linked into place (atomic, fails if the lock exists). Creating the lock and
-        // then writing the pid let another process read an empty lock in between, take it for
+        // The lock appears with its owner already in it: the owner is written to a private file
+        // that is then hard-linked into place (atomic, fails if the lock exists). Creating the lock
+        // and then writing the pid let another process read an empty lock in between, take it for
         // stale, delete it and run the same run a second time.
-        let mine = path.with_extension(format!("lock.{}", std::process::id()));
-        if std::fs::write(&mine, std::process::id().to_string()).is_err() {
+        let me = std::process::id();
+        let mine = path.with_extension(format!("lock.{me}"));
+        let owner = match process_start(me) {
+            Some(start) => format!("{me} {start}"),
+            None => me.to_string(),
+        };
+        if std::fs::write(&mine, owner).is_err() {
             return None;
         }
         let mut taken = None;
@@ -142,11 +151,10 @@ impl RunLock {
                 taken = Some(RunLock(path.to_path_buf()));
                 break;
             }
-            let pid: Option<u32> = std::fs::read_to_string(path)
+            let held = std::fs::read_to_string(path)
                 .ok()
-                .and_then(|s| s.trim().parse().ok());
-            let alive = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
-            if alive {
+                .is_some_and(|s| owner_alive(&s));
+            if held {
                 break;
             }
             let _ = std::fs::remove_file(path); // stale: its owner is gone
@@ -154,6 +162,32 @@ impl RunLock {
         let _ = std::fs::remove_file(&mine);
         taken
     }
+}
+
+/// Whether the process a lock names (`PID` or `PID START`) is still the one that wrote it.
+fn owner_alive(lock: &str) -> bool {
+    let mut it = lock.split_whitespace();
+    let Some(pid) = it.next().and_then(|p| p.parse::<u32>().ok()) else {
+        return false;
+    };
+    if !Path::new(&format!("/proc/{pid}")).exists() {
+        return false;
+    }
+    match (
+        it.next().and_then(|s| s.parse::<u64>().ok()),
+        process_start(pid),
+    ) {
+        (Some(recorded), Some(now)) => recorded == now,
+        _ => true,
+    }
+}
+
+/// Start time of process `pid` in clock ticks since boot: field 22 of `/proc/PID/stat`, counted
+/// after the `)` that closes the command name (which may itself hold spaces and parentheses).
+fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19)?.parse().ok()
 }
 
 impl Drop for RunLock {
@@ -413,5 +447,23 @@ mod tests {
         );
         drop(l);
         assert!(!p.exists());
+    }
+
+    #[test]
+    fn a_lock_whose_pid_was_reused_by_another_process_is_taken_over() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("r.lock");
+        let me = std::process::id();
+        let start = process_start(me).expect("/proc is mounted on Linux");
+        // Our pid is alive, but the lock's writer started at another time: a reused pid.
+        std::fs::write(&p, format!("{me} {}", start + 1)).unwrap();
+        assert!(!owner_alive(&std::fs::read_to_string(&p).unwrap()));
+        let l = RunLock::acquire(&p).expect("lock of a dead owner taken over");
+        let held = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(held, format!("{me} {start}"));
+        assert!(owner_alive(&held));
+        drop(l);
+        assert!(owner_alive(&me.to_string()), "a pid-only lock is trusted");
+        assert!(!owner_alive("garbage"));
     }
 }

@@ -269,9 +269,12 @@ pub fn load(path: &Path) -> Result<SuiteSpec, SuiteError> {
 
 /// Parse suite text (`path` names errors and anchors relative recipe files).
 pub fn parse(text: &str, path: &Path) -> Result<SuiteSpec, SuiteError> {
-    let mut s: SuiteSpec = toml::from_str(text).map_err(|e| SuiteError::Parse {
-        path: path.display().to_string(),
-        msg: hint(e.to_string()),
+    let mut s: SuiteSpec = toml::from_str(text).map_err(|e| {
+        let (at, what) = crate::io::toml_error(path, text, &e);
+        SuiteError::Parse {
+            path: at,
+            msg: hint(what),
+        }
     })?;
     s.path = path.to_path_buf();
     let bad = |msg: String| SuiteError::Invalid {
@@ -393,7 +396,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("s.toml") && e.contains("line 4") && e.contains("did you mean `steps`"),
+            e.starts_with("s.toml:4:1: ") && e.contains("did you mean `steps`"),
             "{e}"
         );
         let e = parse(
@@ -402,7 +405,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("line 4") && e.contains("expected usize"), "{e}");
+        assert!(
+            e.starts_with("s.toml:4:") && e.contains("expected usize") && e.lines().count() == 1,
+            "{e}"
+        );
         let e = parse(&OK.replace("seeds = [0, 1]\n", ""), Path::new("s.toml"))
             .unwrap_err()
             .to_string();

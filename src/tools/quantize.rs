@@ -6,7 +6,10 @@ use crate::formats::{Axis, FormatError, QuantFormat, QuantizedTensor, Scales, qu
 use crate::io::{IoError, atomic, npy};
 use std::path::Path;
 
-/// Quantization error of `x'` against `x` over the finite elements of `x`.
+/// Quantization error of `x'` against `x`. The error statistics cover only the elements where both
+/// `x` and `x'` are finite, so one NaN or overflow cannot hide (NaN) or swamp (inf) the error of
+/// the rest; those elements are counted instead, so a `max abs error` of 0 over an input full of
+/// NaN reads as what it is.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct ErrorMetrics {
     pub max_abs_error: f64,
@@ -14,14 +17,33 @@ pub struct ErrorMetrics {
     pub relative_rmse: f64,
     /// Signal-to-quantization-noise ratio, 10·log10(Σx² / Σ(x - x')²) (∞ when exact).
     pub sqnr_db: f64,
+    /// Elements the statistics above cover (finite in and out).
+    pub finite: u64,
+    /// NaN inputs (kept NaN by every format).
+    pub nan: u64,
+    /// ±inf inputs.
+    pub inf: u64,
+    /// Finite inputs that dequantize to ±inf or NaN (e.g. FLT_MAX whose block scale overflows).
+    pub overflow: u64,
 }
 
 pub fn error_metrics(x: &[f32], xq: &[f32]) -> ErrorMetrics {
     let (mut max_abs, mut sig, mut noise) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut finite, mut nan, mut inf, mut overflow) = (0u64, 0u64, 0u64, 0u64);
     for (a, b) in x.iter().zip(xq) {
-        if !a.is_finite() {
+        if a.is_nan() {
+            nan += 1;
             continue;
         }
+        if a.is_infinite() {
+            inf += 1;
+            continue;
+        }
+        if !b.is_finite() {
+            overflow += 1;
+            continue;
+        }
+        finite += 1;
         let (a, b) = (*a as f64, *b as f64);
         let d = (a - b).abs();
         max_abs = max_abs.max(d);
@@ -38,6 +60,34 @@ pub fn error_metrics(x: &[f32], xq: &[f32]) -> ErrorMetrics {
         max_abs_error: max_abs,
         relative_rmse,
         sqnr_db,
+        finite,
+        nan,
+        inf,
+        overflow,
+    }
+}
+
+/// The files a `quantize` output folder may hold: an existing `--out` holding anything else (or
+/// lacking `quantized.json`) is not replaced.
+pub const OUTPUT_FILES: [&str; 5] = [
+    "codes.npy",
+    "scales.npy",
+    "global_scale.npy",
+    "dequant.npy",
+    "quantized.json",
+];
+
+/// Whether `dir` holds exactly a previous `quantize` output: only [`OUTPUT_FILES`], with a
+/// `quantized.json` this command wrote (a JSON object with its `format` and `layout` keys).
+pub fn is_previous_output(dir: &Path) -> Result<(), String> {
+    atomic::only_files(dir, &OUTPUT_FILES, "quantized.json")?;
+    let text = std::fs::read_to_string(dir.join("quantized.json")).map_err(|e| e.to_string())?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|_| "quantized.json is not JSON".to_string())?;
+    if v.get("format").is_some() && v.get("layout").is_some() {
+        Ok(())
+    } else {
+        Err("quantized.json was not written by lockstep quantize".into())
     }
 }
 
@@ -51,13 +101,20 @@ pub enum QuantizeError {
 }
 
 /// Quantize `input` and write `codes.npy`, `scales.npy`, `global_scale.npy` (NVFP4),
-/// `dequant.npy` and `quantized.json` into `out` (replaced as a whole; nothing is left on failure).
+/// `dequant.npy` and `quantized.json` into `out` (nothing is left on failure). `out` must be new,
+/// empty or a previous output ([`is_previous_output`]) and must not hold `input`; otherwise
+/// nothing is read or written.
 pub fn quantize_file(
     input: &Path,
     out: &Path,
     fmt: &QuantFormat,
     axis: Axis,
 ) -> Result<ErrorMetrics, QuantizeError> {
+    let rule = atomic::Replace {
+        protect: &[input],
+        previous_output: &is_previous_output,
+    };
+    atomic::check_replaceable(out, &rule)?;
     let m = npy::read_matrix_f32(input)?;
     let q = quantize(&m.data, m.rows, m.cols, fmt, axis).map_err(|err| QuantizeError::Format {
         path: input.display().to_string(),
@@ -65,7 +122,7 @@ pub fn quantize_file(
     })?;
     let deq = q.dequantize();
     let metrics = error_metrics(&m.data, &deq);
-    atomic::write_dir::<QuantizeError>(out, |dir| {
+    atomic::write_dir_checked::<QuantizeError>(out, &rule, |dir| {
         write_outputs(dir, &q, &deq)?;
         let meta = serde_json::json!({
             "input": input.display().to_string(),
@@ -74,7 +131,14 @@ pub fn quantize_file(
             "axis": q.axis,
             "blocked_shape": q.blocked_shape(),
             "layout": "codes/scales are row-major over the blocked view: [rows, cols] for axis=row, [cols, rows] (transposed) for axis=col; FP4 codes packed two a byte, element 2i in the low nibble; dequant.npy has the input's shape",
-            "stats": q.stats,
+            "stats": {
+                "elements": q.stats.elements,
+                "saturated": q.stats.saturated,
+                "underflowed": q.stats.underflowed,
+                "overflow": metrics.overflow,
+                "nan": metrics.nan,
+                "inf": metrics.inf,
+            },
             "error": metrics,
         });
         let text = serde_json::to_string_pretty(&meta).unwrap_or_default();
@@ -141,5 +205,36 @@ mod tests {
         assert_eq!(m.max_abs_error, 1.0);
         assert!((m.relative_rmse - (1.0f64 / 14.0).sqrt()).abs() < 1e-12);
         assert!((m.sqnr_db - 10.0 * 14f64.log10()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn non_finite_inputs_and_overflow_are_counted_not_hidden() {
+        let x = [1.0f32, f32::NAN, f32::INFINITY, f32::MAX, 2.0];
+        let xq = [1.5f32, f32::NAN, f32::INFINITY, f32::INFINITY, 2.0];
+        let m = error_metrics(&x, &xq);
+        assert_eq!((m.finite, m.nan, m.inf, m.overflow), (2, 1, 1, 1));
+        assert_eq!(m.max_abs_error, 0.5);
+        assert!(m.sqnr_db.is_finite());
+    }
+
+    #[test]
+    fn only_a_previous_output_counts_as_one() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("dequant.npy"), b"x").unwrap();
+        assert!(
+            is_previous_output(d.path())
+                .unwrap_err()
+                .contains("quantized.json")
+        );
+        std::fs::write(d.path().join("quantized.json"), b"{\"a\": 1}").unwrap();
+        assert!(is_previous_output(d.path()).is_err());
+        std::fs::write(
+            d.path().join("quantized.json"),
+            b"{\"format\": \"bf16\", \"layout\": \"\"}",
+        )
+        .unwrap();
+        assert!(is_previous_output(d.path()).is_ok());
+        std::fs::write(d.path().join("x.npy"), b"input").unwrap();
+        assert!(is_previous_output(d.path()).unwrap_err().contains("x.npy"));
     }
 }
