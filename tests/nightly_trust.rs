@@ -287,12 +287,12 @@ fn the_command_table_is_strict_and_checked_for_every_configuration() {
             vec![
                 "unknown field `timeout`",
                 "did you mean `timeout_s`",
-                "line 10",
+                "variant.toml:10:",
             ],
         ),
         (
             text.replace("\"{mode}\", ", "3, "),
-            vec!["line 9", "string"],
+            vec!["variant.toml:9:", "string"],
         ),
         (
             text.replace("timeout_s = 2", "timeout_s = -1"),
@@ -320,6 +320,7 @@ fn the_command_table_is_strict_and_checked_for_every_configuration() {
     ] {
         let (code, _, err) = check(variant);
         assert_eq!(code, 2, "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
         for n in needles {
             assert!(err.contains(n), "`{n}` not in: {err}");
         }

@@ -1,5 +1,6 @@
 //! Issue 19: no input panics, aborts or hangs a parser. For each parser a user's file reaches
-//! (suite through `suite check`, recipe, check expression, `.npy` header), proptest mutates a valid
+//! (suite through `suite check`, recipe, check expression, `.npy` header, metrics mapping, metrics
+//! lines in JSON-lines and CSV), proptest mutates a valid
 //! input (inserting hostile tokens, deleting and duplicating spans) and requires an `Ok` or an `Err`
 //! whose message is one line; every file in `tests/corpus/` (the inputs that once broke lockstep)
 //! must be an error. Each case runs on its own thread under a deadline, so a hang fails the test
@@ -209,6 +210,13 @@ fn corpus(kind: &str) -> Vec<PathBuf> {
     v
 }
 
+/// A metrics mapping using every key.
+const MAPPING: &str = "files = [\"metrics.jsonl\", \"tb/events.out.tfevents.*\"]\nstep = \"step\"\npreset = \"trl\"\nfirst_step = 1\nkeep_partial_events = true\n[map]\n\"actor/grad_norm\" = \"train/grad_norm\"\n[layers]\n\"grad_norm/layer_{layer}/{site}\" = \"grad_norm\"\n";
+
+/// Metrics lines: JSON with Python's NaN, a Miles series, and a CSV.
+const METRICS_JSONL: &str = "{\"step\": 0, \"rollout/raw_reward\": 0.5, \"grad_norm/layer_1/mlp\": NaN}\n{\"metric\": \"train/ppo_kl\", \"series\": [[0, 1.5], [1, Infinity]]}\n{\"step\": 1.0, \"rollout/raw_reward\": -Infinity, \"note\": \"NaN \\\" Infinity\"}\n";
+const METRICS_CSV: &str = "step,rollout/raw_reward,train/loss\n0,0.5,nan\n1,,inf\n";
+
 proptest! {
     // 48 cases each keeps the normal run well under a second; PROPTEST_CASES=5000 for a deeper hunt.
     #![proptest_config(ProptestConfig {
@@ -245,6 +253,39 @@ proptest! {
     }
 
     #[test]
+    fn mutated_metrics_mappings_give_ok_or_one_line(e in edits()) {
+        let text = mutate(MAPPING, &e);
+        let t = text.clone();
+        bounded(&text, move || {
+            match one_line(toml::from_str::<lockstep::suite::metrics::MetricsMapping>(&t).map_err(|e| e.message().to_string()))? {
+                true => {
+                    let m: lockstep::suite::metrics::MetricsMapping = toml::from_str(&t).map_err(|e| e.to_string())?;
+                    one_line(m.validate()).map(|_| ())
+                }
+                false => Ok(()),
+            }
+        });
+    }
+
+    #[test]
+    fn mutated_metrics_lines_are_read_or_counted(e in edits(), csv in any::<bool>()) {
+        let (seed, name) = if csv { (METRICS_CSV, "m.csv") } else { (METRICS_JSONL, "m.jsonl") };
+        let text = mutate(seed, &e);
+        let bytes = latin1_bytes(&text);
+        bounded(&text, move || {
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            std::fs::write(dir.path().join(name), bytes).map_err(|e| e.to_string())?;
+            let m = lockstep::suite::metrics::MetricsMapping {
+                files: vec![name.to_string()],
+                ..Default::default()
+            };
+            // Reading a regular file never fails for JSON lines (bad lines are counted); a CSV
+            // may fail only on its header, with one line.
+            one_line(lockstep::suite::metrics::read_metrics(dir.path(), &m)).map(|_| ())
+        });
+    }
+
+    #[test]
     fn mutated_npy_headers_give_ok_or_one_line(e in edits()) {
         let text = mutate(&valid_npy(), &e);
         let bytes = latin1_bytes(&text);
@@ -278,6 +319,17 @@ fn the_seeds_are_valid() {
             .unwrap();
     }
     lockstep::compare::expr::parse(EXPR, &names()).unwrap();
+    let m: lockstep::suite::metrics::MetricsMapping = toml::from_str(MAPPING).unwrap();
+    m.validate().unwrap();
+    for (text, name) in [(METRICS_JSONL, "m.jsonl"), (METRICS_CSV, "m.csv")] {
+        std::fs::write(dir.path().join(name), text).unwrap();
+        let m = lockstep::suite::metrics::MetricsMapping {
+            files: vec![name.to_string()],
+            ..Default::default()
+        };
+        let r = lockstep::suite::metrics::read_metrics(dir.path(), &m).unwrap();
+        assert_eq!(r.records.len(), 2, "{name}");
+    }
     let p = dir.path().join("x.npy");
     std::fs::write(&p, latin1_bytes(&valid_npy())).unwrap();
     assert_eq!(
