@@ -465,6 +465,20 @@ pub struct NightlyArgs {
     /// The night's date (default: today, UTC); the consecutive-nights rule counts dates.
     #[arg(long)]
     pub date: Option<String>,
+    /// `auto`: run seeds in batches and stop each configuration as soon as the group-sequential
+    /// procedure decides it on the primary metric (equivalent or regressed; error spending
+    /// keeps the false-alarm rate and power over all looks). Default: the suite's fixed seeds.
+    #[arg(long, value_parser = ["auto"])]
+    pub seeds: Option<String>,
+    /// With --seeds auto: seeds per configuration at the first look.
+    #[arg(long, default_value_t = 3)]
+    pub min_seeds: usize,
+    /// With --seeds auto: the most seeds per configuration (the last look).
+    #[arg(long, default_value_t = 15)]
+    pub max_seeds: usize,
+    /// With --seeds auto: seeds added between looks.
+    #[arg(long, default_value_t = 3)]
+    pub batch: usize,
     #[command(flatten)]
     pub flags: CompareFlags,
 }
@@ -473,28 +487,43 @@ pub struct NightlyArgs {
 pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
     let spec = load(&a.suite)?;
     let s = settings::from_spec(&spec)?;
-    if !a.no_run {
-        let ok = crate::cli::suite::run_cmd(&crate::cli::suite::RunArgs {
-            suite: a.suite.clone(),
-            store: a.store.clone(),
-            jobs: a.jobs,
-            force: false,
-            reingest: false,
-            device: a.device.clone(),
-            executor: crate::cli::suite::Executor::Local,
-            slurm: Default::default(),
-        })?;
-        if !ok {
-            eprintln!("some runs did not finish; they are listed as problems below");
-        }
-    }
     let dir = suite_dir(&a.store, &spec.name)?;
+    let run_args = crate::cli::suite::RunArgs {
+        suite: a.suite.clone(),
+        store: a.store.clone(),
+        jobs: a.jobs,
+        force: false,
+        reingest: false,
+        device: a.device.clone(),
+        executor: crate::cli::suite::Executor::Local,
+        slurm: Default::default(),
+    };
+    let sequential = match a.seeds.as_deref() {
+        Some("auto") => Some(sequential_night(&spec, &s, a, &run_args, &dir)?),
+        _ => {
+            if !a.no_run && !crate::cli::suite::run_cmd(&run_args)? {
+                eprintln!("some runs did not finish; they are listed as problems below");
+            }
+            None
+        }
+    };
     let out = a.out.clone().unwrap_or_else(|| dir.clone());
     let date = a
         .date
         .clone()
         .unwrap_or_else(|| lockstep::store::run::now_utc()[..10].to_string());
-    let cmp = match lockstep::compare::compare_suite(&spec, &dir, &a.flags.options()) {
+    let compared = match &sequential {
+        Some((planned, looks)) => {
+            lockstep::compare::compare_planned(&spec, planned, &dir, &a.flags.options()).map(
+                |mut c| {
+                    lockstep::compare::apply_sequential(&mut c, looks, &s);
+                    c
+                },
+            )
+        }
+        None => lockstep::compare::compare_suite(&spec, &dir, &a.flags.options()),
+    };
+    let cmp = match compared {
         Ok(c) => c,
         Err(e) => {
             write_error_night(&out, &spec.name, &date, &e.to_string())?;
@@ -563,6 +592,90 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         problems_error(&cmp)?;
     }
     Ok(v.exit_code == nightly::EXIT_PASS)
+}
+
+/// `nightly --seeds auto`: seeds `min_seeds` of every configuration, then batches of `batch` more
+/// for the configurations the group-sequential procedure has not decided, up to `max_seeds` (the
+/// baseline runs as many as the most any configuration needs). Seeds are the suite's, in order,
+/// then the next unused integers. Returns the runs planned and the last look of each
+/// configuration.
+fn sequential_night(
+    spec: &SuiteSpec,
+    s: &CompareSettings,
+    a: &NightlyArgs,
+    run_args: &crate::cli::suite::RunArgs,
+    dir: &Path,
+) -> Result<(
+    Vec<lockstep::suite::RunSpec>,
+    Vec<lockstep::compare::analyze::SequentialLook>,
+)> {
+    if spec.engine == "ingest" {
+        bail!(
+            "--seeds auto runs more seeds as needed; an ingest suite's runs are made elsewhere (use its fixed seeds)"
+        );
+    }
+    if !(1..=a.max_seeds).contains(&a.min_seeds) || a.batch == 0 {
+        bail!(
+            "--seeds auto needs 1 <= --min-seeds ({}) <= --max-seeds ({}) and --batch ({}) >= 1",
+            a.min_seeds,
+            a.max_seeds,
+            a.batch
+        );
+    }
+    let mut pool: Vec<u64> = spec.seeds.clone();
+    let mut next = 0u64;
+    while pool.len() < a.max_seeds {
+        if !pool.contains(&next) {
+            pool.push(next);
+        }
+        next += 1;
+    }
+    pool.truncate(a.max_seeds);
+    let mut wide = spec.clone();
+    wide.seeds = pool.clone();
+    let all = expand(&wide)?;
+    let rank = |seed: u64| pool.iter().position(|p| *p == seed).unwrap_or(usize::MAX);
+    let mut need: std::collections::BTreeMap<String, usize> = all
+        .iter()
+        .filter(|r| r.base != s.baseline)
+        .map(|r| (r.config.clone(), a.min_seeds))
+        .collect();
+    loop {
+        let most = need.values().copied().max().unwrap_or(a.min_seeds);
+        let planned: Vec<lockstep::suite::RunSpec> = all
+            .iter()
+            .filter(|r| rank(r.seed) < *need.get(&r.config).unwrap_or(&most))
+            .cloned()
+            .collect();
+        if !a.no_run && !crate::cli::suite::run_local(spec, &planned, run_args)? {
+            eprintln!("some runs did not finish; they are listed as problems below");
+        }
+        let runs = lockstep::compare::load_planned(&planned, dir, s);
+        let looks =
+            lockstep::compare::sequential_looks(&runs, s, a.min_seeds, a.max_seeds, a.batch)?;
+        let mut more = false;
+        for l in &looks {
+            let d = &l.decision;
+            println!(
+                "sequential: {} at {} seeds: {:?}{}",
+                l.config,
+                d.seeds,
+                d.verdict,
+                d.next_seeds
+                    .map(|n| format!(" (next look at {n})"))
+                    .unwrap_or_default()
+            );
+            if let (Some(n), Some(have)) = (d.next_seeds, need.get_mut(&l.config))
+                && n > *have
+            {
+                *have = n.min(a.max_seeds);
+                more = true;
+            }
+        }
+        if !more {
+            return Ok((planned, looks));
+        }
+    }
 }
 
 /// A night with no comparison at all (no runs, no baseline, a broken suite folder): verdict.json,

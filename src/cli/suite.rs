@@ -156,6 +156,16 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     if let Some(flag) = args.slurm.first_set() {
         bail!("{flag} only applies with --executor slurm");
     }
+    run_local(&s, &runs, args)
+}
+
+/// Run `runs` (planned runs of suite `s`) on this machine with `args`' workers and devices;
+/// Ok(false) when a run failed or timed out, an [`Interrupted`] error on SIGINT/SIGTERM.
+pub fn run_local(
+    s: &lockstep::suite::SuiteSpec,
+    runs: &[lockstep::suite::RunSpec],
+    args: &RunArgs,
+) -> Result<bool> {
     let backends = lockstep::engine::backend::sweep_devices(&args.device)?
         .into_iter()
         .map(lockstep::engine::backend::open)
@@ -195,7 +205,7 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     let refs: Vec<&dyn lockstep::engine::backend::Backend> =
         backends.iter().map(|b| b.as_ref()).collect();
     lockstep::suite::interrupt::install();
-    let sum = run_suite(&refs, &s, &runs, &opts, &progress)?;
+    let sum = run_suite(&refs, s, runs, &opts, &progress)?;
     if tty {
         print!("\r\x1b[2K"); // the status line
     }

@@ -64,11 +64,22 @@ pub fn compare_suite(
     suite_dir: &Path,
     opts: &CompareOptions,
 ) -> Result<SuiteComparison, CompareError> {
-    let settings = settings::from_spec(spec)?;
     let planned = crate::suite::expand(spec)?;
+    compare_planned(spec, &planned, suite_dir, opts)
+}
+
+/// [`compare_suite`] over an explicit run list: the runs a sequential night planned (each
+/// configuration at its own seed count) instead of the suite's fixed seeds.
+pub fn compare_planned(
+    spec: &SuiteSpec,
+    planned: &[crate::suite::RunSpec],
+    suite_dir: &Path,
+    opts: &CompareOptions,
+) -> Result<SuiteComparison, CompareError> {
+    let settings = settings::from_spec(spec)?;
     let mut warnings = Vec::new();
     let mut dirs = Vec::new();
-    for r in &planned {
+    for r in planned {
         let d = suite_dir.join(&r.run_id);
         if d.join("manifest.json").is_file() {
             dirs.push(d);
@@ -106,25 +117,47 @@ pub fn compare_suite(
         })
         .collect();
     warnings.extend(skipped);
-    for run in &mut runs {
-        if let Some(p) = planned.iter().find(|p| p.run_id == run.run_id) {
-            run.config = p.config.clone();
-            run.base = p.base.clone();
-            run.axes = p.axes.clone();
-        }
-    }
+    relabel(&mut runs, planned);
     if runs.is_empty() {
         return Err(CompareError::NoRuns {
             dir: suite_dir.display().to_string(),
             suite: spec.name.clone(),
         });
     }
-    let problems = super::health::problems(&planned, &runs, &unreadable, &settings);
+    let problems = super::health::problems(planned, &runs, &unreadable, &settings);
     let mut out = compare_data(&spec.name, &runs, &settings, opts)?;
     warnings.append(&mut out.warnings);
     out.warnings = warnings;
     out.problems = problems;
     Ok(out)
+}
+
+/// Name each run after the planned run it is (configuration with sweep values, base, axes).
+fn relabel(runs: &mut [RunData], planned: &[crate::suite::RunSpec]) {
+    for run in runs {
+        if let Some(p) = planned.iter().find(|p| p.run_id == run.run_id) {
+            run.config = p.config.clone();
+            run.base = p.base.clone();
+            run.axes = p.axes.clone();
+        }
+    }
+}
+
+/// The planned runs found in `suite_dir` (finished or not), named after their plan, with the
+/// metrics `settings` needs: what a sequential look reads between batches.
+pub fn load_planned(
+    planned: &[crate::suite::RunSpec],
+    suite_dir: &Path,
+    settings: &CompareSettings,
+) -> Vec<RunData> {
+    let dirs: Vec<std::path::PathBuf> = planned
+        .iter()
+        .map(|r| suite_dir.join(&r.run_id))
+        .filter(|d| d.join("manifest.json").is_file())
+        .collect();
+    let (mut runs, _) = data::load_runs(&dirs, wanted_metrics(settings).as_ref());
+    relabel(&mut runs, planned);
+    runs
 }
 
 /// Compare explicit run folders (any store, any suite); configurations come from their manifests.
@@ -350,6 +383,40 @@ pub fn compare_data(
         warnings,
         problems: Vec::new(),
     })
+}
+
+/// Make each configuration's primary-metric verdict the sequential procedure's decision (the
+/// fixed-sample test on the seeds a sequential night happened to reach would not hold its error
+/// rates): equivalent or regressed as decided, inconclusive when undecided at the last look, with
+/// the look's interval and reason.
+pub fn apply_sequential(cmp: &mut SuiteComparison, looks: &[SequentialLook], s: &CompareSettings) {
+    let primary = s.primary.as_str();
+    for c in &mut cmp.configs {
+        let Some(look) = looks.iter().find(|l| l.config == c.config) else {
+            continue;
+        };
+        let Some(m) = c.metrics.iter_mut().find(|m| m.metric == primary) else {
+            continue;
+        };
+        let d = &look.decision;
+        m.verdict = match d.verdict {
+            SequentialVerdict::Equivalent => Verdict::Equivalent,
+            SequentialVerdict::Regressed => Verdict::Regressed,
+            SequentialVerdict::Continue | SequentialVerdict::Inconclusive => Verdict::Inconclusive,
+        };
+        m.final_diff = d.interval;
+        m.seeds_needed = d.seeds_needed;
+        m.reason = format!(
+            "sequential seeds: {} at {} seeds per arm ({}, error spent {:.3} of {:.3}): {}",
+            m.verdict.words(),
+            d.seeds,
+            if look.paired { "paired" } else { "Welch" },
+            d.spent_alpha,
+            cmp.method.alpha,
+            d.reason
+        );
+    }
+    cmp.overall = overall(&cmp.configs, &cmp.checks, s);
 }
 
 /// One configuration's sequential look on the primary metric.

@@ -18,6 +18,9 @@ pub mod settings;
 pub mod spikes;
 pub mod stats;
 
-pub use analyze::{CompareError, CompareOptions, compare_data, compare_runs, compare_suite};
+pub use analyze::{
+    CompareError, CompareOptions, apply_sequential, compare_data, compare_planned, compare_runs,
+    compare_suite, load_planned, sequential_looks,
+};
 pub use result::*;
 pub use settings::CompareSettings;
