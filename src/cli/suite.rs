@@ -236,12 +236,6 @@ fn reingest_cmd(
             s.engine
         );
     }
-    let opts = RunnerOptions {
-        store: args.store.clone(),
-        jobs: 1,
-        force: false,
-        cache: default_cache(),
-    };
     let start = Instant::now();
     let board = Mutex::new(super::progress::Board::new(runs.len(), false));
     let progress = |p: Progress<'_>| {
@@ -249,7 +243,7 @@ fn reingest_cmd(
             super::progress::print(&b.event(p), false);
         }
     };
-    let sum = lockstep::suite::runner::reingest_suite(s, runs, &opts, &progress)?;
+    let sum = lockstep::suite::runner::reingest_suite(s, runs, &args.store, &progress)?;
     print_summary(&sum, start.elapsed().as_secs_f64());
     Ok(sum.failed + sum.timeout == 0)
 }

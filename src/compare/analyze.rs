@@ -237,6 +237,18 @@ fn group<'a>(runs: &'a [RunData]) -> Vec<Group<'a>> {
     out
 }
 
+/// The error for a comparison whose baseline configuration has no usable run.
+fn no_baseline(groups: &[Group<'_>], baseline: &str) -> CompareError {
+    CompareError::NoBaseline {
+        baseline: baseline.to_string(),
+        have: groups
+            .iter()
+            .map(|g| g.config.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+}
+
 /// The settings with the options applied.
 fn effective(settings: &CompareSettings, opts: &CompareOptions) -> CompareSettings {
     let mut s = settings.clone();
@@ -279,14 +291,7 @@ pub fn compare_data(
         .filter(|&i| groups[i].base == s.baseline && !groups[i].runs.is_empty())
         .collect();
     if baselines.is_empty() {
-        return Err(CompareError::NoBaseline {
-            baseline: s.baseline.clone(),
-            have: groups
-                .iter()
-                .map(|g| g.config.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
+        return Err(no_baseline(&groups, &s.baseline));
     }
     let metrics = tracked_metrics(&s, runs);
     // Bands for every (group, metric), computed once (a baseline's band is reused by every config).
@@ -454,14 +459,7 @@ pub fn sequential_looks(
         .iter()
         .position(|g| g.base == s.baseline && !g.runs.is_empty())
     else {
-        return Err(CompareError::NoBaseline {
-            baseline: s.baseline.clone(),
-            have: groups
-                .iter()
-                .map(|g| g.config.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        });
+        return Err(no_baseline(&groups, &s.baseline));
     };
     let hib = s.higher_is_better(&metric);
     let mut out = Vec::new();

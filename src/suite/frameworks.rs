@@ -30,33 +30,14 @@ pub struct Preset {
     pub own: &'static [&'static str],
 }
 
-/// Miles and slime log lockstep's own names (lockstep took them from Miles), 0-based steps.
+/// Miles and slime log lockstep's own names (lockstep took them from Miles), 0-based steps: the
+/// default mapping itself. `train/entropy_loss` (the entropy term of the loss) keeps its name.
 const MILES: Preset = Preset {
     name: "miles",
     first_step: 0,
-    map: &[
-        ("rollout/raw_reward", "rollout/raw_reward"),
-        ("rollout/rewards", "rollout/rewards"),
-        ("rollout/response_len/mean", "rollout/response_len/mean"),
-        ("rollout/truncated_ratio", "rollout/truncated_ratio"),
-        (
-            "train/train_rollout_logprob_abs_diff",
-            "train/train_rollout_logprob_abs_diff",
-        ),
-        ("train/train_rollout_kl", "train/train_rollout_kl"),
-        ("train/ppo_kl", "train/ppo_kl"),
-        ("train/pg_clipfrac", "train/pg_clipfrac"),
-        ("train/tis", "train/tis"),
-        ("train/tis_clipfrac", "train/tis_clipfrac"),
-        ("train/kl_loss", "train/kl_loss"),
-        ("train/grad_norm", "train/grad_norm"),
-        ("train/entropy_loss", "train/entropy"),
-        ("perf/rollout_time", "perf/rollout_time"),
-        ("perf/train_time", "perf/train_time"),
-        ("perf/step_time", "perf/step_time"),
-        ("perf/log_probs_time", "perf/log_probs_time"),
-    ],
+    map: &super::metrics::MILES_MAPPING,
     own: &[
+        "train/entropy_loss",
         "train/ess_ratio",
         "train/tis_abs",
         "train/ois",

@@ -334,10 +334,10 @@ fn execute(
 pub fn reingest_suite(
     suite: &SuiteSpec,
     runs: &[RunSpec],
-    opts: &RunnerOptions,
+    store: &Path,
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Result<Summary, IoError> {
-    let root = suite_dir(&opts.store, &suite.name)?;
+    let root = suite_dir(store, &suite.name)?;
     let mut sum = Summary::default();
     for run in runs {
         let dir = root.join(&run.run_id);
