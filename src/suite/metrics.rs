@@ -115,8 +115,14 @@ pub const MILES_MAPPING: [(&str, &str); 16] = [
 ];
 
 impl MetricsMapping {
-    /// Everything `suite check` can know about the mapping without reading a file.
+    /// Everything `suite check` can know about the mapping without reading a file; the message
+    /// is one line even when a name in the mapping holds a newline.
     pub fn validate(&self) -> Result<(), String> {
+        self.check_names()
+            .map_err(|e| crate::recipe::escape_controls(&e))
+    }
+
+    fn check_names(&self) -> Result<(), String> {
         if let Some(p) = &self.preset {
             super::frameworks::preset(p)?;
         }
@@ -749,8 +755,8 @@ fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) -> Result<(), String>
     let step_key = &r.mapping.step;
     let si = headers.iter().position(|h| h == step_key).ok_or_else(|| {
         format!(
-            "no `{step_key}` column (columns: {}); set `step` in the mapping",
-            headers.iter().collect::<Vec<_>>().join(", ")
+            "no `{step_key}` column ({}); set `step` in the mapping",
+            column_list(&headers)
         )
     })?;
     for rec in rd.records() {
@@ -777,6 +783,23 @@ fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) -> Result<(), String>
         }
     }
     Ok(())
+}
+
+/// The first columns of a CSV header for an error message: quoted, so a name holding a newline or
+/// a comma stays on the error's one line, and capped, so a 100,000-column header stays short.
+fn column_list(headers: &csv::StringRecord) -> String {
+    const SHOWN: usize = 8;
+    let names: Vec<String> = headers
+        .iter()
+        .take(SHOWN)
+        .map(|h| format!("{h:?}"))
+        .collect();
+    let more = headers.len().saturating_sub(SHOWN);
+    match (names.is_empty(), more) {
+        (true, _) => "the header is empty".to_string(),
+        (false, 0) => format!("columns: {}", names.join(", ")),
+        (false, n) => format!("columns: {} and {n} more", names.join(", ")),
+    }
 }
 
 #[cfg(test)]
@@ -869,6 +892,38 @@ mod tests {
         assert_eq!(r.skipped, 0, "an empty cell is no value, not junk");
         assert_eq!(r.divergence(), Some((1, "train/loss".to_string())));
         assert_eq!(r.records[2].get("train/loss"), Some(f64::NEG_INFINITY));
+    }
+
+    #[test]
+    fn mapping_errors_stay_on_one_line_when_names_hold_newlines() {
+        for text in [
+            "[layers]\n\"grad_norm/layer_{lay\\ner}/{site}\" = \"grad_norm\"\n",
+            "[map]\n\"a\\nb\" = \"\"\n",
+            "files = [\"../x\\n\"]\n",
+        ] {
+            let e = mapping(text).validate().unwrap_err();
+            assert_eq!(e.lines().count(), 1, "{e:?}");
+            assert!(e.contains("\\n"), "the newline is shown escaped: {e}");
+        }
+    }
+
+    #[test]
+    fn a_header_without_the_step_column_is_one_line_naming_a_few_columns() {
+        let d = tempfile::tempdir().unwrap();
+        let wide: Vec<String> = (0..20).map(|i| format!("c{i}")).collect();
+        for (name, bytes) in [
+            ("a.csv", b"\"\n1,,inf\n".to_vec()),
+            ("b.csv", format!("{}\n1\n", wide.join(",")).into_bytes()),
+        ] {
+            std::fs::write(d.path().join(name), bytes).unwrap();
+            let m = mapping(&format!("files = [\"{name}\"]\n"));
+            let e = read_metrics(d.path(), &m).unwrap_err();
+            assert_eq!(e.lines().count(), 1, "{e:?}");
+            assert!(e.contains("no `step` column"), "{e}");
+        }
+        let m = mapping("files = [\"b.csv\"]\n");
+        let e = read_metrics(d.path(), &m).unwrap_err();
+        assert!(e.contains("\"c7\" and 12 more"), "{e}");
     }
 
     #[test]
