@@ -89,9 +89,13 @@ fn nightly_compare_and_golden_values_on_a_tiny_suite() {
         .expect("nightly names its report");
     let html = std::fs::read_to_string(dir.join(report)).unwrap();
     assert!(
-        html.contains(">FAILING</span></h1>") && !html.contains(">REGRESSION</span>"),
-        "the banner"
+        html.contains(">PENDING</span></h1>") && !html.contains(">REGRESSION</span>"),
+        "the banner says nightly's word for the night"
     );
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("compare.json")).unwrap())
+            .unwrap();
+    assert_eq!(written["night_state"], "pending", "compare.json agrees");
     let (code, cmp_out) = lockstep(
         dir,
         &["compare", "--suite", "suite.toml", "--date", "2026-12-01"],

@@ -1,5 +1,6 @@
-//! Issue 20, item 2 end to end: `lockstep nightly --seeds auto` runs seeds in batches and stops
-//! each configuration once the group-sequential procedure decides it. On the tiny model, a copy of
+//! Issue 20, item 2 end to end: `lockstep nightly` on a suite with `[checks.sequential]` (or with
+//! `--seeds auto`) runs seeds in batches and stops each configuration once the group-sequential
+//! procedure decides it. On the tiny model, a copy of
 //! BF16 under another name (A/A) is decided `equivalent` at the first look and runs no more seeds;
 //! a recipe broken on purpose (per-tensor NVFP4 scales in the rollout) keeps going and is
 //! `regressed` by the last look; the night regresses.
@@ -39,6 +40,11 @@ margin = { of_level = 0.05 }
 final_window = 10
 bootstrap_reps = 500
 band_reps = 100
+
+[checks.sequential]
+min_seeds = 3
+max_seeds = 8
+batch = 2
 "#;
 
 fn runs_of(store: &Path, config: &str) -> usize {
@@ -58,15 +64,10 @@ fn seeds_auto_stops_decided_configurations_and_keeps_running_undecided_ones() {
     let suite = tmp.path().join("sequential.toml");
     std::fs::write(&suite, SUITE).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
-        .args([
-            "nightly",
-            suite.to_str().unwrap(),
-            "--store",
-            "runs",
-            "--seeds",
-            "auto",
-        ])
-        .args(["--min-seeds", "4", "--max-seeds", "8", "--batch", "2"])
+        .args(["nightly", suite.to_str().unwrap(), "--store", "runs"])
+        // The suite's [checks.sequential] makes the night sequential; the flag overrides its
+        // first look (3 seeds in the suite).
+        .args(["--min-seeds", "4"])
         .current_dir(tmp.path())
         .env("LOCKSTEP_CACHE", tmp.path().join("cache"))
         .output()
@@ -130,5 +131,39 @@ fn seeds_auto_stops_decided_configurations_and_keeps_running_undecided_ones() {
         Some(0),
         "{}",
         cmp["problems"]
+    );
+}
+
+#[test]
+fn sequential_flags_without_sequential_seeds_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let suite = tmp.path().join("sequential.toml");
+    std::fs::write(&suite, SUITE).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["nightly", suite.to_str().unwrap(), "--store", "runs"])
+        .args(["--seeds", "fixed", "--batch", "2"])
+        .current_dir(tmp.path())
+        .env("LOCKSTEP_CACHE", tmp.path().join("cache"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--seeds auto"), "{stderr}");
+    assert!(
+        !tmp.path().join("runs").exists(),
+        "refused before running anything"
+    );
+    let bad = SUITE.replace("max_seeds = 8", "max_seeds = 2");
+    std::fs::write(&suite, bad).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_lockstep"))
+        .args(["suite", "check", suite.to_str().unwrap()])
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("sequential.toml:") && stderr.contains("max_seeds (2)"),
+        "{stderr}"
     );
 }

@@ -5,6 +5,7 @@ use clap::{Args, Subcommand};
 use lockstep::compare::expr::fmt_num;
 use lockstep::compare::golden::{self, GoldenDiff};
 use lockstep::compare::nightly::{self, NightState};
+use lockstep::compare::settings::SequentialPlan;
 use lockstep::compare::{
     CompareOptions, CompareSettings, SuiteComparison, Verdict, data, settings,
 };
@@ -467,18 +468,20 @@ pub struct NightlyArgs {
     pub date: Option<String>,
     /// `auto`: run seeds in batches and stop each configuration as soon as the group-sequential
     /// procedure decides it on the primary metric (equivalent or regressed; error spending
-    /// keeps the false-alarm rate and power over all looks). Default: the suite's fixed seeds.
-    #[arg(long, value_parser = ["auto"])]
+    /// keeps the false-alarm rate and power over all looks). `fixed`: the suite's seeds. Default:
+    /// `auto` when the suite has `[checks.sequential]`, else `fixed`.
+    #[arg(long, value_parser = ["auto", "fixed"])]
     pub seeds: Option<String>,
-    /// With --seeds auto: seeds per configuration at the first look.
-    #[arg(long, default_value_t = 3)]
-    pub min_seeds: usize,
-    /// With --seeds auto: the most seeds per configuration (the last look).
-    #[arg(long, default_value_t = 15)]
-    pub max_seeds: usize,
-    /// With --seeds auto: seeds added between looks.
-    #[arg(long, default_value_t = 3)]
-    pub batch: usize,
+    /// Sequential seeds: seeds per configuration at the first look (default 3, or the suite's
+    /// `[checks.sequential] min_seeds`).
+    #[arg(long)]
+    pub min_seeds: Option<usize>,
+    /// Sequential seeds: the most seeds per configuration, the last look (default 15).
+    #[arg(long)]
+    pub max_seeds: Option<usize>,
+    /// Sequential seeds: seeds added between looks (default 3).
+    #[arg(long)]
+    pub batch: Option<usize>,
     #[command(flatten)]
     pub flags: CompareFlags,
 }
@@ -498,9 +501,11 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         executor: crate::cli::suite::Executor::Local,
         slurm: Default::default(),
     };
-    let sequential = match a.seeds.as_deref() {
-        Some("auto") => Some(sequential_night(&spec, &s, a, &run_args, &dir)?),
-        _ => {
+    let sequential = match sequential_plan(a, &s)? {
+        Some(plan) => Some(sequential_night(
+            &spec, &s, &plan, a.no_run, &run_args, &dir,
+        )?),
+        None => {
             if !a.no_run && !crate::cli::suite::run_cmd(&run_args)? {
                 eprintln!("some runs did not finish; they are listed as problems below");
             }
@@ -523,7 +528,7 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         }
         None => lockstep::compare::compare_suite(&spec, &dir, &a.flags.options()),
     };
-    let cmp = match compared {
+    let mut cmp = match compared {
         Ok(c) => c,
         Err(e) => {
             write_error_night(&out, &spec.name, &date, &e.to_string())?;
@@ -534,18 +539,6 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
             )));
         }
     };
-    write_json(&dir.join("compare.json"), &cmp)?;
-    let runs = lockstep::report::load_runs(&dir)?;
-    let report = lockstep::report::write_report(
-        &lockstep::report::ReportInput {
-            spec: &spec,
-            suite_dir: &dir,
-            comparison: &cmp,
-            runs: &runs,
-        },
-        &a.reports,
-    )?;
-    println!("report: {}", report.display());
     let golden = if a.baselines.join(&spec.name).join("baseline.json").is_file() {
         Some(golden_diff(&spec, &s, &a.store, &a.baselines)?)
     } else {
@@ -569,6 +562,20 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         s.nights,
         s.inconclusive_fails,
     );
+    // The report, compare.json and summary.md all state the night's state, so it is settled first.
+    cmp.night_state = Some(v.verdict.clone());
+    write_json(&dir.join("compare.json"), &cmp)?;
+    let runs = lockstep::report::load_runs(&dir)?;
+    let report = lockstep::report::write_report(
+        &lockstep::report::ReportInput {
+            spec: &spec,
+            suite_dir: &dir,
+            comparison: &cmp,
+            runs: &runs,
+        },
+        &a.reports,
+    )?;
+    println!("report: {}", report.display());
     std::fs::create_dir_all(&out).with_context(|| out.display().to_string())?;
     write_json(&state_path, &state)?;
     write_json(&out.join("verdict.json"), &v)?;
@@ -594,6 +601,31 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
     Ok(v.exit_code == nightly::EXIT_PASS)
 }
 
+/// The sequential plan tonight, if seeds run sequentially: the suite's `[checks.sequential]`
+/// unless `--seeds fixed`, with the command line's numbers over the suite's.
+fn sequential_plan(a: &NightlyArgs, s: &CompareSettings) -> Result<Option<SequentialPlan>> {
+    let base = match (a.seeds.as_deref(), s.sequential) {
+        (Some("fixed"), _) | (None, None) => {
+            if a.min_seeds.is_some() || a.max_seeds.is_some() || a.batch.is_some() {
+                bail!(
+                    "--min-seeds, --max-seeds and --batch apply to sequential seeds: add --seeds auto (or [checks.sequential] to the suite)"
+                );
+            }
+            return Ok(None);
+        }
+        (_, Some(plan)) => plan,
+        (_, None) => SequentialPlan::default(),
+    };
+    let plan = SequentialPlan {
+        min_seeds: a.min_seeds.unwrap_or(base.min_seeds),
+        max_seeds: a.max_seeds.unwrap_or(base.max_seeds),
+        batch: a.batch.unwrap_or(base.batch),
+    };
+    plan.check()
+        .map_err(|e| anyhow::anyhow!("--seeds auto: {e}"))?;
+    Ok(Some(plan))
+}
+
 /// `nightly --seeds auto`: seeds `min_seeds` of every configuration, then batches of `batch` more
 /// for the configurations the group-sequential procedure has not decided, up to `max_seeds` (the
 /// baseline runs as many as the most any configuration needs). Seeds are the suite's, in order,
@@ -602,7 +634,8 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
 fn sequential_night(
     spec: &SuiteSpec,
     s: &CompareSettings,
-    a: &NightlyArgs,
+    a: &SequentialPlan,
+    no_run: bool,
     run_args: &crate::cli::suite::RunArgs,
     dir: &Path,
 ) -> Result<(
@@ -612,14 +645,6 @@ fn sequential_night(
     if spec.engine == "ingest" {
         bail!(
             "--seeds auto runs more seeds as needed; an ingest suite's runs are made elsewhere (use its fixed seeds)"
-        );
-    }
-    if !(1..=a.max_seeds).contains(&a.min_seeds) || a.batch == 0 {
-        bail!(
-            "--seeds auto needs 1 <= --min-seeds ({}) <= --max-seeds ({}) and --batch ({}) >= 1",
-            a.min_seeds,
-            a.max_seeds,
-            a.batch
         );
     }
     let mut pool: Vec<u64> = spec.seeds.clone();
@@ -647,7 +672,7 @@ fn sequential_night(
             .filter(|r| rank(r.seed) < *need.get(&r.config).unwrap_or(&most))
             .cloned()
             .collect();
-        if !a.no_run && !crate::cli::suite::run_local(spec, &planned, run_args)? {
+        if !no_run && !crate::cli::suite::run_local(spec, &planned, run_args)? {
             eprintln!("some runs did not finish; they are listed as problems below");
         }
         let runs = lockstep::compare::load_planned(&planned, dir, s);

@@ -260,8 +260,8 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
             s.push_str(&format!(
                 "- {} {}: {} (since {}, {} night{})\n",
                 md_code(&f.config),
-                md_text(&f.what),
-                md_text(&f.detail),
+                md_spans(&f.what),
+                md_spans(&f.detail),
                 md_text(&f.since),
                 f.nights,
                 if f.nights == 1 { "" } else { "s" }
@@ -309,7 +309,7 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
         s.push_str(&format!(
             "{} warning(s): {}\n",
             v.warnings.len(),
-            md_text(&v.warnings[0])
+            md_spans(&v.warnings[0])
         ));
     }
     s
@@ -334,6 +334,21 @@ pub fn md_text(s: &str) -> String {
         }
     }
     o
+}
+
+/// Text of lockstep's own that quotes input in code spans (check `...`): the spans stay code
+/// spans (through [`md_code`]) and the rest is [`md_text`]. With an odd number of backticks the
+/// spans are not lockstep's, and the whole is plain text.
+pub fn md_spans(s: &str) -> String {
+    let parts: Vec<&str> = s.split('`').collect();
+    if parts.len() % 2 == 0 {
+        return md_text(s);
+    }
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| if i % 2 == 1 { md_code(p) } else { md_text(p) })
+        .collect()
 }
 
 /// Text from the input as a Markdown code span: fenced with more backticks than it contains and
@@ -574,5 +589,16 @@ mod tests {
         assert_eq!(md_code("a``b"), "```a``b```");
         assert_eq!(md_code("`x"), "`` `x ``");
         assert_eq!(md_text("nvfp4-dq"), "nvfp4-dq");
+        assert_eq!(
+            md_spans("check `max(train/kl_x) < 1` failed: 2 > 1"),
+            "check `max(train/kl_x) < 1` failed: 2 &gt; 1",
+        );
+        let hostile = md_spans("check `a` on x` [l](http://e.vil)");
+        assert!(
+            hostile.contains("\\`") && hostile.contains("\\["),
+            "{hostile}"
+        );
+        let inner = md_spans("check `a | b` <b>");
+        assert_eq!(inner, "check `a \\| b` &lt;b&gt;");
     }
 }

@@ -92,6 +92,16 @@ struct ChecksToml {
     rule: Vec<RuleToml>,
     #[serde(default)]
     golden: Option<GoldenToml>,
+    sequential: Option<SequentialToml>,
+}
+
+/// `[checks.sequential]`: `lockstep nightly` runs seeds in batches by default.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SequentialToml {
+    min_seeds: Option<usize>,
+    max_seeds: Option<usize>,
+    batch: Option<usize>,
 }
 
 /// A margin as written: a number (absolute) or a table with exactly one of `absolute`,
@@ -156,7 +166,7 @@ struct GoldenToml {
     tolerances: BTreeMap<String, f64>,
 }
 
-const KEYS: [&str; 24] = [
+const KEYS: [&str; 25] = [
     "baseline",
     "margin",
     "primary",
@@ -181,6 +191,7 @@ const KEYS: [&str; 24] = [
     "rule",
     "golden",
     "tolerances",
+    "sequential",
 ];
 
 /// Gradient-spike rules.
@@ -231,6 +242,48 @@ pub struct GoldenSettings {
     pub tolerances: BTreeMap<String, f64>,
 }
 
+/// Sequential seeds (`nightly --seeds auto`, or `[checks.sequential]` in the suite): every
+/// configuration starts with `min_seeds`; undecided ones get `batch` more per look, up to
+/// `max_seeds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SequentialPlan {
+    pub min_seeds: usize,
+    pub max_seeds: usize,
+    pub batch: usize,
+}
+
+impl Default for SequentialPlan {
+    fn default() -> Self {
+        SequentialPlan {
+            min_seeds: 3,
+            max_seeds: 15,
+            batch: 3,
+        }
+    }
+}
+
+impl SequentialPlan {
+    /// The most seeds a plan may ask for: far past where any verdict needs more.
+    pub const MOST_SEEDS: usize = 1000;
+
+    /// Why the plan cannot run, if it cannot.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=self.max_seeds).contains(&self.min_seeds)
+            || self.batch == 0
+            || self.max_seeds > Self::MOST_SEEDS
+        {
+            return Err(format!(
+                "sequential seeds need 1 <= min_seeds ({}) <= max_seeds ({}) <= {} and batch ({}) >= 1",
+                self.min_seeds,
+                self.max_seeds,
+                Self::MOST_SEEDS,
+                self.batch
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Everything `compare` and `nightly` need from the suite.
 #[derive(Debug, Clone)]
 pub struct CompareSettings {
@@ -256,6 +309,8 @@ pub struct CompareSettings {
     pub inconclusive_fails: bool,
     pub checks: Vec<CheckSpec>,
     pub golden: GoldenSettings,
+    /// `[checks.sequential]`: the suite's nights run seeds sequentially unless told otherwise.
+    pub sequential: Option<SequentialPlan>,
 }
 
 impl Default for CompareSettings {
@@ -289,6 +344,7 @@ impl Default for CompareSettings {
                 band_factor: 1.5,
                 tolerances: BTreeMap::new(),
             },
+            sequential: None,
         }
     }
 }
@@ -488,6 +544,17 @@ pub fn from_table(
             ));
         }
     };
+    if let Some(q) = t.sequential {
+        let d = SequentialPlan::default();
+        let plan = SequentialPlan {
+            min_seeds: q.min_seeds.unwrap_or(d.min_seeds),
+            max_seeds: q.max_seeds.unwrap_or(d.max_seeds),
+            batch: q.batch.unwrap_or(d.batch),
+        };
+        plan.check()
+            .map_err(|e| err(Some("sequential"), 0, format!("{e}")))?;
+        s.sequential = Some(plan);
+    }
     if let Some(g) = t.golden {
         s.golden = GoldenSettings {
             metrics: g.metrics.unwrap_or(d.golden.metrics),
