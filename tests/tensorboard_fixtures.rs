@@ -1,5 +1,6 @@
-//! Issue 25: TensorBoard event files written by real writers (tensorboardX's SummaryWriter: the
-//! `simple_value` form; TensorBoard's own `scalar_pb`: the tensor form) are read back to the exact
+//! Issue 25: TensorBoard event files written by real writers (tensorboardX's SummaryWriter and
+//! PyTorch's torch.utils.tensorboard.SummaryWriter: the `simple_value` form; TensorBoard's own
+//! `scalar_pb`: the tensor form) are read back to the exact
 //! values through the metrics mapping, with TRL's preset (1-based steps, `train/` prefix). The
 //! fixtures and the script that wrote them are in `tests/fixtures/tensorboard/`.
 
@@ -11,12 +12,12 @@ fn mapping() -> MetricsMapping {
 }
 
 #[test]
-fn event_files_from_both_writers_read_back_exactly() {
+fn event_files_from_every_writer_read_back_exactly() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tensorboard");
     let expected: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(root.join("expected.json")).unwrap())
             .unwrap();
-    for writer in ["tensorboardx", "tensorboard-v2"] {
+    for writer in ["tensorboardx", "torch", "tensorboard-v2"] {
         let read = read_metrics(&root.join(writer), &mapping()).unwrap();
         assert!(read.missing.is_empty(), "{writer}");
         assert_eq!(read.records.len(), expected.len(), "{writer}");
@@ -26,7 +27,7 @@ fn event_files_from_both_writers_read_back_exactly() {
                 want["step"].as_u64().unwrap(),
                 "{writer}: 1-based"
             );
-            // Both writers store 32-bit floats: the value read is the f32 nearest the logged one.
+            // Every writer stores 32-bit floats: the value read is the f32 nearest the logged one.
             let f32_of = |v: f64| f64::from(v as f32);
             let reward = want["train/reward"].as_f64().unwrap();
             assert_eq!(
