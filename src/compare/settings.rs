@@ -551,8 +551,7 @@ pub fn from_table(
             max_seeds: q.max_seeds.unwrap_or(d.max_seeds),
             batch: q.batch.unwrap_or(d.batch),
         };
-        plan.check()
-            .map_err(|e| err(Some("sequential"), 0, format!("{e}")))?;
+        plan.check().map_err(|e| err(Some("sequential"), 0, e))?;
         s.sequential = Some(plan);
     }
     if let Some(g) = t.golden {
