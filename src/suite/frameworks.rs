@@ -23,6 +23,9 @@ pub struct Preset {
     pub name: &'static str,
     /// The step the framework logs first (stored as step 0).
     pub first_step: u64,
+    /// The key the framework charts its W&B history against (`define_metric(..., step_metric=)`)
+    /// when it is not W&B's own `_step`; W&B history is read by it unless `step` is set.
+    pub wandb_step: Option<&'static str>,
     /// Framework key → lockstep key.
     pub map: &'static [(&'static str, &'static str)],
     /// Keys it logs that keep their own name on purpose (a different quantity than any lockstep
@@ -35,6 +38,7 @@ pub struct Preset {
 const MILES: Preset = Preset {
     name: "miles",
     first_step: 0,
+    wandb_step: None,
     map: &super::metrics::MILES_MAPPING,
     own: &[
         "train/entropy_loss",
@@ -51,6 +55,7 @@ const MILES: Preset = Preset {
 const VERL: Preset = Preset {
     name: "verl",
     first_step: 1,
+    wandb_step: None,
     map: &[
         ("critic/score/mean", "rollout/raw_reward"),
         ("critic/rewards/mean", "rollout/rewards"),
@@ -80,6 +85,7 @@ const VERL: Preset = Preset {
 const NEMO_RL: Preset = Preset {
     name: "nemo-rl",
     first_step: 1,
+    wandb_step: None,
     map: &[
         ("train/reward", "rollout/raw_reward"),
         ("train/kl_penalty", "train/kl_loss"),
@@ -100,10 +106,13 @@ const NEMO_RL: Preset = Preset {
 };
 
 /// TRL's GRPOTrainer: 1-based steps; keys bare in its own logs, `train/`-prefixed under
-/// TensorBoard (both are mapped).
+/// TensorBoard and W&B (both are mapped). Under W&B, transformers' `WandbCallback`
+/// (`integrations/integration_utils.py`) logs `train/global_step` with every row and charts every
+/// key against it (`define_metric("*", step_metric="train/global_step")`).
 const TRL: Preset = Preset {
     name: "trl",
     first_step: 1,
+    wandb_step: Some("train/global_step"),
     map: &[
         ("reward", "rollout/raw_reward"),
         (
@@ -142,10 +151,12 @@ const TRL: Preset = Preset {
     ],
 };
 
-/// OpenRLHF: `train/`-prefixed under TensorBoard and W&B, 1-based steps.
+/// OpenRLHF: `train/`-prefixed under TensorBoard and W&B, 1-based steps; its W&B rows chart
+/// against `train/global_step` (`define_metric("train/*", step_metric="train/global_step")`).
 const OPENRLHF: Preset = Preset {
     name: "openrlhf",
     first_step: 1,
+    wandb_step: Some("train/global_step"),
     map: &[
         ("train/rollout/reward_mean", "rollout/raw_reward"),
         ("train/kl", "train/kl_loss"),
