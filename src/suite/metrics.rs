@@ -967,9 +967,12 @@ fn wandb_columns(headers: &csv::StringRecord) -> Result<Vec<Option<String>>, Str
             .last()
     });
     if prefix.is_none() && !values.is_empty() {
-        let mut runs: Vec<&str> = values
+        let mut runs: Vec<String> = values
             .iter()
-            .filter_map(|h| h.split_once(" - ").map(|(run, _)| run))
+            .filter_map(|h| {
+                h.split_once(" - ")
+                    .map(|(run, _)| run.escape_debug().to_string())
+            })
             .collect();
         runs.sort_unstable();
         runs.dedup();
@@ -1015,7 +1018,12 @@ fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps, wandb: bool) -> Resul
         .iter()
         .position(|n| n.as_deref() == Some(step_key))
         .ok_or_else(|| {
-            let cols = headers.iter().collect::<Vec<_>>().join(", ");
+            // Escaped: a quoted header may hold line breaks, and the error stays one line.
+            let cols = headers
+                .iter()
+                .map(|h| h.escape_debug().to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
             if wandb && headers.iter().any(|h| h == "Name") && headers.iter().any(|h| h == "State")
             {
                 format!(
