@@ -148,6 +148,7 @@ const TRL: Preset = Preset {
         "train/sampling/importance_sampling_ratio/min",
         "train/sampling/importance_sampling_ratio/mean",
         "train/sampling/importance_sampling_ratio/max",
+        "train/global_step", // W&B's x-axis, logged with every row
     ],
 };
 
@@ -170,7 +171,7 @@ const OPENRLHF: Preset = Preset {
         ("actor_grad_norm", "train/grad_norm"),
         ("rollout/response_length_mean", "rollout/response_len/mean"),
     ],
-    own: &["train/vllm_kl", "vllm_kl"],
+    own: &["train/vllm_kl", "vllm_kl", "train/global_step"],
 };
 
 /// Every preset, by name.
@@ -289,6 +290,9 @@ mod tests {
             assert_eq!(d.ranked[0].0, want, "{k:?} -> {d:?}");
             assert!(d.unplaced.is_empty(), "{want}: {:?}", d.unplaced);
         }
+        // A TRL run read from W&B (by `_step`): its x-axis key is placed, not reported.
+        let d = detect(&keys(&["train/reward", "train/kl", "train/global_step"]));
+        assert_eq!((d.ranked[0].0, d.unplaced.len()), ("trl", 0), "{d:?}");
         let d = detect(&keys(&["reward", "my/custom_metric"]));
         assert_eq!(d.ranked[0].0, "trl");
         assert_eq!(d.unplaced, ["my/custom_metric"]);
