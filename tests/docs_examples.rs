@@ -51,5 +51,5 @@ fn every_toml_example_in_the_command_engine_guide_is_valid() {
             fragments += 1;
         }
     }
-    assert_eq!((suites, fragments), (2, 4), "examples found: {blocks:?}");
+    assert_eq!((suites, fragments), (2, 6), "examples found: {blocks:?}");
 }

@@ -217,6 +217,21 @@ const MAPPING: &str = "files = [\"metrics.jsonl\", \"tb/events.out.tfevents.*\"]
 /// Metrics lines: JSON with Python's NaN, a Miles series, and a CSV.
 const METRICS_JSONL: &str = "{\"step\": 0, \"rollout/raw_reward\": 0.5, \"grad_norm/layer_1/mlp\": NaN}\n{\"metric\": \"train/ppo_kl\", \"series\": [[0, 1.5], [1, Infinity]]}\n{\"step\": 1.0, \"rollout/raw_reward\": -Infinity, \"note\": \"NaN \\\" Infinity\"}\n";
 const METRICS_CSV: &str = "step,rollout/raw_reward,train/loss\n0,0.5,nan\n1,,inf\n";
+/// W&B history: rows with bookkeeping, nesting and a histogram; a panel export.
+const WANDB_JSONL: &str = "{\"_step\": 0, \"_runtime\": 1.5, \"perf\": {\"t\": 2}, \"h\": {\"_type\": \"histogram\", \"bins\": [1, 2]}, \"train/loss\": NaN}\n{\"_step\": 1, \"w._type\": \"x\", \"w.v\": [1], \"train/loss\": 0.5, \"n\": null}\n";
+const WANDB_CSV: &str =
+    "Step,r - train/loss,r - train/loss__MIN,r - train/loss__MAX\n0,1,1,1\n1,NaN,,\n";
+
+/// The W&B SDK's transaction log of a small offline run (a checked-in fixture), Latin-1 view.
+fn wandb_log() -> String {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/wandb/offline-run/run-lockstep0.wandb");
+    std::fs::read(p)
+        .unwrap()
+        .iter()
+        .map(|&b| b as char)
+        .collect()
+}
 
 proptest! {
     // 48 cases each keeps the normal run well under a second. The seed is fixed so that a CI run
@@ -293,6 +308,36 @@ proptest! {
     }
 
     #[test]
+    fn mutated_wandb_histories_are_read_or_counted(e in edits(), csv in any::<bool>()) {
+        let (seed, name) = if csv { (WANDB_CSV, "w.csv") } else { (WANDB_JSONL, "w.jsonl") };
+        let text = mutate(seed, &e);
+        let bytes = latin1_bytes(&text);
+        bounded(&text, move || {
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            std::fs::write(dir.path().join(name), bytes).map_err(|e| e.to_string())?;
+            let m: lockstep::suite::metrics::MetricsMapping =
+                toml::from_str(&format!("files = [\"{name}\"]\nsource = \"wandb\"\n")).map_err(|e| e.to_string())?;
+            one_line(lockstep::suite::metrics::read_metrics(dir.path(), &m)).map(|_| ())
+        });
+    }
+
+    #[test]
+    fn mutated_wandb_transaction_logs_give_ok_or_one_line(e in edits(), partial in any::<bool>()) {
+        let text = mutate(&wandb_log(), &e);
+        let bytes = latin1_bytes(&text);
+        bounded("(a mutated run-lockstep0.wandb)", move || {
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            std::fs::write(dir.path().join("run-x.wandb"), bytes).map_err(|e| e.to_string())?;
+            let m = lockstep::suite::metrics::MetricsMapping {
+                files: vec!["run-x.wandb".to_string()],
+                keep_partial_events: partial,
+                ..Default::default()
+            };
+            one_line(lockstep::suite::metrics::read_metrics(dir.path(), &m)).map(|_| ())
+        });
+    }
+
+    #[test]
     fn mutated_npy_headers_give_ok_or_one_line(e in edits()) {
         let text = mutate(&valid_npy(), &e);
         let bytes = latin1_bytes(&text);
@@ -337,6 +382,20 @@ fn the_seeds_are_valid() {
         let r = lockstep::suite::metrics::read_metrics(dir.path(), &m).unwrap();
         assert_eq!(r.records.len(), 2, "{name}");
     }
+    for (text, name) in [(WANDB_JSONL, "w.jsonl"), (WANDB_CSV, "w.csv")] {
+        std::fs::write(dir.path().join(name), text).unwrap();
+        let m: lockstep::suite::metrics::MetricsMapping =
+            toml::from_str(&format!("files = [\"{name}\"]\nsource = \"wandb\"\n")).unwrap();
+        let r = lockstep::suite::metrics::read_metrics(dir.path(), &m).unwrap();
+        assert_eq!((r.records.len(), r.skipped), (2, 0), "{name}");
+    }
+    std::fs::write(dir.path().join("run-x.wandb"), latin1_bytes(&wandb_log())).unwrap();
+    let m = lockstep::suite::metrics::MetricsMapping {
+        files: vec!["run-x.wandb".to_string()],
+        ..Default::default()
+    };
+    let r = lockstep::suite::metrics::read_metrics(dir.path(), &m).unwrap();
+    assert_eq!((r.records.len(), r.skipped), (3, 0));
     let p = dir.path().join("x.npy");
     std::fs::write(&p, latin1_bytes(&valid_npy())).unwrap();
     assert_eq!(

@@ -394,7 +394,7 @@ fn detect_cmd(dir: &std::path::Path) -> Result<bool> {
     let keys = lockstep::suite::metrics::keys_under(dir).map_err(anyhow::Error::msg)?;
     if keys.is_empty() {
         bail!(
-            "{}: no metric keys found in .jsonl or .csv files (with a `step` key or column)",
+            "{}: no metric keys found in .jsonl, .csv, TensorBoard or W&B files (with a step key or column)",
             dir.display()
         );
     }

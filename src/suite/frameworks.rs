@@ -23,6 +23,9 @@ pub struct Preset {
     pub name: &'static str,
     /// The step the framework logs first (stored as step 0).
     pub first_step: u64,
+    /// The key the framework charts its W&B history against (`define_metric(..., step_metric=)`)
+    /// when it is not W&B's own `_step`; W&B history is read by it unless `step` is set.
+    pub wandb_step: Option<&'static str>,
     /// Framework key → lockstep key.
     pub map: &'static [(&'static str, &'static str)],
     /// Keys it logs that keep their own name on purpose (a different quantity than any lockstep
@@ -35,6 +38,7 @@ pub struct Preset {
 const MILES: Preset = Preset {
     name: "miles",
     first_step: 0,
+    wandb_step: None,
     map: &super::metrics::MILES_MAPPING,
     own: &[
         "train/entropy_loss",
@@ -51,6 +55,7 @@ const MILES: Preset = Preset {
 const VERL: Preset = Preset {
     name: "verl",
     first_step: 1,
+    wandb_step: None,
     map: &[
         ("critic/score/mean", "rollout/raw_reward"),
         ("critic/rewards/mean", "rollout/rewards"),
@@ -80,6 +85,7 @@ const VERL: Preset = Preset {
 const NEMO_RL: Preset = Preset {
     name: "nemo-rl",
     first_step: 1,
+    wandb_step: None,
     map: &[
         ("train/reward", "rollout/raw_reward"),
         ("train/kl_penalty", "train/kl_loss"),
@@ -100,10 +106,13 @@ const NEMO_RL: Preset = Preset {
 };
 
 /// TRL's GRPOTrainer: 1-based steps; keys bare in its own logs, `train/`-prefixed under
-/// TensorBoard (both are mapped).
+/// TensorBoard and W&B (both are mapped). Under W&B, transformers' `WandbCallback`
+/// (`integrations/integration_utils.py`) logs `train/global_step` with every row and charts every
+/// key against it (`define_metric("*", step_metric="train/global_step")`).
 const TRL: Preset = Preset {
     name: "trl",
     first_step: 1,
+    wandb_step: Some("train/global_step"),
     map: &[
         ("reward", "rollout/raw_reward"),
         (
@@ -139,13 +148,16 @@ const TRL: Preset = Preset {
         "train/sampling/importance_sampling_ratio/min",
         "train/sampling/importance_sampling_ratio/mean",
         "train/sampling/importance_sampling_ratio/max",
+        "train/global_step", // W&B's x-axis, logged with every row
     ],
 };
 
-/// OpenRLHF: `train/`-prefixed under TensorBoard and W&B, 1-based steps.
+/// OpenRLHF: `train/`-prefixed under TensorBoard and W&B, 1-based steps; its W&B rows chart
+/// against `train/global_step` (`define_metric("train/*", step_metric="train/global_step")`).
 const OPENRLHF: Preset = Preset {
     name: "openrlhf",
     first_step: 1,
+    wandb_step: Some("train/global_step"),
     map: &[
         ("train/rollout/reward_mean", "rollout/raw_reward"),
         ("train/kl", "train/kl_loss"),
@@ -159,7 +171,7 @@ const OPENRLHF: Preset = Preset {
         ("actor_grad_norm", "train/grad_norm"),
         ("rollout/response_length_mean", "rollout/response_len/mean"),
     ],
-    own: &["train/vllm_kl", "vllm_kl"],
+    own: &["train/vllm_kl", "vllm_kl", "train/global_step"],
 };
 
 /// Every preset, by name.
@@ -278,6 +290,9 @@ mod tests {
             assert_eq!(d.ranked[0].0, want, "{k:?} -> {d:?}");
             assert!(d.unplaced.is_empty(), "{want}: {:?}", d.unplaced);
         }
+        // A TRL run read from W&B (by `_step`): its x-axis key is placed, not reported.
+        let d = detect(&keys(&["train/reward", "train/kl", "train/global_step"]));
+        assert_eq!((d.ranked[0].0, d.unplaced.len()), ("trl", 0), "{d:?}");
         let d = detect(&keys(&["reward", "my/custom_metric"]));
         assert_eq!(d.ranked[0].0, "trl");
         assert_eq!(d.unplaced, ["my/custom_metric"]);

@@ -61,7 +61,7 @@ pub fn load_mapping(path: &Path) -> Result<IngestMapping, IoError> {
         IoError::invalid(
             path,
             format!(
-                "{} (known keys: tree, meta_file, path_pattern, [metrics] preset, files, step, first_step, map, layers)",
+                "{} (known keys: tree, meta_file, path_pattern, [metrics] preset, files, source, step, first_step, keep_partial_events, map, layers)",
                 e.to_string().trim_end()
             ),
         )

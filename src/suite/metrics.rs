@@ -8,12 +8,25 @@
 //! where spikes are found exactly as for the built-in engine.
 //!
 //! Formats: JSON lines with a step key and numeric fields, the Miles CI form
-//! `{"metric": NAME, "series": [[step, value], ...]}`, CSV with a header, and TensorBoard event
-//! files ([`super::tensorboard`], by the `.tfevents.` in their name). Python's `json.dumps`
+//! `{"metric": NAME, "series": [[step, value], ...]}`, CSV with a header, TensorBoard event
+//! files ([`super::tensorboard`], by the `.tfevents.` in their name) and W&B history (below).
+//! Python's `json.dumps`
 //! spellings `NaN`, `Infinity` and `-Infinity` (and CSV's `nan`, `inf`) are values, stored as
 //! non-finite and raised as `non_finite` events, never dropped. A step may be written as `3` or
 //! `3.0`. Junk lines, non-numeric values and lines past the limits below are skipped and counted,
 //! never turned into zeros; a value given twice for one step keeps the last and is counted.
+//!
+//! **W&B history** is read with W&B's own rules: the step is W&B's `_step` unless `step` names
+//! another key (a preset may: TRL and OpenRLHF chart against `train/global_step`); keys starting
+//! with `_` (`_runtime`, `_timestamp`, `_wandb.runtime`) are W&B's bookkeeping, neither metrics nor
+//! junk, unless `map` names one; nested values flatten with `.` (`perf.step_time`), as W&B's app
+//! and API show them; media and histograms (objects with a `_type`) are passed over; `null` (what
+//! pandas writes for a step where a key was not logged) is no value. Sources, by file: a run's
+//! transaction log `run-<id>.wandb` ([`super::wandb`]), the `wandb-history.jsonl` of older
+//! clients, JSON lines of `api.run(...).scan_history()` rows (`source = "wandb"`), and the CSV the
+//! app exports from a panel (`Step`, `<run> - <key>`, `<run> - <key>__MIN`/`__MAX`: the run prefix
+//! is stripped, the min/max band columns are not metrics, and an export holding several runs is
+//! refused). `wandb-summary.json` (the last value of each key) is refused: it is no history.
 //!
 //! Only regular files are read (a FIFO or a device named `metrics.jsonl` is refused, not waited
 //! on), at most [`MAX_FILE_BYTES`] each.
@@ -39,13 +52,19 @@ pub struct MetricsMapping {
     /// (`tb/events.out.tfevents.*`), `**` across folders.
     #[serde(default = "default_files")]
     pub files: Vec<String>,
-    /// TensorBoard event files: keep the records before a truncated or corrupt one (a job killed
-    /// mid-write) instead of failing the read; the cut is counted as one skipped line.
+    /// TensorBoard event files and W&B transaction logs: keep the records before a truncated or
+    /// corrupt one (a job killed mid-write, or still writing) instead of failing the read; the cut
+    /// is counted as one skipped line.
     #[serde(default)]
     pub keep_partial_events: bool,
-    /// The key (JSON) or column (CSV) holding the step.
-    #[serde(default = "default_step")]
-    pub step: String,
+    /// How to read files whose name does not say: `auto` (the default: by name and content) or
+    /// `wandb` (W&B history rows, e.g. `scan_history()` dumped as JSON lines, or an app export).
+    #[serde(default)]
+    pub source: Source,
+    /// The key (JSON) or column (CSV) holding the step. Default `step`; for W&B history `_step`
+    /// (`Step` in the app's CSV export), or the preset's W&B step key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
     /// The framework's names ([`super::frameworks`]): `miles`, `verl`, `nemo-rl`, `trl` or
     /// `openrlhf`. `map` entries extend and override it key by key, `first_step` overrides its
     /// first step.
@@ -69,8 +88,16 @@ fn default_files() -> Vec<String> {
     vec!["metrics.jsonl".to_string()]
 }
 
-fn default_step() -> String {
-    "step".to_string()
+/// Where metrics come from when a file's name does not say (`[metrics] source`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// By the file: `.csv` (a W&B panel export by its `<run> - <key>` columns), `.tfevents.`,
+    /// `run-*.wandb` and `wandb-history.jsonl` (W&B); anything else is JSON lines.
+    #[default]
+    Auto,
+    /// W&B history whatever the name: JSON lines of history rows or a CSV export.
+    Wandb,
 }
 
 impl Default for MetricsMapping {
@@ -78,7 +105,8 @@ impl Default for MetricsMapping {
         MetricsMapping {
             files: default_files(),
             keep_partial_events: false,
-            step: default_step(),
+            source: Source::Auto,
+            step: None,
             preset: None,
             first_step: None,
             map: BTreeMap::new(),
@@ -139,7 +167,7 @@ impl MetricsMapping {
                 globset::Glob::new(f).map_err(|e| format!("metrics file pattern `{f}`: {e}"))?;
             }
         }
-        if self.step.is_empty() {
+        if self.step.as_ref().is_some_and(String::is_empty) {
             return Err("metrics `step` is empty: name the step key, e.g. step = \"step\"".into());
         }
         for (from, to) in &self.map {
@@ -172,6 +200,21 @@ impl MetricsMapping {
         self.first_step
             .or(self.preset().map(|p| p.first_step))
             .unwrap_or(0)
+    }
+
+    /// The step keys to look for, first found wins: the mapping's `step`, else for W&B history
+    /// the preset's W&B step key, then `_step` (and the app export's `Step`), else `step`.
+    fn step_keys(&self, wandb: bool) -> Vec<&str> {
+        match (&self.step, wandb) {
+            (Some(s), _) => vec![s.as_str()],
+            (None, true) => self
+                .preset()
+                .and_then(|p| p.wandb_step)
+                .into_iter()
+                .chain(["_step", "Step"])
+                .collect(),
+            (None, false) => vec!["step"],
+        }
     }
 
     /// The lockstep key a framework key is stored under: the suite's map, then the preset, then
@@ -426,13 +469,27 @@ pub fn read_metrics(root: &Path, mapping: &MetricsMapping) -> Result<MetricsRead
                 continue;
             };
             let at = |e: String| format!("{}: {e}", path.display());
-            if f.ends_with(".csv") {
-                read_csv(&bytes, &reader, &mut acc).map_err(at)?;
+            let name = f.rsplit('/').next().unwrap_or(&f);
+            let wandb = mapping.source == Source::Wandb;
+            if name == "wandb-summary.json" {
+                return Err(at(
+                    "a W&B summary holds only each key's last value, not its history; read the run's transaction log (files = [\"wandb/*/run-*.wandb\"]) or a history export".into(),
+                ));
+            } else if f.ends_with(".csv") {
+                read_csv(&bytes, &reader, &mut acc, wandb).map_err(at)?;
             } else if f.contains(".tfevents.") {
                 read_tfevents(&bytes, &reader, &mut acc, mapping.keep_partial_events)
                     .map_err(at)?;
+            } else if f.ends_with(".wandb") {
+                read_wandb_log(&bytes, &reader, &mut acc, mapping.keep_partial_events)
+                    .map_err(at)?;
             } else {
-                read_jsonl(&bytes, &reader, &mut acc);
+                let lines: Vec<_> = json_lines(&bytes).collect();
+                if wandb || name == "wandb-history.jsonl" || looks_like_wandb(mapping, &lines) {
+                    read_wandb_jsonl(lines, &reader, &mut acc);
+                } else {
+                    read_jsonl(lines, &reader, &mut acc);
+                }
             }
         }
     }
@@ -494,8 +551,8 @@ fn read_tfevents(
     Ok(())
 }
 
-/// Every metric key logged in the `.jsonl` and `.csv` files under `dir` (at most 1,000 files,
-/// read with the default step key and no map), for `lockstep ingest --detect`.
+/// Every metric key logged in the `.jsonl`, `.csv`, TensorBoard and W&B files under `dir` (at
+/// most 1,000 files, read with the default step key and no map), for `lockstep ingest --detect`.
 pub fn keys_under(dir: &Path) -> Result<std::collections::BTreeSet<String>, String> {
     let mut keys = std::collections::BTreeSet::new();
     let files = walkdir::WalkDir::new(dir)
@@ -505,7 +562,10 @@ pub fn keys_under(dir: &Path) -> Result<std::collections::BTreeSet<String>, Stri
         .filter(|e| e.file_type().is_file())
         .filter(|e| {
             let n = e.file_name().to_string_lossy();
-            n.ends_with(".jsonl") || n.ends_with(".csv") || n.contains(".tfevents.")
+            n.ends_with(".jsonl")
+                || n.ends_with(".csv")
+                || n.contains(".tfevents.")
+                || n.ends_with(".wandb")
         })
         .take(1000);
     for f in files {
@@ -695,25 +755,43 @@ fn step_number(v: &serde_json::Value) -> Option<u64> {
     })
 }
 
-fn read_jsonl(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) {
-    for line in bytes.split(|b| *b == b'\n') {
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        let parsed = (line.len() <= MAX_LINE_BYTES)
-            .then(|| std::str::from_utf8(line).ok())
-            .flatten()
-            .and_then(|l| {
-                serde_json::from_str::<serde_json::Value>(&with_nonfinite_tokens(l)).ok()
-            });
-        let Some(serde_json::Value::Object(o)) = parsed else {
+/// The JSON objects of a JSON-lines file, one per non-blank line; `None` for a line that is not
+/// one (not UTF-8, not JSON, not an object, longer than [`MAX_LINE_BYTES`] or with more than
+/// [`MAX_KEYS_PER_LINE`] keys).
+fn json_lines(bytes: &[u8]) -> impl Iterator<Item = Option<JsonObject>> + '_ {
+    bytes
+        .split(|b| *b == b'\n')
+        .filter(|line| !line.iter().all(u8::is_ascii_whitespace))
+        .map(|line| {
+            let parsed = (line.len() <= MAX_LINE_BYTES)
+                .then(|| std::str::from_utf8(line).ok())
+                .flatten()
+                .and_then(|l| {
+                    serde_json::from_str::<serde_json::Value>(&with_nonfinite_tokens(l)).ok()
+                });
+            match parsed {
+                Some(serde_json::Value::Object(o)) if o.len() <= MAX_KEYS_PER_LINE => Some(o),
+                _ => None,
+            }
+        })
+}
+
+/// JSON lines that are W&B history rows: with no `step` set, rows with W&B's `_step` and none
+/// with `step`.
+fn looks_like_wandb(mapping: &MetricsMapping, lines: &[Option<JsonObject>]) -> bool {
+    let any = |k: &str| lines.iter().flatten().any(|o| o.contains_key(k));
+    mapping.step.is_none() && any("_step") && !any("step")
+}
+
+type JsonObject = serde_json::Map<String, serde_json::Value>;
+
+fn read_jsonl(lines: Vec<Option<JsonObject>>, r: &Reader<'_>, acc: &mut Steps) {
+    let step_key = r.mapping.step_keys(false)[0];
+    for o in lines {
+        let Some(o) = o else {
             acc.skipped += 1;
             continue;
         };
-        if o.len() > MAX_KEYS_PER_LINE {
-            acc.skipped += 1;
-            continue;
-        }
         if let (Some(name), Some(series)) = (
             o.get("metric").and_then(|m| m.as_str()),
             o.get("series").and_then(|s| s.as_array()),
@@ -730,11 +808,11 @@ fn read_jsonl(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) {
             acc.skipped += series.len().saturating_sub(MAX_KEYS_PER_LINE);
             continue;
         }
-        let Some(step) = o.get(&r.mapping.step).and_then(step_number) else {
+        let Some(step) = o.get(step_key).and_then(step_number) else {
             acc.skipped += 1;
             continue;
         };
-        for (k, v) in o.iter().filter(|(k, _)| **k != r.mapping.step) {
+        for (k, v) in o.iter().filter(|(k, _)| *k != step_key) {
             match number(v) {
                 Some(x) => r.put(acc, step, k, x),
                 None => acc.skipped += 1,
@@ -743,7 +821,185 @@ fn read_jsonl(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) {
     }
 }
 
-fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) -> Result<(), String> {
+/// A W&B history row flattened as W&B shows it: nested objects joined with `.`, media and
+/// histograms (objects with a `_type`) left out.
+type WandbRow = Vec<(String, serde_json::Value)>;
+
+/// Leave out of a flattened row the media and histograms that arrived as separate items (the
+/// transaction log stores `weights` as `weights._type`, `weights.values`, `weights.bins`).
+fn drop_wandb_media(row: &mut WandbRow) {
+    let media: Vec<String> = row
+        .iter()
+        .filter_map(|(k, _)| k.strip_suffix("._type").map(|p| format!("{p}.")))
+        .collect();
+    if !media.is_empty() {
+        row.retain(|(k, _)| !media.iter().any(|m| k.starts_with(m.as_str())));
+    }
+}
+
+/// W&B's bookkeeping: a key with a part starting with `_` (`_runtime`, `_wandb.runtime`).
+fn wandb_bookkeeping(key: &str) -> bool {
+    key.split('.').any(|part| part.starts_with('_'))
+}
+
+fn flatten_wandb(key: String, v: serde_json::Value, out: &mut WandbRow) {
+    match v {
+        serde_json::Value::Object(o) if o.contains_key("_type") => {} // an image, histogram, table
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                flatten_wandb(format!("{key}.{k}"), x, out);
+            }
+        }
+        v => out.push((key, v)),
+    }
+}
+
+impl Reader<'_> {
+    /// The step key of a W&B file: the first of [`MetricsMapping::step_keys`] that any row has.
+    fn wandb_step_key(&self, has: impl Fn(&str) -> bool) -> &str {
+        let keys = self.mapping.step_keys(true);
+        keys.iter().copied().find(|k| has(k)).unwrap_or(keys[0])
+    }
+
+    /// One W&B history row: W&B's bookkeeping keys (`_runtime`, `_timestamp`, `_wandb.*`) pass
+    /// over unless the map names them, `null` is no value, other non-numbers are counted.
+    fn put_wandb_row(&self, acc: &mut Steps, step_key: &str, row: &WandbRow) {
+        if row.len() > MAX_KEYS_PER_LINE {
+            acc.skipped += 1;
+            return;
+        }
+        let Some(step) = row
+            .iter()
+            .find(|(k, _)| k == step_key)
+            .and_then(|(_, v)| step_number(v))
+        else {
+            acc.skipped += 1;
+            return;
+        };
+        for (k, v) in row {
+            if k == step_key
+                || v.is_null()
+                || (wandb_bookkeeping(k) && !self.mapping.map.contains_key(k))
+            {
+                continue;
+            }
+            match number(v) {
+                Some(x) => self.put(acc, step, k, x),
+                None => acc.skipped += 1,
+            }
+        }
+    }
+
+    fn put_wandb_rows(&self, acc: &mut Steps, rows: &[WandbRow]) {
+        let step_key = self.wandb_step_key(|k| rows.iter().any(|r| r.iter().any(|(x, _)| x == k)));
+        for row in rows {
+            self.put_wandb_row(acc, step_key, row);
+        }
+    }
+}
+
+/// W&B history as JSON lines: `wandb-history.jsonl`, or `scan_history()` rows written with
+/// `json.dumps` (which keeps NaN; pandas' `to_json` writes it as `null`, the same as "not logged").
+fn read_wandb_jsonl(lines: Vec<Option<JsonObject>>, r: &Reader<'_>, acc: &mut Steps) {
+    let mut rows = Vec::new();
+    for o in lines {
+        let Some(o) = o else {
+            acc.skipped += 1;
+            continue;
+        };
+        let mut row = WandbRow::new();
+        for (k, v) in o {
+            flatten_wandb(k, v, &mut row);
+        }
+        drop_wandb_media(&mut row);
+        rows.push(row);
+    }
+    r.put_wandb_rows(acc, &rows);
+}
+
+/// A W&B run's transaction log (`run-<id>.wandb`).
+fn read_wandb_log(
+    bytes: &[u8],
+    r: &Reader<'_>,
+    acc: &mut Steps,
+    keep_partial: bool,
+) -> Result<(), String> {
+    let log = super::wandb::read(bytes, keep_partial)?;
+    let mut rows = Vec::with_capacity(log.rows.len());
+    for h in log.rows {
+        let mut row = WandbRow::new();
+        for (k, json) in h.items {
+            match serde_json::from_str(&with_nonfinite_tokens(&json)) {
+                Ok(v) => flatten_wandb(k, v, &mut row),
+                Err(_) => acc.skipped += 1,
+            }
+        }
+        drop_wandb_media(&mut row);
+        if !row.iter().any(|(k, _)| k == "_step") {
+            row.push(("_step".into(), serde_json::json!(h.step)));
+        }
+        rows.push(row);
+    }
+    r.put_wandb_rows(acc, &rows);
+    acc.skipped += usize::from(log.stopped.is_some());
+    Ok(())
+}
+
+/// The app's band columns beside each metric of a panel export.
+const WANDB_BANDS: [&str; 2] = ["__MIN", "__MAX"];
+
+/// Whether a CSV header is W&B's: a panel export (the x-axis column, `Step` or the panel's own
+/// x-axis key, then only `<run> - <key>` columns), or a history table with W&B's `_step` and no
+/// `step` (`run.history().to_csv()`, whose first, unnamed column is pandas' index).
+fn is_wandb_export(headers: &csv::StringRecord) -> bool {
+    let panel = headers.len() > 1 && headers.iter().skip(1).all(|h| h.contains(" - "));
+    let history = headers.iter().any(|h| h == "_step") && !headers.iter().any(|h| h == "step");
+    panel || history
+}
+
+/// The metric key of each column of a W&B CSV (`None`: a min/max band, not a metric), with the
+/// run prefix stripped: the longest `<run> - ` that every `... - ...` column starts with. Columns
+/// of several runs are refused (lockstep reads one run per file).
+fn wandb_columns(headers: &csv::StringRecord) -> Result<Vec<Option<String>>, String> {
+    let values: Vec<&str> = headers
+        .iter()
+        .filter(|h| !WANDB_BANDS.iter().any(|b| h.ends_with(b)) && h.contains(" - "))
+        .collect();
+    let prefix = values.first().and_then(|first| {
+        first
+            .match_indices(" - ")
+            .map(|(i, _)| &first[..i + 3])
+            .filter(|p| values.iter().all(|h| h.starts_with(p) && h.len() > p.len()))
+            .last()
+    });
+    if prefix.is_none() && !values.is_empty() {
+        let mut runs: Vec<String> = values
+            .iter()
+            .filter_map(|h| {
+                h.split_once(" - ")
+                    .map(|(run, _)| run.escape_debug().to_string())
+            })
+            .collect();
+        runs.sort_unstable();
+        runs.dedup();
+        let n = runs.len();
+        runs.truncate(3);
+        return Err(format!(
+            "this W&B export holds {n} runs ({}); export each run on its own (hide the others in the panel), one file per run",
+            runs.join(", ")
+        ));
+    }
+    Ok(headers
+        .iter()
+        .map(|h| {
+            let band = WANDB_BANDS.iter().any(|b| h.ends_with(b));
+            let key = prefix.and_then(|p| h.strip_prefix(p)).unwrap_or(h);
+            (!band).then(|| key.to_string())
+        })
+        .collect())
+}
+
+fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps, wandb: bool) -> Result<(), String> {
     let mut rd = csv::ReaderBuilder::new().flexible(true).from_reader(bytes);
     let headers = rd.headers().map_err(|e| e.to_string())?.clone();
     if headers.len() > MAX_KEYS_PER_LINE {
@@ -752,13 +1008,32 @@ fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) -> Result<(), String>
             headers.len()
         ));
     }
-    let step_key = &r.mapping.step;
-    let si = headers.iter().position(|h| h == step_key).ok_or_else(|| {
-        format!(
-            "no `{step_key}` column ({}); set `step` in the mapping",
-            column_list(&headers)
-        )
-    })?;
+    let wandb = wandb || is_wandb_export(&headers);
+    let names: Vec<Option<String>> = if wandb {
+        wandb_columns(&headers)?
+    } else {
+        headers.iter().map(|h| Some(h.to_string())).collect()
+    };
+    let has = |k: &str| names.iter().any(|n| n.as_deref() == Some(k));
+    let step_key = if wandb {
+        r.wandb_step_key(has)
+    } else {
+        r.mapping.step_keys(false)[0]
+    };
+    let si = names
+        .iter()
+        .position(|n| n.as_deref() == Some(step_key))
+        .ok_or_else(|| {
+            let cols = column_list(&headers);
+            if wandb && headers.iter().any(|h| h == "Name") && headers.iter().any(|h| h == "State")
+            {
+                format!(
+                    "this is W&B's runs table (one row per run, final values only; {cols}); export a panel's CSV or the run's history instead"
+                )
+            } else {
+                format!("no `{step_key}` column ({cols}); set `step` in the mapping")
+            }
+        })?;
     for rec in rd.records() {
         let Ok(rec) = rec else {
             acc.skipped += 1;
@@ -772,7 +1047,13 @@ fn read_csv(bytes: &[u8], r: &Reader<'_>, acc: &mut Steps) -> Result<(), String>
             acc.skipped += 1;
             continue;
         };
-        for (i, h) in headers.iter().enumerate().filter(|(i, _)| *i != si) {
+        for (i, h) in names.iter().enumerate().filter(|(i, _)| *i != si) {
+            let Some(h) = h else {
+                continue; // a W&B min/max band column
+            };
+            if wandb && (h.is_empty() || wandb_bookkeeping(h)) && !r.mapping.map.contains_key(h) {
+                continue; // W&B's bookkeeping
+            }
             match rec.get(i).map(str::trim) {
                 None | Some("") => {} // no value at this step (sparse logging), not junk
                 Some(s) => match s.parse::<f64>() {
@@ -1072,6 +1353,95 @@ mod tests {
         let steps: Vec<usize> = r.records.iter().map(|x| x.step).collect();
         assert_eq!(steps, [0, 4], "the good lines around the bad ones are kept");
         assert_eq!(r.skipped, 3);
+    }
+
+    #[test]
+    fn wandb_rows_skip_bookkeeping_media_and_nulls_and_count_only_junk() {
+        let m = mapping(
+            "files = [\"h.jsonl\"]\nsource = \"wandb\"\n[map]\n\"_runtime\" = \"perf/wall\"\n",
+        );
+        let r = read(
+            &[(
+                "h.jsonl",
+                b"{\"_step\": 0, \"_runtime\": 1.5, \"_timestamp\": 1e9, \"_wandb\": {\"runtime\": 1}, \"a\": {\"b\": 2, \"c\": {\"d\": 3}}, \"img\": {\"_type\": \"image-file\", \"path\": \"x.png\"}, \"h._type\": \"histogram\", \"h.values\": [1], \"gone\": null, \"note\": \"text\"}\n{\"_step\": 1.0, \"a\": {\"b\": Infinity}}\n{\"train/loss\": 1}\n",
+            )],
+            &m,
+        );
+        assert_eq!(r.records.len(), 2);
+        let keys: Vec<&str> = r.records[0].scalars.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            ["a.b", "a.c.d", "perf/wall"],
+            "`.`-joined; a mapped `_` key kept"
+        );
+        assert_eq!(r.records[0].get("a.c.d"), Some(3.0));
+        assert_eq!(r.records[1].get("a.b"), Some(f64::INFINITY));
+        assert_eq!(r.records[1].events.len(), 1);
+        assert_eq!(r.skipped, 2, "the text value and the row without `_step`");
+        // `step` names the user's own step key instead of `_step`.
+        let m =
+            mapping("files = [\"h.jsonl\"]\nsource = \"wandb\"\nstep = \"train/global_step\"\n");
+        let r = read(
+            &[(
+                "h.jsonl",
+                b"{\"_step\": 0, \"train/global_step\": 5, \"x\": 1}\n",
+            )],
+            &m,
+        );
+        assert_eq!((r.records[0].step, r.records[0].get("x")), (5, Some(1.0)));
+        assert!(!r.records[0].scalars.contains_key("train/global_step"));
+    }
+
+    #[test]
+    fn wandb_csv_exports_are_read_and_several_runs_or_the_runs_table_refused() {
+        let m = mapping("files = [\"e.csv\"]\n");
+        // A panel plotted against the user's own step, a run name holding " - ".
+        let r = read(
+            &[(
+                "e.csv",
+                b"train/global_step,a - b - loss,a - b - loss__MIN,a - b - loss__MAX,a - b - kl\n1,0.5,0.4,0.6,\n2,nan,nan,nan,0.1\n",
+            )],
+            &mapping("files = [\"e.csv\"]\nstep = \"train/global_step\"\n"),
+        );
+        let keys: Vec<&str> = r.records[1].scalars.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            ["kl", "loss"],
+            "run prefix `a - b - ` stripped, bands left out"
+        );
+        assert_eq!(r.records[0].get("loss"), Some(0.5));
+        assert_eq!(r.divergence(), Some((2, "loss".to_string())));
+        // pandas' run.history().to_csv(): an unnamed index column and W&B's `_` columns.
+        let r = read(
+            &[(
+                "e.csv",
+                b",_step,_runtime,train/loss\n0,0,0.1,1.0\n1,1,0.2,2.0\n",
+            )],
+            &m,
+        );
+        assert_eq!(r.records.len(), 2);
+        assert_eq!(r.records[0].scalars.len(), 1, "{:?}", r.records[0].scalars);
+        assert_eq!(r.skipped, 0);
+        let d = tempfile::tempdir().unwrap();
+        for (bytes, needle) in [
+            (
+                &b"Step,bf16 - loss,bf16 - loss__MIN,fp8 - loss\n0,1,1,2\n"[..],
+                "holds 2 runs (bf16, fp8)",
+            ),
+            (
+                &b"Name,State,Runtime,train/loss\nbf16,finished,10,0.5\n"[..],
+                "W&B's runs table",
+            ),
+        ] {
+            std::fs::write(d.path().join("e.csv"), bytes).unwrap();
+            let e = read_metrics(
+                d.path(),
+                &mapping("files = [\"e.csv\"]\nsource = \"wandb\"\n"),
+            )
+            .unwrap_err();
+            assert!(e.contains(needle), "{e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
     }
 
     #[cfg(unix)]

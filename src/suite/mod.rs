@@ -12,6 +12,7 @@ pub mod runner;
 pub mod slurm;
 pub mod spec;
 pub mod tensorboard;
+pub mod wandb;
 
 pub use plan::{RunSpec, expand};
 pub use spec::{SuiteError, SuiteSpec, load, parse};
