@@ -601,7 +601,8 @@ def check_fp8(device):
         good = rel < 0.1
         ok &= good
         print(f"fp8 check backward {name}: rel. error vs BF16 {rel:.4f} (< 0.1): {'ok' if good else 'FAIL'}", flush=True)
-    print(f"fp8 check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}: {'PASS' if ok else 'FAIL'}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"fp8 check on {where}, torch {torch.__version__}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
