@@ -6,11 +6,12 @@ numbers; reward 1 for the exact sum followed by EOS, else 0): a short supervised
 FP32 (identical for every precision of one seed), then GRPO steps in the chosen precision.
 
 Each GRPO step:
-  * rollout: G samples per prompt, decoded token by token with a KV cache under
-    ``torch.no_grad`` (the "inference engine"), recording each sampled token's log-probability;
-  * train: a separate full-sequence forward (the "trainer") recomputes the same log-probabilities,
-    so the train-vs-rollout mismatch is measured as real frameworks do (mean |logp_train -
-    logp_rollout|, a k3 KL estimate, importance-ratio range);
+  * rollout: a separate copy of the policy (the "inference engine") holding weights exported
+    from the trainer (BF16 for bf16/fp8, run without autocast) samples G completions per prompt,
+    token by token with a KV cache under ``torch.no_grad``, recording each token's log-probability;
+  * train: the trainer (FP32 master weights, autocast) recomputes the same log-probabilities in a
+    full-sequence forward, so the train-vs-rollout mismatch is measured as real frameworks do
+    (mean |logp_train - logp_rollout|, a k3 KL estimate, importance-ratio range);
   * group-normalised advantages, clipped policy-gradient loss over ``--minibatches`` updates (the
     second one is off-policy, so clipping is real), truncated importance sampling against the
     rollout's log-probs (as TRL's ``vllm_importance_sampling_correction``), optional k3 KL to the
