@@ -1,5 +1,5 @@
 //! Issue 25, item 4: the worked example `examples/fp8-grpo/` end to end on the CPU. Its CPU suite
-//! (`suite-cpu.toml`: FP32 vs BF16 autocast, 3 seeds of 12 GRPO steps of a real PyTorch loop)
+//! (`suite-cpu.toml`: FP32 vs BF16 autocast, 3 seeds of 10 GRPO steps of a real PyTorch loop)
 //! goes through `lockstep nightly` and the command engine: every run ends `ok` with every planned
 //! step, reward and train-rollout KL are read from the TensorBoard event files through TRL's
 //! preset, the per-layer gradient norms land in `layers.parquet`, and the verdict names both
@@ -100,7 +100,11 @@ fn the_cpu_variant_runs_end_to_end_through_the_command_engine() {
         let id = m["run_id"].as_str().unwrap();
         assert!(id.starts_with("fp32-s") || id.starts_with("bf16-s"), "{id}");
         assert_eq!(m["status"], "ok", "{}: {m}", run.display());
-        assert_eq!((m["steps_planned"].as_u64(), m["steps_done"].as_u64()), (Some(12), Some(12)), "{id}");
+        assert_eq!(
+            (m["steps_planned"].as_u64(), m["steps_done"].as_u64()),
+            (Some(10), Some(10)),
+            "{id}"
+        );
         let tb: Vec<_> = std::fs::read_dir(run.join("out"))
             .unwrap()
             .filter_map(|e| e.ok())
@@ -118,7 +122,7 @@ fn the_cpu_variant_runs_end_to_end_through_the_command_engine() {
         let steps: Vec<usize> = reward.iter().map(|(s, _)| *s).collect();
         assert_eq!(
             steps,
-            (0..12).collect::<Vec<_>>(),
+            (0..10).collect::<Vec<_>>(),
             "TRL's 1-based steps stored from 0"
         );
         assert!(reward.iter().all(|(_, r)| (0.0..=1.0).contains(r)));
@@ -130,7 +134,7 @@ fn the_cpu_variant_runs_end_to_end_through_the_command_engine() {
             "rollout/response_len/mean",
         ] {
             let s = series(key);
-            assert_eq!(s.len(), 12, "{}: {key}", run.display());
+            assert_eq!(s.len(), 10, "{}: {key}", run.display());
             assert!(
                 s.iter().all(|(_, v)| v.is_finite() && *v >= 0.0),
                 "{key}: {s:?}"
@@ -145,7 +149,7 @@ fn the_cpu_variant_runs_end_to_end_through_the_command_engine() {
         assert_eq!(norms.len(), 8, "{}: {norms:?}", run.display());
         for (site, layer, steps, values) in &norms {
             assert!((0..2).contains(layer), "{site} {layer}");
-            assert_eq!(steps.len(), 12, "{site} {layer}");
+            assert_eq!(steps.len(), 10, "{site} {layer}");
             assert!(values.iter().all(|v| v.is_finite() && *v > 0.0));
         }
         assert!(norms.iter().any(|(s, ..)| s == "self_attention.linear_qkv"));
@@ -176,5 +180,8 @@ fn the_cpu_variant_runs_end_to_end_through_the_command_engine() {
     assert!(configs.contains(&"bf16"), "{configs:?}");
     let summary = std::fs::read_to_string(night.join("summary.md")).unwrap();
     assert!(summary.contains("fp8-grpo-cpu"), "{summary}");
-    assert!(summary.contains("bf16") || v.to_string().contains("bf16"), "{summary}\n{v}");
+    assert!(
+        summary.contains("bf16") || v.to_string().contains("bf16"),
+        "{summary}\n{v}"
+    );
 }

@@ -477,7 +477,10 @@ def main(argv=None):
         msum = mask.sum()
         delta = (logp_old - logp_rollout) * mask
         ratio_is = torch.exp(logp_old - logp_rollout)
-        k3 = (torch.exp(-(logp_old - logp_rollout)) - 1 + (logp_old - logp_rollout)) * mask  # KL(rollout||train)
+        # k3 estimate of KL(rollout || train) per token: r - 1 - log r with r = p_train / p_rollout,
+        # in FP64 with expm1 so that tiny mismatches (FP32) do not round below 0.
+        d64 = (logp_old - logp_rollout).double()
+        k3 = ((torch.expm1(d64) - d64) * mask.double()).float()
         tis = ratio_is.clamp(max=args.tis_cap)
 
         perm = torch.randperm(n, generator=prompt_gen).to(device)
@@ -493,7 +496,7 @@ def main(argv=None):
             per_tok = pg * tis[idx]
             if ref is not None:
                 d = logp_ref[idx] - lp
-                kl_tok = torch.exp(d) - d - 1
+                kl_tok = torch.expm1(d) - d  # k3 of KL(policy || reference), as TRL
                 per_tok = per_tok + args.beta * kl_tok
                 kl_ref.append(((kl_tok * m).sum() / m.sum()).detach())
             loss = (per_tok * m).sum() / m.sum()

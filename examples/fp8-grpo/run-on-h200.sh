@@ -46,7 +46,8 @@ echo "== FP8 check: torch._scaled_mm rowwise vs BF16"
 
 echo "== suite"
 "$LOCKSTEP" suite check "$SUITE"
-"$LOCKSTEP" suite show "$SUITE" --argv | head -20
+"$LOCKSTEP" suite show "$SUITE" --argv > "$OUT/suite-argv.txt"
+head -n 12 "$OUT/suite-argv.txt"
 
 echo "== one run by hand first (fails fast, before the pool starts 6 at a time)"
 "$PY" examples/fp8-grpo/grpo.py --precision fp8 --seed 99 --steps 3 --out "$OUT/smoke-fp8" --device cuda \
@@ -54,7 +55,7 @@ echo "== one run by hand first (fails fast, before the pool starts 6 at a time)"
 
 echo "== lockstep nightly (--seeds auto, $JOBS jobs)"
 rc=0
-timeout --signal=TERM --kill-after=30 420 \
+timeout --signal=TERM --kill-after=30 360 \
   "$LOCKSTEP" nightly "$SUITE" --seeds auto --min-seeds 3 --max-seeds 12 --batch 3 --jobs "$JOBS" \
   --store "$OUT/store" --out "$OUT/verdict" --reports "$OUT/reports" --baselines "$OUT/no-baselines" \
   "$@" || rc=$?
