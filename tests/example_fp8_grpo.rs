@@ -159,8 +159,8 @@ fn the_cpu_variant_runs_end_to_end_through_the_command_engine() {
     // norms) against the autocast trainer differs far more than FP32 against FP32.
     let (bf16, fp32) = (&abs_diff["bf16"], &abs_diff["fp32"]);
     assert_eq!((bf16.len(), fp32.len()), (3, 3), "{abs_diff:?}");
-    let max_fp32 = fp32.iter().cloned().fold(0.0, f64::max);
-    let min_bf16 = bf16.iter().cloned().fold(f64::INFINITY, f64::min);
+    let max_fp32 = fp32.iter().copied().fold(0.0, f64::max);
+    let min_bf16 = bf16.iter().copied().fold(f64::INFINITY, f64::min);
     assert!(
         min_bf16 > 10.0 * max_fp32 && max_fp32 < 1e-4,
         "|dlogp| bf16 {bf16:?} vs fp32 {fp32:?}"

@@ -26,6 +26,7 @@ LOCKSTEP=$2
 shift 2
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-6}
+MAX_SEEDS=${MAX_SEEDS:-12}
 SUITE=examples/fp8-grpo/suite.toml
 
 [[ -f $SUITE ]] || { echo "run from the repository root ($SUITE not found in $PWD)" >&2; exit 2; }
@@ -38,7 +39,7 @@ start=$SECONDS
 
 echo "== $(date -u +%FT%TZ) on $(hostname)"
 nvidia-smi -L || true
-"$PY" -c 'import torch, tensorboard; print("torch", torch.__version__, "cuda", torch.version.cuda, "tensorboard", tensorboard.__version__, "device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'
+"$PY" -c 'import torch, tensorboard; c = torch.cuda.is_available(); print("torch", torch.__version__, "cuda", torch.version.cuda, "tensorboard", tensorboard.__version__, "device", torch.cuda.get_device_name(0) if c else "none", torch.cuda.get_device_capability(0) if c else "")'
 "$LOCKSTEP" --version
 
 echo "== FP8 check: torch._scaled_mm rowwise vs BF16"
@@ -53,10 +54,10 @@ echo "== one run by hand first (fails fast, before the pool starts 6 at a time)"
 "$PY" examples/fp8-grpo/grpo.py --precision fp8 --seed 99 --steps 3 --out "$OUT/smoke-fp8" --device cuda \
   --digits 2 --d-model 128 --layers 4 --heads 4 --d-ff 512 --prompts 32 --group 8 --sft-steps 20 --threads 2
 
-echo "== lockstep nightly (--seeds auto, $JOBS jobs)"
+echo "== lockstep nightly (--seeds auto up to $MAX_SEEDS seeds, $JOBS jobs)"
 rc=0
 timeout --signal=TERM --kill-after=30 360 \
-  "$LOCKSTEP" nightly "$SUITE" --seeds auto --min-seeds 3 --max-seeds 12 --batch 3 --jobs "$JOBS" \
+  "$LOCKSTEP" nightly "$SUITE" --seeds auto --min-seeds 3 --max-seeds "$MAX_SEEDS" --batch 3 --jobs "$JOBS" \
   --store "$OUT/store" --out "$OUT/verdict" --reports "$OUT/reports" --baselines "$OUT/no-baselines" \
   "$@" || rc=$?
 echo "== lockstep nightly exit code $rc after $((SECONDS - start)) s"
