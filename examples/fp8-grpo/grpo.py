@@ -502,7 +502,7 @@ def main(argv=None):
             loss = (per_tok * m).sum() / m.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            layer_norms = layer_grad_norms(model)
+            layer_norms = layer_grad_norms(model)  # the step's last optimizer step, before clipping
             gnorms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).detach())
             opt.step()
             out_of_region = ((ratio < 1 - args.clip_eps) | (ratio > 1 + args.clip_eps)).float()
