@@ -3,7 +3,8 @@
 
 A tiny decoder-only transformer is trained from scratch on a verifiable toy task (add two
 numbers; reward 1 for the exact sum followed by EOS, else 0): a short supervised warm start in
-FP32 (identical for every precision of one seed), then GRPO steps in the chosen precision.
+FP32 that depends on ``--init-seed`` only (the shared "checkpoint" every seed and precision starts
+from), then GRPO steps in the chosen precision, whose randomness ``--seed`` drives.
 
 Each GRPO step:
   * rollout: a separate copy of the policy (the "inference engine") holding weights exported
@@ -379,7 +380,8 @@ def layer_grad_norms(model):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="bf16")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the RL run's seed (prompts, sampling)")
+    ap.add_argument("--init-seed", type=int, default=0, help="initialisation and warm start (the shared checkpoint)")
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps")
     ap.add_argument("--out", required=False, help="output folder (TensorBoard event file, run.json)")
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
@@ -420,7 +422,10 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(args.seed)
+    # Like a real framework, every run starts from the same checkpoint: the initialisation and the
+    # FP32 warm start depend on --init-seed only, never on --seed or --precision. --seed drives
+    # the RL part (prompts, sampling, minibatch order).
+    torch.manual_seed(args.init_seed)
 
     os.makedirs(args.out, exist_ok=True)
     from torch.utils.tensorboard import SummaryWriter
@@ -429,9 +434,9 @@ def main(argv=None):
     resp_len = args.digits + 2
     max_len = 2 * args.digits + 2 + resp_len
     model = Policy(args.d_model, args.layers, args.heads, args.d_ff, max_len).to(device)
-    # The warm start is FP32 with its own generator: identical weights for every precision of a seed.
-    data_gen = torch.Generator().manual_seed(args.seed)
+    data_gen = torch.Generator().manual_seed(args.init_seed)
     sft_steps, warm_acc = warm_start(model, args, device, data_gen)
+    torch.manual_seed(args.seed)
     model.set_fp8(args.precision == "fp8")
     ref = None
     if args.beta > 0:
@@ -551,6 +556,7 @@ def main(argv=None):
         if args.precision == "fp8"
         else None,
         "seed": args.seed,
+        "init_seed": args.init_seed,
         "steps": args.steps,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
