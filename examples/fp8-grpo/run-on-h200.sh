@@ -10,7 +10,7 @@
 # 3. leaves under OUTDIR: run-on-h200.log (all output), fp8-check.txt, verdict/ (verdict.json,
 #    summary.md, junit.xml, compare.json), reports/ (the HTML report and its PNGs), png/ (the PNGs
 #    alone), runs/<run-id>/ (each run's manifest, launcher logs, run.json and TensorBoard file) and
-#    store/ (lockstep's run store).
+#    store/ (lockstep's run store; STORE=DIR puts it elsewhere).
 #
 # Exit code: lockstep nightly's (0 pass or inconclusive, 1 regression, 2 error), or non-zero when
 # the FP8 check fails (then nothing is trained). Sized to end in about 2-4 minutes on one H200.
@@ -27,6 +27,7 @@ shift 2
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-6}
 MAX_SEEDS=${MAX_SEEDS:-12}
+STORE=${STORE:-}
 SUITE=examples/fp8-grpo/suite.toml
 
 [[ -f $SUITE ]] || { echo "run from the repository root ($SUITE not found in $PWD)" >&2; exit 2; }
@@ -34,6 +35,7 @@ SUITE=examples/fp8-grpo/suite.toml
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LOCKSTEP=$(cd "$(dirname "$LOCKSTEP")" && pwd)/$(basename "$LOCKSTEP")
+STORE=${STORE:-$OUT/store}
 exec > >(tee -a "$OUT/run-on-h200.log") 2>&1
 start=$SECONDS
 
@@ -58,11 +60,11 @@ echo "== lockstep nightly (--seeds auto up to $MAX_SEEDS seeds, $JOBS jobs)"
 rc=0
 timeout --signal=TERM --kill-after=30 360 \
   "$LOCKSTEP" nightly "$SUITE" --seeds auto --min-seeds 3 --max-seeds "$MAX_SEEDS" --batch 3 --jobs "$JOBS" \
-  --store "$OUT/store" --out "$OUT/verdict" --reports "$OUT/reports" --baselines "$OUT/no-baselines" \
+  --store "$STORE" --out "$OUT/verdict" --reports "$OUT/reports" --baselines "$OUT/no-baselines" \
   "$@" || rc=$?
 echo "== lockstep nightly exit code $rc after $((SECONDS - start)) s"
 
-suite_dir="$OUT/store/fp8-grpo-h200"
+suite_dir="$STORE/fp8-grpo-h200"
 [[ -f $suite_dir/compare.json ]] && cp "$suite_dir/compare.json" "$OUT/verdict/" || true
 mkdir -p "$OUT/runs" "$OUT/png"
 for run in "$suite_dir"/*/; do
