@@ -271,6 +271,19 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
     };
     list(&mut s, "Regressed", &v.regressions);
     list(&mut s, "Failing, not yet alerting", &v.pending);
+    if !cmp.claims.is_empty() {
+        s.push_str("**Findings**\n");
+        for c in &cmp.claims {
+            s.push_str(&format!(
+                "- {} {}: {}. {}\n",
+                c.verdict.words(),
+                md_code(&c.name),
+                md_text(&c.predicate),
+                md_text(&c.evidence)
+            ));
+        }
+        s.push('\n');
+    }
     let primary: Vec<String> = cmp
         .configs
         .iter()
@@ -518,6 +531,7 @@ mod tests {
                 message: "3 \"violations\" & more".into(),
                 name: "contract_violations == 0".into(),
             }],
+            claims: vec![],
             contract: vec![],
             overall: if regressed {
                 OverallVerdict::Regression
