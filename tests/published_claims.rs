@@ -207,7 +207,7 @@ fn equivalence_is_reproduced_only_inside_the_margin() {
     assert!(rep <= slack(ALPHA, SIMS), "false equivalence {rep}");
     // No difference and seeds to spare: reproduced, never contradicted.
     let (rep, con) = rates(&c, 9, |r| {
-        arms(r, "rollout/raw_reward", 12, 0.03, 0.6, &[0.0], true)
+        arms(r, "rollout/raw_reward", 20, 0.03, 0.6, &[0.0], true)
     });
     assert!(rep > 0.9 && con == 0.0, "{rep} {con}");
     // Twice the margin away: contradicted.

@@ -105,6 +105,26 @@ pub fn findings(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> Vec<Findi
             nights: 0,
         });
     }
+    for c in cmp
+        .claims
+        .iter()
+        .filter(|c| c.gate && c.verdict == ClaimVerdict::Contradicted)
+    {
+        out.push(Finding {
+            key: format!("claim :: {}", c.name),
+            config: c
+                .rows
+                .iter()
+                .filter(|r| r.verdict == ClaimVerdict::Contradicted)
+                .map(|r| r.config.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            what: format!("claim `{}` contradicted", c.name),
+            detail: c.evidence.clone(),
+            since: String::new(),
+            nights: 0,
+        });
+    }
     if let Some(g) = golden {
         for r in g.rows.iter().filter(|r| !r.passed) {
             out.push(Finding {
