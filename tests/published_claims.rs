@@ -388,7 +388,7 @@ band_reps = 20
 
 [[claims]]
 name = "copy-tracks-bf16"
-statement = "A copy of BF16 tracks BF16's reward."
+statement = "A copy of BF16 tracks BF16's reward <b>as is</b>."
 source = "A/A control"
 expect = "equivalent"
 metric = "rollout/raw_reward"
@@ -510,7 +510,7 @@ fn a_tiny_night_decides_its_claims_end_to_end() {
         "Findings come first"
     );
     assert!(
-        html.contains("A copy of BF16 tracks BF16&#39;s reward."),
+        html.contains("A copy of BF16 tracks BF16&#39;s reward &lt;b&gt;as is&lt;/b&gt;."),
         "escaped statement"
     );
     assert!(

@@ -928,7 +928,7 @@ fn trend_arms<'a>(
         .filter_map(|a| a.axes.get(axis).map(|v| (a, v)))
         .collect();
     let key = |v: &String| v.parse::<f64>().unwrap_or(f64::NAN);
-    if picked.iter().any(|(_, v)| key(*v).is_nan()) {
+    if picked.iter().any(|(_, v)| key(v).is_nan()) {
         picked.sort_by(|p, q| p.1.cmp(q.1));
     } else {
         picked.sort_by(|p, q| key(p.1).total_cmp(&key(q.1)));

@@ -374,7 +374,7 @@ pub fn md_text(s: &str) -> String {
 /// spans are not lockstep's, and the whole is plain text.
 pub fn md_spans(s: &str) -> String {
     let parts: Vec<&str> = s.split('`').collect();
-    if parts.len() % 2 == 0 {
+    if parts.len().is_multiple_of(2) {
         return md_text(s);
     }
     parts

@@ -556,7 +556,7 @@ pub fn from_table(
             batch: q.batch.unwrap_or(d.batch),
         };
         plan.check()
-            .map_err(|e| err(Some("sequential"), 0, format!("{e}")))?;
+            .map_err(|e| err(Some("sequential"), 0, e.to_string()))?;
         s.sequential = Some(plan);
     }
     if let Some(g) = t.golden {
