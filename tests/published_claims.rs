@@ -499,6 +499,11 @@ fn a_tiny_night_decides_its_claims_end_to_end() {
     assert_eq!(row["seeds"].as_array().unwrap().len(), 4);
     assert!(row["interval"]["lo"].as_f64().unwrap() > 1.0, "{row}");
     assert_eq!(claim("broken-lowers-kl")["verdict"], "contradicted");
+    let summary = std::fs::read_to_string(tmp.path().join("runs/claims/summary.md")).unwrap();
+    assert!(
+        summary.contains("**Findings**") && summary.contains("- contradicted `broken-lowers-kl`"),
+        "{summary}"
+    );
     let page = stdout
         .lines()
         .find_map(|l| l.strip_prefix("report: "))
@@ -516,5 +521,22 @@ fn a_tiny_night_decides_its_claims_end_to_end() {
     assert!(
         html.contains("href=\"#mismatch\""),
         "KL claims point at the mismatch figures"
+    );
+}
+
+#[test]
+fn the_findings_suite_passes_suite_check() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let o = run(root, &["suite", "check", "suites/findings.toml"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains("65 runs") && out.contains("10 claims"),
+        "{out}"
     );
 }
