@@ -1345,7 +1345,8 @@ impl Data<'_, '_> {
     }
 }
 
-fn site_matches(glob: Option<&str>, site: &str, layer: i64) -> bool {
+/// Whether a site (or its full name, `decoder.layers.N.SITE`) matches a glob; no glob: every site.
+pub(crate) fn site_matches(glob: Option<&str>, site: &str, layer: i64) -> bool {
     let Some(g) = glob else { return true };
     let Ok(m) = crate::recipe::glob_matcher(g) else {
         return false;
