@@ -356,14 +356,14 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
             let initials: Vec<f64> = b.metric(&c.metric).iter().map(|v| v.first).collect();
             match analyze::resolve_margin(*rule, &smp.y, &initials, hib, &b.config) {
                 Err(e) => (false, f64::NAN, e),
-                Ok((m, _)) => {
+                Ok((m, how)) => {
                     let dec = analyze::decide(&x, &y, Some(m), hib, smp.paired, s);
                     let p = stats::above_p(d, se, df, m).min(stats::above_p(-d, se, df, m));
-                    (
-                        dec.verdict == super::Verdict::Equivalent,
-                        p,
-                        format!("difference {shown} against ±{}: {}", f(m), dec.reason),
-                    )
+                    let reason = match rule {
+                        MarginRule::Absolute(_) => dec.reason,
+                        _ => format!("margin {how}; {}", dec.reason),
+                    };
+                    (dec.verdict == super::Verdict::Equivalent, p, reason)
                 }
             }
         }
