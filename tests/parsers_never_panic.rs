@@ -161,6 +161,23 @@ expr = ["mean(rollout/raw_reward, last=10) >= bf16 - margin", "spikes(site=\"*ex
 [[checks.rule]]
 expr = "contract_violations == 0"
 configs = ["nvfp4*"]
+[[claims]]
+name = "kl-alike"
+statement = "KL alike"
+source = "fuzz"
+expect = "fold_within"
+metric = "train/train_rollout_kl"
+fold = [0.5, 2.0]
+configs = ["nvfp4*"]
+vs = "bf16"
+[[claims]]
+name = "kl-falls"
+statement = "KL falls"
+source = "fuzz"
+expect = "decreasing"
+metric = "train/train_rollout_kl"
+configs = ["nvfp4-dq"]
+by = "bf16_first"
 "#;
 
 const RECIPE_TOML: &str = r#"name = "r"
@@ -357,13 +374,8 @@ fn the_seeds_are_valid() {
     std::fs::write(&p, SUITE).unwrap();
     let s = lockstep::suite::load(&p).unwrap();
     assert_eq!(lockstep::suite::expand(&s).unwrap().len(), 2 * 2 * 2);
-    assert_eq!(
-        lockstep::compare::settings::from_spec(&s)
-            .unwrap()
-            .checks
-            .len(),
-        3
-    );
+    let settings = lockstep::compare::settings::from_spec(&s).unwrap();
+    assert_eq!((settings.checks.len(), settings.claims.len()), (3, 2));
     for (t, n) in [(RECIPE_TOML, "r.toml"), (RECIPE_YAML, "r.yaml")] {
         lockstep::recipe::file::parse(t, Path::new(n))
             .unwrap()

@@ -7,7 +7,7 @@ use lockstep::compare::golden::{self, GoldenDiff};
 use lockstep::compare::nightly::{self, NightState};
 use lockstep::compare::settings::SequentialPlan;
 use lockstep::compare::{
-    CompareOptions, CompareSettings, SuiteComparison, Verdict, data, settings,
+    ClaimVerdict, CompareOptions, CompareSettings, SuiteComparison, Verdict, data, settings,
 };
 use lockstep::io::atomic;
 use lockstep::store::RunDir;
@@ -231,6 +231,7 @@ pub fn print_comparison(c: &SuiteComparison) {
             println!("  FAIL {}", k.message);
         }
     }
+    print_claims(c);
     let mut by: std::collections::BTreeMap<(&str, &str, i64), usize> = Default::default();
     for s in &c.spikes {
         *by.entry((s.config.as_str(), s.site.as_str(), s.layer))
@@ -265,6 +266,30 @@ pub fn print_comparison(c: &SuiteComparison) {
             format!("{:?}", c.overall).to_uppercase()
         ),
         s => println!("overall: {}", s.to_uppercase()),
+    }
+}
+
+/// The suite's published findings, one line each: verdict, the predicate, the evidence.
+fn print_claims(c: &SuiteComparison) {
+    if c.claims.is_empty() {
+        return;
+    }
+    let count = |v: ClaimVerdict| c.claims.iter().filter(|k| k.verdict == v).count();
+    println!(
+        "claims: {} reproduced, {} contradicted, {} inconclusive",
+        count(ClaimVerdict::Reproduced),
+        count(ClaimVerdict::Contradicted),
+        count(ClaimVerdict::Inconclusive)
+    );
+    for k in &c.claims {
+        println!(
+            "  {:<13} {}{}: {}",
+            k.verdict.words().to_uppercase(),
+            k.name,
+            if k.gate { " (gate)" } else { "" },
+            k.predicate
+        );
+        println!("  {:<13} {}", "", k.evidence);
     }
 }
 

@@ -66,10 +66,11 @@ pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
             let runs = expand(&s)?;
             let checks = lockstep::compare::settings::from_spec(&s)?;
             println!(
-                "{}: ok ({} runs, {} checks)",
+                "{}: ok ({} runs, {} checks, {} claims)",
                 file.display(),
                 runs.len(),
-                checks.checks.len()
+                checks.checks.len(),
+                checks.claims.len()
             );
             Ok(true)
         }

@@ -5,6 +5,7 @@
 //! one overall verdict. Pure over [`RunData`] except the two entry points that read a suite folder
 //! or explicit run folders; [`sequential_looks`] is the per-look entry point for sequential seeds.
 
+use super::claims::{self, ClaimArm, SeedValue, SiteSpikes};
 use super::data::{self, RunData};
 use super::expr::{self, Source};
 use super::result::*;
@@ -190,6 +191,12 @@ fn wanted_metrics(s: &CompareSettings) -> Option<BTreeSet<String>> {
     for c in &s.checks {
         w.extend(c.check.metrics());
     }
+    w.extend(
+        s.claims
+            .iter()
+            .filter(|c| !c.metric.is_empty())
+            .map(|c| c.metric.clone()),
+    );
     Some(w)
 }
 
@@ -373,7 +380,12 @@ pub fn compare_data(
         })
         .collect();
     let checks = run_checks(&groups, &spikes, &s);
-    let overall = overall(&configs, &checks, &s);
+    let claims = if s.claims.is_empty() {
+        Vec::new()
+    } else {
+        claims::evaluate(&s.claims, &claim_arms(&groups, &spikes, &s), &s)
+    };
+    let overall = overall(&configs, &checks, &claims, &s);
     Ok(SuiteComparison {
         suite: suite.to_string(),
         baseline_config: s.baseline.clone(),
@@ -382,6 +394,7 @@ pub fn compare_data(
         spikes,
         spike_rates,
         checks,
+        claims,
         contract,
         overall,
         night_state: None,
@@ -421,7 +434,7 @@ pub fn apply_sequential(cmp: &mut SuiteComparison, looks: &[SequentialLook], s: 
             d.reason
         );
     }
-    cmp.overall = overall(&cmp.configs, &cmp.checks, s);
+    cmp.overall = overall(&cmp.configs, &cmp.checks, &cmp.claims, s);
 }
 
 /// One configuration's sequential look on the primary metric.
@@ -483,7 +496,7 @@ pub fn sequential_looks(
             .collect();
         x.keep_seeds(&common);
         y.keep_seeds(&common);
-        let margin = match resolve_margin(rule, &y, hib, &s.baseline) {
+        let margin = match resolve_margin(rule, &y.finals, &y.initials, hib, &s.baseline) {
             Ok((m, _)) => m,
             Err(_) => f64::NAN,
         };
@@ -506,7 +519,7 @@ pub fn sequential_looks(
                 nominal_alpha: 0.0,
                 spent_alpha: 0.0,
                 seeds_needed: None,
-                reason: resolve_margin(rule, &y, hib, &s.baseline)
+                reason: resolve_margin(rule, &y.finals, &y.initials, hib, &s.baseline)
                     .err()
                     .unwrap_or_default(),
             }
@@ -703,7 +716,8 @@ fn stream_seed(seed: u64, config: &str, metric: &str, purpose: u64) -> u64 {
     u64::from_le_bytes([h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]])
 }
 
-fn is_kl_type(metric: &str) -> bool {
+/// KL-type and mismatch metrics: positive, spread multiplicatively, compared as fold changes.
+pub(crate) fn is_kl_type(metric: &str) -> bool {
     let m = metric.to_ascii_lowercase();
     m.contains("kl")
         || m.contains("logprob_abs_diff")
@@ -725,11 +739,13 @@ fn pair_up(x: &Arm, y: &Arm, values: fn(&Arm) -> &Vec<f64>) -> Option<(Vec<f64>,
     Some((values(x).clone(), values(y).clone()))
 }
 
-/// A margin rule turned into metric units from the baseline arm, with its description; `Err`
+/// A margin rule turned into metric units from the baseline's per-seed final-window and
+/// first-window values, with its description; `Err`
 /// says why it cannot be (the baseline did not gain, or has no level).
-fn resolve_margin(
+pub(crate) fn resolve_margin(
     rule: MarginRule,
-    y: &Arm,
+    finals: &[f64],
+    initials: &[f64],
     higher_is_better: bool,
     baseline: &str,
 ) -> Result<(f64, String), String> {
@@ -737,7 +753,7 @@ fn resolve_margin(
     match rule {
         MarginRule::Absolute(m) => Ok((m, format!("absolute {}", f(m)))),
         MarginRule::OfLevel(r) => {
-            let level = stats::mean(&y.finals).abs();
+            let level = stats::mean(finals).abs();
             if level.is_finite() && level > 0.0 {
                 Ok((
                     r * level,
@@ -757,7 +773,7 @@ fn resolve_margin(
         }
         MarginRule::OfGain(r) => {
             let sign = if higher_is_better { 1.0 } else { -1.0 };
-            let gain = sign * (stats::mean(&y.finals) - stats::mean(&y.initials));
+            let gain = sign * (stats::mean(finals) - stats::mean(initials));
             if gain.is_finite() && gain > 0.0 {
                 Ok((
                     r * gain,
@@ -789,7 +805,7 @@ fn compare_metric(
 ) -> MetricComparison {
     let hib = s.higher_is_better(metric);
     let rule = s.margin_rule(metric);
-    let resolved = rule.map(|r| resolve_margin(r, y, hib, &s.baseline));
+    let resolved = rule.map(|r| resolve_margin(r, &y.finals, &y.initials, hib, &s.baseline));
     let margin = resolved.as_ref().and_then(|r| r.as_ref().ok()).map(|r| r.0);
     let margin_rule = resolved.as_ref().map(|r| match r {
         Ok((_, t)) => t.clone(),
@@ -1224,6 +1240,29 @@ fn find_spikes(groups: &[Group<'_>], s: &CompareSettings) -> Vec<Spike> {
         .collect()
 }
 
+/// Site and layer of a spike count.
+type SiteKey = (String, i64);
+
+/// A configuration's spikes and judged steps per site and layer, summed over its seeds. A run's
+/// exposure at a site is the steps the rule could judge (those after `min_history` steps).
+fn spike_tally(
+    g: &Group<'_>,
+    spikes: &[Spike],
+    s: &CompareSettings,
+) -> BTreeMap<SiteKey, (u64, u64)> {
+    let mut t: BTreeMap<SiteKey, (u64, u64)> = BTreeMap::new();
+    for r in &g.runs {
+        for l in &r.layers {
+            let judged = l.grad_norm.len().saturating_sub(s.spikes.min_history) as u64;
+            t.entry((l.site.clone(), l.layer)).or_default().1 += judged;
+        }
+    }
+    for sp in spikes.iter().filter(|sp| sp.config == g.config) {
+        t.entry((sp.site.clone(), sp.layer)).or_default().0 += 1;
+    }
+    t
+}
+
 /// Spike rates of every configuration against its baseline group: per site and layer where either
 /// arm has a spike, and over all sites. A run's exposure at a site is the steps the rule could
 /// judge (those after `min_history` steps of history).
@@ -1233,20 +1272,7 @@ fn spike_rates(
     spikes: &[Spike],
     s: &CompareSettings,
 ) -> Vec<SpikeRate> {
-    type Key = (String, i64);
-    let tally = |g: &Group<'_>| -> BTreeMap<Key, (u64, u64)> {
-        let mut t: BTreeMap<Key, (u64, u64)> = BTreeMap::new();
-        for r in &g.runs {
-            for l in &r.layers {
-                let judged = l.grad_norm.len().saturating_sub(s.spikes.min_history) as u64;
-                t.entry((l.site.clone(), l.layer)).or_default().1 += judged;
-            }
-        }
-        for sp in spikes.iter().filter(|sp| sp.config == g.config) {
-            t.entry((sp.site.clone(), sp.layer)).or_default().0 += 1;
-        }
-        t
-    };
+    let tally = |g: &Group<'_>| spike_tally(g, spikes, s);
     let by_name = |name: &str| groups.iter().find(|g| g.config == name);
     let mut out = Vec::new();
     for c in configs {
@@ -1266,7 +1292,7 @@ fn spike_rates(
             excess_per_1k: 1000.0 * (a as f64 / ea as f64 - bb as f64 / eb as f64),
             rate_ratio: stats::rate_ratio_interval(a, ea as f64, bb, eb as f64, s.alpha),
         };
-        let sum = |t: &BTreeMap<Key, (u64, u64)>| {
+        let sum = |t: &BTreeMap<SiteKey, (u64, u64)>| {
             t.values().fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1))
         };
         let (ax, ay) = (sum(&tx), sum(&ty));
@@ -1274,7 +1300,7 @@ fn spike_rates(
             continue; // no per-layer grad norms: nothing to count
         }
         out.push(row("all", -1, ax, ay));
-        let keys: BTreeSet<&Key> = tx.keys().chain(ty.keys()).collect();
+        let keys: BTreeSet<&SiteKey> = tx.keys().chain(ty.keys()).collect();
         for k in keys {
             let (x, y) = (
                 tx.get(k).copied().unwrap_or_default(),
@@ -1319,7 +1345,8 @@ impl Data<'_, '_> {
     }
 }
 
-fn site_matches(glob: Option<&str>, site: &str, layer: i64) -> bool {
+/// Whether a site (or its full name, `decoder.layers.N.SITE`) matches a glob; no glob: every site.
+pub(crate) fn site_matches(glob: Option<&str>, site: &str, layer: i64) -> bool {
     let Some(g) = glob else { return true };
     let Ok(m) = crate::recipe::glob_matcher(g) else {
         return false;
@@ -1384,6 +1411,65 @@ impl Source for Data<'_, '_> {
     }
 }
 
+/// Every configuration as claims read it: per-seed final- and first-window values of the claims'
+/// metrics, and spike tallies.
+fn claim_arms(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Vec<ClaimArm> {
+    let metrics: BTreeSet<&String> = s
+        .claims
+        .iter()
+        .filter(|c| !c.metric.is_empty())
+        .map(|c| &c.metric)
+        .collect();
+    groups
+        .iter()
+        .filter(|g| !g.runs.is_empty())
+        .map(|g| ClaimArm {
+            config: g.config.clone(),
+            base: g.base.clone(),
+            axes: g.axes.clone(),
+            seeds: g.runs.iter().map(|r| r.seed).collect(),
+            coupled: g.runs.iter().all(|r| r.engine == COUPLING_ENGINE),
+            values: metrics
+                .iter()
+                .map(|m| {
+                    let v = g
+                        .runs
+                        .iter()
+                        .filter_map(|r| {
+                            let p: Vec<(usize, f64)> = r
+                                .metrics
+                                .get(*m)?
+                                .iter()
+                                .copied()
+                                .filter(|(_, x)| x.is_finite())
+                                .collect();
+                            let (last, first) = (
+                                final_mean(&p, s.final_window),
+                                first_mean(&p, s.final_window),
+                            );
+                            last.is_finite().then_some(SeedValue {
+                                seed: r.seed,
+                                last,
+                                first,
+                            })
+                        })
+                        .collect();
+                    ((*m).clone(), v)
+                })
+                .collect(),
+            spikes: spike_tally(g, spikes, s)
+                .into_iter()
+                .map(|((site, layer), (spikes, steps))| SiteSpikes {
+                    site,
+                    layer,
+                    spikes,
+                    steps,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
 fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Vec<CheckResult> {
     let constants = s.constants();
     let mut out = Vec::new();
@@ -1427,6 +1513,7 @@ fn run_checks(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Ve
 fn overall(
     configs: &[ConfigComparison],
     checks: &[CheckResult],
+    claims: &[ClaimResult],
     s: &CompareSettings,
 ) -> OverallVerdict {
     let gated: Vec<&MetricComparison> = configs
@@ -1434,7 +1521,13 @@ fn overall(
         .flat_map(|c| &c.metrics)
         .filter(|m| m.margin.is_some() || m.margin_rule.is_some())
         .collect();
-    if gated.iter().any(|m| m.verdict == Verdict::Regressed) || checks.iter().any(|c| !c.passed) {
+    let claim_failed = claims
+        .iter()
+        .any(|c| c.gate && c.verdict == ClaimVerdict::Contradicted);
+    if gated.iter().any(|m| m.verdict == Verdict::Regressed)
+        || checks.iter().any(|c| !c.passed)
+        || claim_failed
+    {
         return OverallVerdict::Regression;
     }
     let resolved = gated
@@ -1449,6 +1542,14 @@ fn overall(
 
 fn method(s: &CompareSettings) -> Method {
     let level = 100.0 * (1.0 - 2.0 * s.alpha);
+    let mut m = method_base(s, level);
+    if !s.claims.is_empty() {
+        m.description.extend(claims::method(s));
+    }
+    m
+}
+
+fn method_base(s: &CompareSettings, level: f64) -> Method {
     Method {
         bootstrap_reps: s.bootstrap_reps,
         bootstrap_seed: s.bootstrap_seed,

@@ -1,12 +1,13 @@
 //! Comparing a suite's configurations against BF16 across seeds (issue 5). [`result`] holds the
 //! plain result types, [`stats`] the statistics over per-seed values, [`expr`] the check language,
-//! [`settings`] the suite's `[checks]` table, [`data`] the runs read into memory, [`spikes`] the
+//! [`settings`] the suite's `[checks]` table, [`claims`] the published findings it decides, [`data`] the runs read into memory, [`spikes`] the
 //! gradient-spike rules, [`sequential`] the group-sequential seed procedure, [`analyze`] the procedure that fills a [`SuiteComparison`], [`golden`]
 //! the golden-value diff, [`nightly`] the nightly verdict, Markdown and JUnit, and [`bench`] the
 //! timing of a large comparison.
 
 pub mod analyze;
 pub mod bench;
+pub mod claims;
 pub mod data;
 pub mod expr;
 pub mod golden;

@@ -105,6 +105,26 @@ pub fn findings(cmp: &SuiteComparison, golden: Option<&GoldenDiff>) -> Vec<Findi
             nights: 0,
         });
     }
+    for c in cmp
+        .claims
+        .iter()
+        .filter(|c| c.gate && c.verdict == ClaimVerdict::Contradicted)
+    {
+        out.push(Finding {
+            key: format!("claim :: {}", c.name),
+            config: c
+                .rows
+                .iter()
+                .filter(|r| r.verdict == ClaimVerdict::Contradicted)
+                .map(|r| r.config.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            what: format!("claim `{}` contradicted", c.name),
+            detail: c.evidence.clone(),
+            since: String::new(),
+            nights: 0,
+        });
+    }
     if let Some(g) = golden {
         for r in g.rows.iter().filter(|r| !r.passed) {
             out.push(Finding {
@@ -271,6 +291,19 @@ pub fn markdown(v: &NightlyVerdict, cmp: &SuiteComparison) -> String {
     };
     list(&mut s, "Regressed", &v.regressions);
     list(&mut s, "Failing, not yet alerting", &v.pending);
+    if !cmp.claims.is_empty() {
+        s.push_str("**Findings**\n");
+        for c in &cmp.claims {
+            s.push_str(&format!(
+                "- {} {}: {}. {}\n",
+                c.verdict.words(),
+                md_code(&c.name),
+                md_text(&c.predicate),
+                md_text(&c.evidence)
+            ));
+        }
+        s.push('\n');
+    }
     let primary: Vec<String> = cmp
         .configs
         .iter()
@@ -518,6 +551,7 @@ mod tests {
                 message: "3 \"violations\" & more".into(),
                 name: "contract_violations == 0".into(),
             }],
+            claims: vec![],
             contract: vec![],
             overall: if regressed {
                 OverallVerdict::Regression

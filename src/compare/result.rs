@@ -19,6 +19,9 @@ pub struct SuiteComparison {
     pub spike_rates: Vec<SpikeRate>,
     /// Checks declared in the suite, evaluated.
     pub checks: Vec<CheckResult>,
+    /// The suite's published findings (`[[claims]]`), decided.
+    #[serde(default)]
+    pub claims: Vec<ClaimResult>,
     /// Contract-check totals per configuration.
     pub contract: Vec<ContractRow>,
     pub overall: OverallVerdict,
@@ -375,6 +378,73 @@ pub struct CheckResult {
     /// The check's name (its expression unless the suite named it).
     #[serde(default)]
     pub name: String,
+}
+
+/// How a claim came out: `reproduced` (the predicate holds at the stated error rate),
+/// `contradicted` (its opposite does) or `inconclusive` (neither, with the reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimVerdict {
+    Reproduced,
+    Contradicted,
+    Inconclusive,
+}
+
+impl ClaimVerdict {
+    pub fn words(self) -> &'static str {
+        match self {
+            ClaimVerdict::Reproduced => "reproduced",
+            ClaimVerdict::Contradicted => "contradicted",
+            ClaimVerdict::Inconclusive => "inconclusive",
+        }
+    }
+}
+
+/// A published finding held against the runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClaimResult {
+    pub name: String,
+    /// The published words.
+    pub statement: String,
+    /// Where it was published.
+    pub source: String,
+    /// The predicate's name as written (`equivalent`, `higher`, `fold_within`, ...).
+    pub expect: String,
+    /// The metric it is about (empty for spike-rate claims, which count gradient spikes).
+    pub metric: String,
+    /// The predicate in words, e.g. "train/train_rollout_kl higher than bf16".
+    pub predicate: String,
+    pub verdict: ClaimVerdict,
+    /// The evidence in numbers, one line.
+    pub evidence: String,
+    /// A contradicted claim fails the night only when the suite says so (`gate = true`).
+    pub gate: bool,
+    /// One row per configuration (or one for a trend over a sweep).
+    pub rows: Vec<ClaimEvidence>,
+}
+
+/// One configuration's part of a claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClaimEvidence {
+    /// The configuration (for a trend: the sweep's configurations in order, joined by ` < `).
+    pub config: String,
+    /// What it is held against (empty for a trend).
+    pub vs: String,
+    /// Seeds of the configuration, and of `vs`, that the test used.
+    pub seeds: Vec<u64>,
+    pub vs_seeds: Vec<u64>,
+    /// The test, named, e.g. "paired t, log scale".
+    pub test: String,
+    /// What `interval` measures: `difference`, `fold`, `rate ratio`, `fold per step`,
+    /// `slope per step`.
+    pub scale: String,
+    /// Estimate and two-sided `1 - 2·alpha` interval on that scale.
+    pub interval: Interval,
+    pub verdict: ClaimVerdict,
+    /// Holm-adjusted p-value of the test against the claim over the claim's rows (NaN: no test).
+    #[serde(deserialize_with = "null_as_nan")]
+    pub p_against: f64,
+    pub reason: String,
 }
 
 /// Contract-check totals for one configuration.

@@ -108,14 +108,14 @@ struct SequentialToml {
 /// `of_level`, `of_gain`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-enum MarginToml {
+pub(super) enum MarginToml {
     Absolute(f64),
     Rule(MarginRuleToml),
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct MarginRuleToml {
+pub(super) struct MarginRuleToml {
     absolute: Option<f64>,
     of_level: Option<f64>,
     of_gain: Option<f64>,
@@ -141,6 +141,30 @@ impl MarginRule {
         match self {
             MarginRule::Absolute(v) | MarginRule::OfLevel(v) | MarginRule::OfGain(v) => v,
         }
+    }
+
+    /// A margin as written, checked: exactly one kind, a positive finite value. `Err` is the fix.
+    pub(super) fn from_toml(m: MarginToml, metric: &str) -> Result<MarginRule, String> {
+        let rule = match m {
+            MarginToml::Absolute(v) => MarginRule::Absolute(v),
+            MarginToml::Rule(r) => match (r.absolute, r.of_level, r.of_gain) {
+                (Some(v), None, None) => MarginRule::Absolute(v),
+                (None, Some(v), None) => MarginRule::OfLevel(v),
+                (None, None, Some(v)) => MarginRule::OfGain(v),
+                _ => {
+                    return Err(format!(
+                        "margin of `{metric}`: give exactly one of `absolute`, `of_level`, `of_gain`, e.g. {{ of_gain = 0.1 }}"
+                    ));
+                }
+            },
+        };
+        let v = rule.value();
+        if !(v.is_finite() && v > 0.0) {
+            return Err(format!(
+                "margin of `{metric}` is {v}: use a positive number (absolute: in the metric's units; of_level/of_gain: a fraction such as 0.1)"
+            ));
+        }
+        Ok(rule)
     }
 }
 
@@ -311,6 +335,8 @@ pub struct CompareSettings {
     pub golden: GoldenSettings,
     /// `[checks.sequential]`: the suite's nights run seeds sequentially unless told otherwise.
     pub sequential: Option<SequentialPlan>,
+    /// The suite's `[[claims]]`: published findings the comparison decides.
+    pub claims: Vec<super::claims::ClaimSpec>,
 }
 
 impl Default for CompareSettings {
@@ -345,6 +371,7 @@ impl Default for CompareSettings {
                 tolerances: BTreeMap::new(),
             },
             sequential: None,
+            claims: Vec::new(),
         }
     }
 }
@@ -391,26 +418,28 @@ impl CompareSettings {
     }
 }
 
-/// A `[checks]` table that cannot be used: where (suite file, line when found) and why.
+/// A `[checks]` table or a `[[claims]]` entry that cannot be used: where (suite file, line when
+/// found) and why.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{path}{line}: [checks] {msg}")]
+#[error("{path}{line}: {table} {msg}")]
 pub struct SettingsError {
     pub path: String,
     /// `:LINE:COL` when the offending text was found in the file, else empty.
     pub line: String,
+    /// `[checks]` or `[[claims]]`.
+    pub table: &'static str,
     pub msg: String,
 }
 
-/// Read the suite's `[checks]` table (this is part of `lockstep suite check`).
+/// Read the suite's `[checks]` table and its `[[claims]]` (this is part of `lockstep suite
+/// check`).
 pub fn from_spec(spec: &SuiteSpec) -> Result<CompareSettings, SettingsError> {
     let text = std::fs::read_to_string(&spec.path).unwrap_or_default();
     let configs: Vec<String> = spec.configs.iter().map(|c| c.name.clone()).collect();
-    from_table(
-        &spec.checks,
-        &configs,
-        &spec.path.display().to_string(),
-        &text,
-    )
+    let path = spec.path.display().to_string();
+    let mut s = from_table(&spec.checks, &configs, &path, &text)?;
+    s.claims = super::claims::from_spec(spec, &configs, &s, &path, &text)?;
+    Ok(s)
 }
 
 /// Read a `[checks]` table; `file_text` (the suite file, may be empty) locates errors by line.
@@ -422,6 +451,7 @@ pub fn from_table(
 ) -> Result<CompareSettings, SettingsError> {
     let err = |needle: Option<&str>, col_offset: usize, msg: String| SettingsError {
         path: path.to_string(),
+        table: "[checks]",
         line: needle
             .and_then(|n| locate(file_text, n))
             .map(|(l, c)| format!(":{l}:{}", c + col_offset))
@@ -467,33 +497,7 @@ pub fn from_table(
         margins.entry(s.primary.clone()).or_insert(m);
     }
     for (k, m) in margins {
-        let rule = match m {
-            MarginToml::Absolute(v) => MarginRule::Absolute(v),
-            MarginToml::Rule(r) => match (r.absolute, r.of_level, r.of_gain) {
-                (Some(v), None, None) => MarginRule::Absolute(v),
-                (None, Some(v), None) => MarginRule::OfLevel(v),
-                (None, None, Some(v)) => MarginRule::OfGain(v),
-                _ => {
-                    return Err(err(
-                        Some(&k),
-                        0,
-                        format!(
-                            "margin of `{k}`: give exactly one of `absolute`, `of_level`, `of_gain`, e.g. {{ of_gain = 0.1 }}"
-                        ),
-                    ));
-                }
-            },
-        };
-        let v = rule.value();
-        if !(v.is_finite() && v > 0.0) {
-            return Err(err(
-                Some(&k),
-                0,
-                format!(
-                    "margin of `{k}` is {v}: use a positive number (absolute: in the metric's units; of_level/of_gain: a fraction such as 0.1)"
-                ),
-            ));
-        }
+        let rule = MarginRule::from_toml(m, &k).map_err(|e| err(Some(&k), 0, e))?;
         match rule {
             MarginRule::Absolute(v) => {
                 s.margins.insert(k, v);

@@ -186,6 +186,125 @@ pub fn exp_interval(i: Interval) -> Interval {
     }
 }
 
+/// One-sided p-value of a t statistic: `P(T >= t)` for Student's t with `df` degrees of freedom
+/// (normal above 10^5 or without finite `df`, as [`t_quantile`]). Paired with [`t_quantile`], an
+/// interval at `1 - 2·alpha` lies above `b` exactly when `t_upper_p((d - b) / se, df) < alpha`.
+pub fn t_upper_p(t: f64, df: f64) -> f64 {
+    use statrs::distribution::Normal;
+    if t.is_nan() {
+        return f64::NAN;
+    }
+    let cdf = if !(df.is_finite() && df > 0.0) || df > 1e5 {
+        Normal::new(0.0, 1.0).map(|n| n.cdf(t)).ok()
+    } else {
+        StudentsT::new(0.0, 1.0, df).map(|d| d.cdf(t)).ok()
+    };
+    cdf.map_or(f64::NAN, |c| 1.0 - c)
+}
+
+/// One-sided p-value that a mean difference `d` with standard error `se` exceeds `bound`:
+/// `P(T >= (d - bound) / se)`. A zero standard error (identical arms seed by seed) gives 0 when
+/// `d > bound` and 1 otherwise.
+pub fn above_p(d: f64, se: f64, df: f64, bound: f64) -> f64 {
+    if se == 0.0 {
+        return if d > bound { 0.0 } else { 1.0 };
+    }
+    t_upper_p((d - bound) / se, df)
+}
+
+/// A linear contrast `sum_i c_i · mean(groups[i])` with its standard error and degrees of freedom:
+/// Welch-Satterthwaite over independent groups, the generalisation of [`welch`] (two groups with
+/// weights `1, -1` give exactly Welch's difference); with `paired`, every group holds the same
+/// seeds in the same order and the contrast is taken seed by seed, then a t over seeds, the
+/// generalisation of [`paired`]. NaN standard error when a group has fewer than two values.
+pub fn contrast(groups: &[Vec<f64>], weights: &[f64], paired: bool) -> (f64, f64, f64) {
+    if paired {
+        let n = groups.iter().map(Vec::len).min().unwrap_or(0);
+        let per_seed: Vec<f64> = (0..n)
+            .map(|j| groups.iter().zip(weights).map(|(g, c)| c * g[j]).sum())
+            .collect();
+        return (
+            mean(&per_seed),
+            (variance(&per_seed) / n as f64).sqrt(),
+            n as f64 - 1.0,
+        );
+    }
+    let est: f64 = groups.iter().zip(weights).map(|(g, c)| c * mean(g)).sum();
+    let parts: Vec<(f64, f64)> = groups
+        .iter()
+        .zip(weights)
+        .map(|(g, c)| (c * c * variance(g) / g.len() as f64, g.len() as f64 - 1.0))
+        .collect();
+    let var: f64 = parts.iter().map(|p| p.0).sum();
+    if !var.is_finite() {
+        return (est, f64::NAN, f64::NAN);
+    }
+    if var == 0.0 {
+        return (est, 0.0, parts.iter().map(|p| p.1).sum());
+    }
+    let denom: f64 = parts
+        .iter()
+        .filter(|p| p.0 > 0.0)
+        .map(|p| p.0 * p.0 / p.1)
+        .sum();
+    (est, var.sqrt(), var * var / denom.max(f64::MIN_POSITIVE))
+}
+
+/// The interval `d ± t(1 - alpha, df)·se`, two-sided at `1 - 2·alpha`.
+pub fn t_interval(d: f64, se: f64, df: f64, alpha: f64) -> Interval {
+    let h = if se == 0.0 {
+        0.0
+    } else {
+        t_quantile(1.0 - alpha, df) * se
+    };
+    Interval {
+        estimate: d,
+        lo: d - h,
+        hi: d + h,
+    }
+}
+
+/// Exact one-sided p-values of the conditional binomial test of a Poisson rate ratio of 1, for
+/// `a` events over exposure `ea` against `b` over `eb`: `(P(X >= a), P(X <= a))` with
+/// `X ~ Binomial(a + b, ea / (ea + eb))`. They are the tests [`rate_ratio_interval`] inverts, so
+/// its lower end is above 1 exactly when the first is below alpha.
+pub fn rate_ratio_p(a: u64, ea: f64, b: u64, eb: f64) -> (f64, f64) {
+    use statrs::distribution::{Binomial, DiscreteCDF};
+    let n = a + b;
+    if n == 0 {
+        return (1.0, 1.0);
+    }
+    let Ok(d) = Binomial::new(ea / (ea + eb), n) else {
+        return (f64::NAN, f64::NAN);
+    };
+    let upper = if a == 0 { 1.0 } else { d.sf(a - 1) };
+    (upper, d.cdf(a))
+}
+
+/// Holm's step-down adjustment: adjusted p-values (each `min(1, max over earlier steps of
+/// (m - rank)·p)`), so rejecting every adjusted p below alpha keeps the chance of any false
+/// rejection among the `m` hypotheses at most alpha. NaN p-values are never rejected.
+pub fn holm(p: &[f64]) -> Vec<f64> {
+    let m = p.len();
+    let mut order: Vec<usize> = (0..m).collect();
+    order.sort_by(|&i, &j| {
+        let key = |x: f64| if x.is_nan() { f64::INFINITY } else { x };
+        key(p[i]).total_cmp(&key(p[j]))
+    });
+    let mut out = vec![1.0; m];
+    let mut running: f64 = 0.0;
+    for (rank, &i) in order.iter().enumerate() {
+        let adj = if p[i].is_nan() {
+            1.0
+        } else {
+            ((m - rank) as f64 * p[i]).min(1.0)
+        };
+        running = running.max(adj);
+        out[i] = running;
+    }
+    out
+}
+
 /// Exact (Clopper-Pearson) interval of a Poisson rate ratio `(a / ea) / (b / eb)` at two-sided
 /// level `1 - 2·alpha`, for `a` events over exposure `ea` against `b` over `eb`. Given the total
 /// `a + b`, `a` is binomial with `p = ea·RR / (ea·RR + eb)`, so the Clopper-Pearson interval of
@@ -649,6 +768,50 @@ mod tests {
         let p = 1.0 - 0.05f64.powf(0.2);
         assert_eq!(z.lo, 0.0);
         assert!((z.hi - p / (1.0 - p)).abs() < 1e-9, "{z:?}");
+    }
+
+    #[test]
+    fn a_two_group_contrast_is_welch_or_paired() {
+        let x = [2.0, 5.1, 3.9, 8.0];
+        let y = [1.0, 4.0, 3.0, 7.5, 2.0];
+        let (d, se, df) = contrast(&[x.to_vec(), y.to_vec()], &[1.0, -1.0], false);
+        let w = welch(&x, &y);
+        assert!((d - w.0).abs() < 1e-12 && (se - w.1).abs() < 1e-12 && (df - w.2).abs() < 1e-9);
+        let i = t_interval(d, se, df, 0.05);
+        assert!((i.lo - welch_interval(&x, &y, 0.05).lo).abs() < 1e-12);
+        let y4 = &y[..4];
+        let (d, se, df) = contrast(&[x.to_vec(), y4.to_vec()], &[1.0, -1.0], true);
+        assert_eq!((d, se, df), paired(&x, y4));
+    }
+
+    #[test]
+    fn p_values_agree_with_the_intervals_they_invert() {
+        // d = 1, se = 0.4, df = 5: the 90 % interval's lower end is 1 - 2.015·0.4 = 0.194 > 0.
+        let i = t_interval(1.0, 0.4, 5.0, 0.05);
+        assert!(i.lo > 0.0);
+        assert!(above_p(1.0, 0.4, 5.0, 0.0) < 0.05);
+        assert!(above_p(1.0, 0.4, 5.0, i.lo + 1e-9) > 0.05 - 1e-6);
+        assert!((t_upper_p(t_quantile(0.95, 5.0), 5.0) - 0.05).abs() < 1e-9);
+        // Binomial: 12 events against 2 at equal exposure; P(X >= 12 | n = 14, p = 1/2).
+        let (up, down) = rate_ratio_p(12, 100.0, 2, 100.0);
+        let want = (1.0 + 14.0 + 91.0) / 16384.0;
+        assert!((up - want).abs() < 1e-12, "{up}");
+        assert!(down > 0.99);
+        assert!(rate_ratio_interval(12, 100.0, 2, 100.0, 0.05).lo > 1.0);
+        let (up, _) = rate_ratio_p(6, 100.0, 4, 100.0);
+        assert!(up > 0.05 && rate_ratio_interval(6, 100.0, 4, 100.0, 0.05).lo < 1.0);
+    }
+
+    #[test]
+    fn holm_steps_down() {
+        // Sorted 0.01, 0.02, 0.04 over m = 3: 0.03, 0.04, 0.04 (monotone).
+        let a = holm(&[0.04, 0.01, 0.02]);
+        let want = [0.04, 0.03, 0.04];
+        for (x, w) in a.iter().zip(want) {
+            assert!((x - w).abs() < 1e-12, "{a:?}");
+        }
+        assert_eq!(holm(&[f64::NAN, 0.5]), vec![1.0, 1.0]);
+        assert_eq!(holm(&[0.2]), vec![0.2]);
     }
 
     #[test]

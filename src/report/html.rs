@@ -6,7 +6,7 @@
 
 use super::figures::{Ctx, Figure, Section};
 use super::{ReportError, ReportInput};
-use crate::compare::{MetricComparison, Verdict};
+use crate::compare::{ClaimResult, ClaimVerdict, MetricComparison, Verdict};
 use crate::io::IoError;
 use base64::Engine;
 use std::collections::BTreeSet;
@@ -100,7 +100,7 @@ const STYLE: &str = r#"<style>
 body{font-family:"DejaVu Sans",Verdana,system-ui,sans-serif;margin:0 auto;max-width:1260px;padding:16px 20px 40px;color:#1a1a1a;line-height:1.45;font-size:16px}
 h1{font-size:26px;margin:8px 0 4px}h2{font-size:21px;margin:34px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}h3{font-size:18px;margin:22px 0 6px}
 .badge{display:inline-block;padding:3px 12px;border-radius:4px;font-weight:bold;color:#fff}
-.pass,.equivalent,.improved{background:#2a7d2e}.regression,.regressed{background:#c62828}.inconclusive,.pending{background:#8a6d00}.described{background:#4a5a6a}
+.pass,.equivalent,.improved,.reproduced{background:#2a7d2e}.regression,.regressed,.contradicted{background:#c62828}.inconclusive,.pending{background:#8a6d00}.described{background:#4a5a6a}
 td .badge{font-size:13px;padding:1px 8px}
 .summary{font-size:17px;background:#f6f8fa;border:1px solid #e1e4e8;border-radius:6px;padding:10px 18px}
 .summary li{margin:4px 0}
@@ -166,8 +166,9 @@ pub fn page(input: &ReportInput<'_>, figs: &[Figure], dir: &Path) -> Result<Stri
             .text(&input.spec.description)
             .raw("</p>\n");
     }
+    findings_section(&mut h, &ctx, figs);
     summary_section(&mut h, &ctx);
-    h.raw("<nav><a href=\"#verdicts\">Verdicts</a><a href=\"#checks\">Checks</a><a href=\"#figures\">Figures</a><a href=\"#spikes\">Spikes</a><a href=\"#contract\">Contract</a><a href=\"#method\">Method</a><a href=\"#metadata\">Metadata</a></nav>\n");
+    h.raw("<nav><a href=\"#findings\">Findings</a><a href=\"#verdicts\">Verdicts</a><a href=\"#checks\">Checks</a><a href=\"#figures\">Figures</a><a href=\"#spikes\">Spikes</a><a href=\"#contract\">Contract</a><a href=\"#method\">Method</a><a href=\"#metadata\">Metadata</a></nav>\n");
     verdict_section(&mut h, &ctx);
     checks_section(&mut h, &ctx);
     figure_sections(&mut h, &ctx, figs, dir)?;
@@ -176,6 +177,102 @@ pub fn page(input: &ReportInput<'_>, figs: &[Figure], dir: &Path) -> Result<Stri
     metadata_section(&mut h, &ctx);
     h.raw("</body></html>\n");
     Ok(h.into_string())
+}
+
+/// The suite's published findings first: one line per claim with its verdict, the evidence in
+/// numbers and a link to the figure that shows it.
+fn findings_section(h: &mut Html, ctx: &Ctx<'_>, figs: &[Figure]) {
+    let claims = &ctx.cmp().claims;
+    if claims.is_empty() {
+        return;
+    }
+    h.raw("<section id=\"findings\"><h2>Findings</h2>\n<p>Published findings held against these runs \
+           (see Method for the tests and how several configurations of one claim are combined).</p>\n<ul>\n");
+    for c in claims {
+        let class: &'static str = match c.verdict {
+            ClaimVerdict::Reproduced => "reproduced",
+            ClaimVerdict::Contradicted => "contradicted",
+            ClaimVerdict::Inconclusive => "inconclusive",
+        };
+        h.raw("<li><span class=\"badge ")
+            .raw(class)
+            .raw("\">")
+            .text(c.verdict.words())
+            .raw("</span> <b>")
+            .text(&c.name)
+            .raw("</b>");
+        if c.gate {
+            h.raw(" <span class=\"muted\">(gate)</span>");
+        }
+        h.raw(": &ldquo;")
+            .text(&c.statement)
+            .raw("&rdquo; <span class=\"muted\">(")
+            .text(&c.source)
+            .raw(")</span><br><code>")
+            .text(&c.predicate)
+            .raw("</code>: ")
+            .text(&c.evidence)
+            .raw(" <a href=\"#")
+            .raw(claim_anchor(c, figs))
+            .raw("\">")
+            .text(&claim_figure(c, figs))
+            .raw("</a></li>\n");
+    }
+    h.raw("</ul></section>\n");
+}
+
+/// The page section that shows a claim's evidence.
+fn claim_section(c: &ClaimResult, figs: &[Figure]) -> Option<Section> {
+    let m = c.metric.to_ascii_lowercase();
+    let has = |s: Section| figs.iter().any(|f| f.section == s);
+    let trend = matches!(c.expect.as_str(), "decreasing" | "increasing");
+    let s = if c.expect == "spike_rate_higher" {
+        Section::Gradients
+    } else if trend && has(Section::Sweeps) {
+        Section::Sweeps
+    } else if m.contains("reward") || m.contains("accuracy") {
+        Section::Reward
+    } else if m.contains("kl_loss") {
+        Section::KlReference
+    } else if m.contains("kl") || m.contains("diff") || m.contains("prob_error") {
+        Section::Mismatch
+    } else if m.contains("grad") {
+        Section::Gradients
+    } else if m.starts_with("perf/") {
+        Section::Timings
+    } else {
+        return None;
+    };
+    Some(s)
+}
+
+/// The anchor a claim links to: its section when it has figures, else the spike or verdict table.
+fn claim_anchor(c: &ClaimResult, figs: &[Figure]) -> &'static str {
+    if c.expect == "spike_rate_higher" {
+        return "spikes";
+    }
+    match claim_section(c, figs) {
+        Some(s) if figs.iter().any(|f| f.section == s) => section_heading(s).0,
+        _ => "verdicts",
+    }
+}
+
+/// The words of a claim's link: the figure that shows its metric, else the table.
+fn claim_figure(c: &ClaimResult, figs: &[Figure]) -> String {
+    if c.expect == "spike_rate_higher" {
+        return "figure: gradient spike table".into();
+    }
+    let Some(s) = claim_section(c, figs) else {
+        return "table: verdicts".into();
+    };
+    let mut in_section = figs.iter().filter(|f| f.section == s);
+    let named = figs.iter().filter(|f| f.section == s).find(|f| {
+        !c.metric.is_empty() && (f.title.contains(&c.metric) || f.caption.contains(&c.metric))
+    });
+    match named.or_else(|| in_section.next()) {
+        Some(f) => format!("figure: {}", f.title),
+        None => "table: verdicts".into(),
+    }
 }
 
 fn summary_section(h: &mut Html, ctx: &Ctx<'_>) {

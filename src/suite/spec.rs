@@ -22,6 +22,13 @@
 //! bf16_last = [2, 4, 8]
 //! [checks]                        # used by `lockstep compare`
 //! margin = 0.05
+//! [[claims]]                      # optional: published findings `compare` decides
+//! name = "mismatch-up"             # (see `compare::claims` for every key)
+//! statement = "Low-precision training raises train-rollout mismatch over BF16."
+//! source = "Miles low-precision RL ablation, July 2026"
+//! expect = "higher"
+//! metric = "train/train_rollout_kl"
+//! configs = ["nvfp4*"]
 //! [slurm]                         # optional defaults for `--executor slurm`
 //! partition = "gpu"
 //! gpus_per_run = 1
@@ -50,6 +57,10 @@ pub struct SuiteSpec {
     /// Checks and thresholds for `compare`/`nightly`, kept as TOML for the comparison module.
     #[serde(default)]
     pub checks: toml::Table,
+    /// `[[claims]]`: published findings the comparison decides, kept as TOML for the comparison
+    /// module (which reads them with their positions in the file).
+    #[serde(default)]
+    pub claims: Vec<toml::Table>,
     /// Command engine settings (engine = "command").
     #[serde(default)]
     pub command: Option<CommandSpec>,
@@ -208,7 +219,7 @@ pub enum SuiteError {
     Invalid { path: String, msg: String },
 }
 
-const TOP_KEYS: [&str; 11] = [
+const TOP_KEYS: [&str; 12] = [
     "name",
     "description",
     "engine",
@@ -217,6 +228,7 @@ const TOP_KEYS: [&str; 11] = [
     "configs",
     "sweep",
     "checks",
+    "claims",
     "command",
     "ingest",
     "slurm",

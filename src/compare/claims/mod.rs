@@ -1,0 +1,913 @@
+//! Published findings as claims the comparison decides (`[[claims]]` in a suite). A claim names
+//! the published words, where they were published, and one predicate over configurations, built
+//! from the statistics the comparison already computes; each is decided `reproduced`,
+//! `contradicted` or `inconclusive`, with its interval, the seeds and the test.
+//!
+//! ```toml
+//! [[claims]]
+//! name = "mismatch-up"                      # unique
+//! statement = "Train-rollout mismatch is higher than BF16's."   # the published words
+//! source = "Miles low-precision RL ablation, July 2026"         # where
+//! expect = "higher"          # equivalent | higher | lower | fold_within | spike_rate_higher
+//!                            # | decreasing | increasing
+//! metric = "train/train_rollout_kl"        # every predicate but spike_rate_higher
+//! configs = ["mxfp8*", "nvfp4*"]           # names or globs (default: all but `vs`)
+//! vs = "bf16"                # what they are held against (default: the suite's baseline)
+//! gate = false               # true: a contradicted claim fails the night
+//! # margin = 0.05 | { of_level = 0.1 } | { of_gain = 0.2 }   equivalent (default: [checks]')
+//! # fold = [0.67, 1.5]                                        fold_within
+//! # site = "*experts*"                                        spike_rate_higher (default: all)
+//! # by = "bf16_last"         decreasing/increasing: order the configs by this sweep axis
+//! ```
+//!
+//! [`parse`] reads and checks the table; this module decides. Every test is one-sided at the
+//! suite's alpha, so its interval is the comparison's two-sided `1 - 2·alpha` interval; see
+//! [`method`] for the tests and how several configurations of one claim are combined.
+
+pub mod parse;
+
+pub use parse::{from_spec, parse};
+
+use super::analyze;
+use super::result::{ClaimEvidence, ClaimResult, ClaimVerdict, Interval};
+use super::settings::{CompareSettings, MarginRule};
+use super::stats;
+use std::collections::BTreeMap;
+
+/// What a claim asserts about its configurations.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Predicate {
+    /// The metric of each configuration is within ±margin of `vs` (TOST).
+    Equivalent(MarginRule),
+    /// The metric of each configuration is higher (`true`) or lower than `vs`'s.
+    Higher(bool),
+    /// The fold change (ratio of geometric means) of each configuration over `vs` is in `[lo, hi]`.
+    FoldWithin(f64, f64),
+    /// Each configuration has more gradient spikes per judged step than `vs` (at sites matching
+    /// the glob, all when `None`).
+    SpikeRateHigher(Option<String>),
+    /// The metric falls (`true`) or rises along the configurations in order, ordered by the
+    /// sweep axis when one is named.
+    Trend {
+        decreasing: bool,
+        by: Option<String>,
+    },
+}
+
+/// One `[[claims]]` entry, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimSpec {
+    pub name: String,
+    pub statement: String,
+    pub source: String,
+    /// The predicate's name as written.
+    pub expect: String,
+    /// Empty for spike-rate claims.
+    pub metric: String,
+    /// Names or globs; empty: every configuration but `vs`.
+    pub configs: Vec<String>,
+    /// `None`: the suite's baseline.
+    pub vs: Option<String>,
+    pub predicate: Predicate,
+    pub gate: bool,
+}
+
+/// One seed's reduction of a metric: the final-window mean and the first-window mean.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SeedValue {
+    pub seed: u64,
+    pub last: f64,
+    pub first: f64,
+}
+
+/// Spikes counted at one site and layer over a configuration's seeds, and the steps judged.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SiteSpikes {
+    pub site: String,
+    pub layer: i64,
+    pub spikes: u64,
+    pub steps: u64,
+}
+
+/// A configuration as claims see it: per-seed values and spike tallies, built by the comparison
+/// from the runs (or by a test from known effects).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ClaimArm {
+    pub config: String,
+    pub base: String,
+    pub axes: BTreeMap<String, String>,
+    /// Usable runs' seeds, ascending.
+    pub seeds: Vec<u64>,
+    /// Every run came from the built-in engine, which couples the configurations of one seed.
+    pub coupled: bool,
+    /// Metric → per-seed values (finite, seed order).
+    pub values: BTreeMap<String, Vec<SeedValue>>,
+    pub spikes: Vec<SiteSpikes>,
+}
+
+impl ClaimArm {
+    fn metric(&self, m: &str) -> &[SeedValue] {
+        self.values.get(m).map_or(&[], |v| v.as_slice())
+    }
+}
+
+/// A configuration by full name, else by base name with the given sweep values, else the base's
+/// only sweep point (as checks resolve names).
+fn resolve<'a>(
+    arms: &'a [ClaimArm],
+    name: &str,
+    axes: &BTreeMap<String, String>,
+) -> Option<&'a ClaimArm> {
+    arms.iter()
+        .find(|a| a.config == name)
+        .or_else(|| arms.iter().find(|a| a.base == name && &a.axes == axes))
+        .or_else(|| {
+            let mut it = arms.iter().filter(|a| a.base == name);
+            match (it.next(), it.next()) {
+                (Some(a), None) => Some(a),
+                _ => None,
+            }
+        })
+}
+
+/// Decide every claim. Pure: the same arms and settings give the same results.
+pub fn evaluate(claims: &[ClaimSpec], arms: &[ClaimArm], s: &CompareSettings) -> Vec<ClaimResult> {
+    claims.iter().map(|c| evaluate_one(c, arms, s)).collect()
+}
+
+/// A row before the multiplicity adjustment: its evidence and the raw p-value against the claim.
+struct Row {
+    ev: ClaimEvidence,
+    reproduced: bool,
+    p_against: f64,
+}
+
+fn evaluate_one(c: &ClaimSpec, arms: &[ClaimArm], s: &CompareSettings) -> ClaimResult {
+    let vs_name = c.vs.clone().unwrap_or_else(|| s.baseline.clone());
+    let (rows, predicate) = match &c.predicate {
+        Predicate::Trend { decreasing, by } => {
+            let (row, words) = trend_row(c, arms, *decreasing, by.as_deref(), s);
+            (row.into_iter().collect::<Vec<_>>(), words)
+        }
+        _ => {
+            let pairs = pairs(c, arms, &vs_name, s);
+            let rows: Vec<Row> = pairs.iter().map(|(a, b)| pair_row(c, a, b, s)).collect();
+            (rows, predicate_words(c, &vs_name))
+        }
+    };
+    decide_claim(c, rows, predicate, s)
+}
+
+/// The claim's predicate in words.
+fn predicate_words(c: &ClaimSpec, vs: &str) -> String {
+    let f = super::expr::fmt_num;
+    match &c.predicate {
+        Predicate::Equivalent(m) => {
+            let margin = match m {
+                MarginRule::Absolute(v) => format!("±{}", f(*v)),
+                MarginRule::OfLevel(v) => format!("±{} % of {vs}'s level", f(100.0 * v)),
+                MarginRule::OfGain(v) => format!("±{} % of {vs}'s gain", f(100.0 * v)),
+            };
+            format!("{} equivalent to {vs} within {margin}", c.metric)
+        }
+        Predicate::Higher(true) => format!("{} higher than {vs}", c.metric),
+        Predicate::Higher(false) => format!("{} lower than {vs}", c.metric),
+        Predicate::FoldWithin(lo, hi) => {
+            format!(
+                "{} fold change over {vs} within [{}, {}]",
+                c.metric,
+                f(*lo),
+                f(*hi)
+            )
+        }
+        Predicate::SpikeRateHigher(site) => format!(
+            "gradient spike rate{} higher than {vs}",
+            site.as_ref()
+                .map(|s| format!(" at {s}"))
+                .unwrap_or_default()
+        ),
+        Predicate::Trend { .. } => String::new(),
+    }
+}
+
+/// The (configuration, what it is held against) pairs of a two-arm claim.
+fn pairs<'a>(
+    c: &ClaimSpec,
+    arms: &'a [ClaimArm],
+    vs: &str,
+    s: &CompareSettings,
+) -> Vec<(&'a ClaimArm, &'a ClaimArm)> {
+    let matchers: Vec<globset::GlobMatcher> = c
+        .configs
+        .iter()
+        .filter_map(|g| crate::recipe::glob_matcher(g).ok())
+        .collect();
+    arms.iter()
+        .filter(|a| {
+            if matchers.is_empty() {
+                a.base != s.baseline && a.base != vs && a.config != vs
+            } else {
+                c.configs.iter().any(|g| g == &a.config)
+                    || matchers
+                        .iter()
+                        .any(|m| m.is_match(&a.config) || m.is_match(&a.base))
+            }
+        })
+        .filter_map(|a| {
+            let b = resolve(arms, vs, &a.axes)?;
+            (b.config != a.config).then_some((a, b))
+        })
+        .collect()
+}
+
+/// The seed-level values of two arms on a metric: paired (same seeds, both coupled) or not.
+struct Sample {
+    x: Vec<f64>,
+    y: Vec<f64>,
+    xs: Vec<u64>,
+    ys: Vec<u64>,
+    paired: bool,
+}
+
+fn sample(a: &ClaimArm, b: &ClaimArm, metric: &str) -> Sample {
+    let (va, vb) = (a.metric(metric), b.metric(metric));
+    let xs: Vec<u64> = va.iter().map(|v| v.seed).collect();
+    let ys: Vec<u64> = vb.iter().map(|v| v.seed).collect();
+    Sample {
+        x: va.iter().map(|v| v.last).collect(),
+        y: vb.iter().map(|v| v.last).collect(),
+        paired: a.coupled && b.coupled && xs == ys && xs.len() >= 2,
+        xs,
+        ys,
+    }
+}
+
+/// `(d, se, df)` of `mean(x) - mean(y)`: the paired t over seeds or Welch, as the comparison.
+fn diff_stats(x: &[f64], y: &[f64], paired: bool) -> (f64, f64, f64) {
+    if paired {
+        stats::paired(x, y)
+    } else {
+        stats::welch(x, y)
+    }
+}
+
+fn test_name(paired: bool, log: bool) -> String {
+    format!(
+        "{}{}",
+        if paired {
+            "paired t over seeds"
+        } else {
+            "Welch t"
+        },
+        if log { ", log scale" } else { "" }
+    )
+}
+
+fn inconclusive_row(config: &str, vs: &str, test: &str, scale: &str, reason: String) -> Row {
+    Row {
+        ev: ClaimEvidence {
+            config: config.to_string(),
+            vs: vs.to_string(),
+            seeds: vec![],
+            vs_seeds: vec![],
+            test: test.to_string(),
+            scale: scale.to_string(),
+            interval: Interval {
+                estimate: f64::NAN,
+                lo: f64::NAN,
+                hi: f64::NAN,
+            },
+            verdict: ClaimVerdict::Inconclusive,
+            p_against: f64::NAN,
+            reason,
+        },
+        reproduced: false,
+        p_against: f64::NAN,
+    }
+}
+
+/// One configuration against `vs`.
+fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> Row {
+    if let Predicate::SpikeRateHigher(site) = &c.predicate {
+        return spike_row(a, b, site.as_deref(), s);
+    }
+    let smp = sample(a, b, &c.metric);
+    let n = smp.x.len().min(smp.y.len());
+    if n < s.min_seeds {
+        return inconclusive_row(
+            &a.config,
+            &b.config,
+            &test_name(smp.paired, false),
+            "difference",
+            format!(
+                "{} seed(s) of `{}` ({} has {}, {} has {}); at least {} per arm are needed",
+                n,
+                c.metric,
+                a.config,
+                smp.x.len(),
+                b.config,
+                smp.y.len(),
+                s.min_seeds
+            ),
+        );
+    }
+    let positive = smp.x.iter().chain(&smp.y).all(|v| *v > 0.0);
+    let log_scale = match c.predicate {
+        Predicate::FoldWithin(..) => true,
+        Predicate::Higher(_) => positive && analyze::is_kl_type(&c.metric),
+        _ => false,
+    };
+    if log_scale && !positive {
+        return inconclusive_row(
+            &a.config,
+            &b.config,
+            &test_name(smp.paired, true),
+            "fold",
+            format!(
+                "`{}` has values <= 0, so no fold change exists; use expect = \"higher\" or \"lower\"",
+                c.metric
+            ),
+        );
+    }
+    let (x, y) = if log_scale {
+        (
+            smp.x.iter().map(|v| v.ln()).collect::<Vec<_>>(),
+            smp.y.iter().map(|v| v.ln()).collect::<Vec<_>>(),
+        )
+    } else {
+        (smp.x.clone(), smp.y.clone())
+    };
+    let (d, se, df) = diff_stats(&x, &y, smp.paired);
+    let raw = if smp.paired {
+        stats::paired_interval(&x, &y, s.alpha)
+    } else {
+        stats::welch_interval(&x, &y, s.alpha)
+    };
+    let interval = if log_scale {
+        stats::exp_interval(raw)
+    } else {
+        raw
+    };
+    let f = super::expr::fmt_num;
+    let shown = show(&interval, log_scale);
+    let (reproduced, p_against, reason) = match &c.predicate {
+        Predicate::Equivalent(rule) => {
+            let hib = s.higher_is_better(&c.metric);
+            let initials: Vec<f64> = b.metric(&c.metric).iter().map(|v| v.first).collect();
+            match analyze::resolve_margin(*rule, &smp.y, &initials, hib, &b.config) {
+                Err(e) => (false, f64::NAN, e),
+                Ok((m, how)) => {
+                    let dec = analyze::decide(&x, &y, Some(m), hib, smp.paired, s);
+                    let p = stats::above_p(d, se, df, m).min(stats::above_p(-d, se, df, m));
+                    let reason = match rule {
+                        MarginRule::Absolute(_) => dec.reason,
+                        _ => format!("margin {how}; {}", dec.reason),
+                    };
+                    (dec.verdict == super::Verdict::Equivalent, p, reason)
+                }
+            }
+        }
+        Predicate::Higher(up) => {
+            let (lo, hi) = if log_scale {
+                (raw.lo, raw.hi)
+            } else {
+                (interval.lo, interval.hi)
+            };
+            let ok = if *up { lo > 0.0 } else { hi < 0.0 };
+            let p = if *up {
+                stats::above_p(-d, se, df, 0.0)
+            } else {
+                stats::above_p(d, se, df, 0.0)
+            };
+            let what = if log_scale { "fold" } else { "difference" };
+            (ok, p, format!("{what} {shown}"))
+        }
+        Predicate::FoldWithin(lo, hi) => {
+            let (llo, lhi) = (lo.ln(), hi.ln());
+            let ok = raw.lo > llo && raw.hi < lhi;
+            let p = stats::above_p(d, se, df, lhi).min(stats::above_p(-d, se, df, -llo));
+            (
+                ok,
+                p,
+                format!("fold {shown} against [{}, {}]", f(*lo), f(*hi)),
+            )
+        }
+        _ => (false, f64::NAN, String::new()),
+    };
+    Row {
+        ev: ClaimEvidence {
+            config: a.config.clone(),
+            vs: b.config.clone(),
+            seeds: smp.xs,
+            vs_seeds: smp.ys,
+            test: test_name(smp.paired, log_scale),
+            scale: if log_scale { "fold" } else { "difference" }.into(),
+            interval,
+            verdict: ClaimVerdict::Inconclusive,
+            p_against,
+            reason,
+        },
+        reproduced,
+        p_against,
+    }
+}
+
+/// An estimate with its interval, as a fold (`2.1x [1.5x, 3.0x]`) or a difference.
+fn show(i: &Interval, fold: bool) -> String {
+    let f = super::expr::fmt_num;
+    if fold {
+        let fx = |v: f64| {
+            if v >= 10.0 {
+                format!("{v:.0}x")
+            } else {
+                format!("{v:.2}x")
+            }
+        };
+        format!("{} [{}, {}]", fx(i.estimate), fx(i.lo), fx(i.hi))
+    } else {
+        format!("{} [{}, {}]", f(i.estimate), f(i.lo), f(i.hi))
+    }
+}
+
+/// Spikes per judged step of `a` over `b`: the exact conditional-binomial rate ratio.
+fn spike_row(a: &ClaimArm, b: &ClaimArm, site: Option<&str>, s: &CompareSettings) -> Row {
+    let total = |arm: &ClaimArm| {
+        arm.spikes
+            .iter()
+            .filter(|t| analyze::site_matches(site, &t.site, t.layer))
+            .fold((0u64, 0u64), |acc, t| (acc.0 + t.spikes, acc.1 + t.steps))
+    };
+    let test = "exact conditional binomial (Clopper-Pearson)";
+    let n = a.seeds.len().min(b.seeds.len());
+    let ((ka, ea), (kb, eb)) = (total(a), total(b));
+    if n < s.min_seeds || ea == 0 || eb == 0 {
+        let why = if n < s.min_seeds {
+            format!("{n} seed(s) per arm; at least {} are needed", s.min_seeds)
+        } else {
+            "no per-layer gradient norms to count spikes in".to_string()
+        };
+        return inconclusive_row(&a.config, &b.config, test, "rate ratio", why);
+    }
+    let interval = stats::rate_ratio_interval(ka, ea as f64, kb, eb as f64, s.alpha);
+    let (_, p_lower) = stats::rate_ratio_p(ka, ea as f64, kb, eb as f64);
+    let f = super::expr::fmt_num;
+    Row {
+        ev: ClaimEvidence {
+            config: a.config.clone(),
+            vs: b.config.clone(),
+            seeds: a.seeds.clone(),
+            vs_seeds: b.seeds.clone(),
+            test: test.into(),
+            scale: "rate ratio".into(),
+            interval,
+            verdict: ClaimVerdict::Inconclusive,
+            p_against: p_lower,
+            reason: format!(
+                "{ka} spikes in {ea} judged steps against {kb} in {eb}: rate ratio {} [{}, {}]",
+                f(interval.estimate),
+                f(interval.lo),
+                f(interval.hi)
+            ),
+        },
+        reproduced: interval.lo > 1.0,
+        p_against: p_lower,
+    }
+}
+
+/// The configurations of a trend in order: as listed, or matched and ordered by a sweep axis.
+fn trend_arms<'a>(
+    c: &ClaimSpec,
+    arms: &'a [ClaimArm],
+    by: Option<&str>,
+) -> Result<Vec<&'a ClaimArm>, String> {
+    let Some(axis) = by else {
+        return c
+            .configs
+            .iter()
+            .map(|n| {
+                resolve(arms, n, &BTreeMap::new())
+                    .ok_or_else(|| format!("no runs of `{n}` (or it names several sweep points)"))
+            })
+            .collect();
+    };
+    let matchers: Vec<globset::GlobMatcher> = c
+        .configs
+        .iter()
+        .filter_map(|g| crate::recipe::glob_matcher(g).ok())
+        .collect();
+    let mut picked: Vec<(&ClaimArm, &String)> = arms
+        .iter()
+        .filter(|a| {
+            c.configs.iter().any(|g| g == &a.config)
+                || matchers
+                    .iter()
+                    .any(|m| m.is_match(&a.config) || m.is_match(&a.base))
+        })
+        .filter_map(|a| a.axes.get(axis).map(|v| (a, v)))
+        .collect();
+    let key = |v: &String| v.parse::<f64>().unwrap_or(f64::NAN);
+    if picked.iter().any(|(_, v)| key(v).is_nan()) {
+        picked.sort_by(|p, q| p.1.cmp(q.1));
+    } else {
+        picked.sort_by(|p, q| key(p.1).total_cmp(&key(q.1)));
+    }
+    if picked.windows(2).any(|w| w[0].1 == w[1].1) {
+        return Err(format!(
+            "several matched configurations share a value of `{axis}`; narrow configs to one per value"
+        ));
+    }
+    Ok(picked.into_iter().map(|(a, _)| a).collect())
+}
+
+/// A trend over ordered configurations: the linear contrast on ranks.
+fn trend_row(
+    c: &ClaimSpec,
+    arms: &[ClaimArm],
+    decreasing: bool,
+    by: Option<&str>,
+    s: &CompareSettings,
+) -> (Option<Row>, String) {
+    let dir = if decreasing { "decreases" } else { "increases" };
+    let along = by.map(|b| format!(" as `{b}` grows")).unwrap_or_default();
+    let mut words = format!("{} {dir}{along} along {}", c.metric, c.configs.join(", "));
+    let test = "linear trend contrast on ranks";
+    let picked = match trend_arms(c, arms, by) {
+        Ok(p) => p,
+        Err(e) => {
+            return (
+                Some(inconclusive_row(
+                    &c.configs.join(" < "),
+                    "",
+                    test,
+                    "per step",
+                    e,
+                )),
+                words,
+            );
+        }
+    };
+    let order = picked
+        .iter()
+        .map(|a| a.config.as_str())
+        .collect::<Vec<_>>()
+        .join(" → ");
+    words = format!("{} {dir} along {order}", c.metric);
+    let label = picked
+        .iter()
+        .map(|a| a.config.as_str())
+        .collect::<Vec<_>>()
+        .join(" < ");
+    let vals: Vec<&[SeedValue]> = picked.iter().map(|a| a.metric(&c.metric)).collect();
+    let n = vals.iter().map(|v| v.len()).min().unwrap_or(0);
+    if picked.len() < 2 || n < s.min_seeds {
+        let why = if picked.len() < 2 {
+            format!(
+                "{} configuration(s) found; a trend needs two or more",
+                picked.len()
+            )
+        } else {
+            format!(
+                "{n} seed(s) of `{}` in the sparsest configuration; at least {} are needed",
+                c.metric, s.min_seeds
+            )
+        };
+        return (
+            Some(inconclusive_row(&label, "", test, "per step", why)),
+            words,
+        );
+    }
+    let seeds0: Vec<u64> = vals[0].iter().map(|v| v.seed).collect();
+    let paired = picked.iter().all(|a| a.coupled)
+        && vals
+            .iter()
+            .all(|v| v.iter().map(|x| x.seed).eq(seeds0.iter().copied()));
+    let positive = vals.iter().all(|v| v.iter().all(|x| x.last > 0.0));
+    let log_scale = positive && analyze::is_kl_type(&c.metric);
+    let groups: Vec<Vec<f64>> = vals
+        .iter()
+        .map(|v| {
+            v.iter()
+                .map(|x| if log_scale { x.last.ln() } else { x.last })
+                .collect()
+        })
+        .collect();
+    let k = groups.len();
+    let w: Vec<f64> = (0..k).map(|i| i as f64 - (k - 1) as f64 / 2.0).collect();
+    let ss: f64 = w.iter().map(|c| c * c).sum();
+    let (l, se, df) = stats::contrast(&groups, &w, paired);
+    let (slope, se) = (l / ss, se / ss);
+    let raw = stats::t_interval(slope, se, df, s.alpha);
+    let interval = if log_scale {
+        stats::exp_interval(raw)
+    } else {
+        raw
+    };
+    let reproduced = if decreasing {
+        raw.hi < 0.0
+    } else {
+        raw.lo > 0.0
+    };
+    let p_against = if decreasing {
+        stats::above_p(slope, se, df, 0.0)
+    } else {
+        stats::above_p(-slope, se, df, 0.0)
+    };
+    let seeds = if paired {
+        seeds0
+    } else {
+        picked
+            .iter()
+            .flat_map(|a| a.seeds.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    };
+    let scale = if log_scale {
+        "fold per step"
+    } else {
+        "slope per step"
+    };
+    let row = Row {
+        ev: ClaimEvidence {
+            config: label,
+            vs: String::new(),
+            seeds,
+            vs_seeds: vec![],
+            test: format!(
+                "{test}, {}{}",
+                if paired {
+                    "paired t over seeds"
+                } else {
+                    "Welch-Satterthwaite t"
+                },
+                if log_scale { ", log scale" } else { "" }
+            ),
+            scale: scale.into(),
+            interval,
+            verdict: ClaimVerdict::Inconclusive,
+            p_against,
+            reason: format!("{scale} {}", show(&interval, log_scale)),
+        },
+        reproduced,
+        p_against,
+    };
+    (Some(row), words)
+}
+
+/// Combine a claim's rows: reproduced when every row is (an intersection-union test, each at
+/// alpha); contradicted when Holm's adjustment over the rows' p-values against the claim rejects
+/// at least one; inconclusive otherwise.
+fn decide_claim(
+    c: &ClaimSpec,
+    mut rows: Vec<Row>,
+    predicate: String,
+    s: &CompareSettings,
+) -> ClaimResult {
+    let raw: Vec<f64> = rows.iter().map(|r| r.p_against).collect();
+    let adj = stats::holm(&raw);
+    for (r, p) in rows.iter_mut().zip(adj) {
+        r.ev.p_against = if r.p_against.is_nan() { f64::NAN } else { p };
+        r.ev.verdict = if r.p_against.is_finite() && p < s.alpha {
+            ClaimVerdict::Contradicted
+        } else if r.reproduced {
+            ClaimVerdict::Reproduced
+        } else {
+            ClaimVerdict::Inconclusive
+        };
+    }
+    let verdict = if rows.is_empty() {
+        ClaimVerdict::Inconclusive
+    } else if rows
+        .iter()
+        .any(|r| r.ev.verdict == ClaimVerdict::Contradicted)
+    {
+        ClaimVerdict::Contradicted
+    } else if rows
+        .iter()
+        .all(|r| r.ev.verdict == ClaimVerdict::Reproduced)
+    {
+        ClaimVerdict::Reproduced
+    } else {
+        ClaimVerdict::Inconclusive
+    };
+    let evidence = if rows.is_empty() {
+        format!(
+            "no configuration matched {} in these runs",
+            if c.configs.is_empty() {
+                "(all but the baseline)".to_string()
+            } else {
+                c.configs.join(", ")
+            }
+        )
+    } else {
+        rows.iter()
+            .map(|r| {
+                let who = if r.ev.vs.is_empty() {
+                    r.ev.config.clone()
+                } else {
+                    format!("{} vs {}", r.ev.config, r.ev.vs)
+                };
+                format!(
+                    "{who}: {} ({}, {} seeds{})",
+                    r.ev.reason,
+                    r.ev.test,
+                    r.ev.seeds.len(),
+                    if r.ev.verdict == ClaimVerdict::Contradicted {
+                        format!(
+                            ", against the claim at Holm-adjusted p = {:.3}",
+                            r.ev.p_against
+                        )
+                    } else {
+                        String::new()
+                    }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    ClaimResult {
+        name: c.name.clone(),
+        statement: c.statement.clone(),
+        source: c.source.clone(),
+        expect: c.expect.clone(),
+        metric: c.metric.clone(),
+        predicate,
+        verdict,
+        evidence,
+        gate: c.gate,
+        rows: rows.into_iter().map(|r| r.ev).collect(),
+    }
+}
+
+/// How claims are decided, for the comparison's method text.
+pub fn method(s: &CompareSettings) -> Vec<String> {
+    let level = 100.0 * (1.0 - 2.0 * s.alpha);
+    vec![
+        format!(
+            "Claims (published findings): each is decided `reproduced`, `contradicted` or `inconclusive` from the same per-seed final-window values, with one-sided tests at alpha {} read off {level:.0} % intervals, and fewer than {} seeds per arm is inconclusive. `equivalent`: the comparison's TOST (paired or Welch) against the claim's margin, with the seeds the margin needs; contradicted when the interval lies wholly outside ±margin. `higher`/`lower`: the difference's interval (for KL-type metrics the log ratio's, i.e. a fold change of geometric means) wholly above or below 0; contradicted when it is wholly on the other side. `fold_within = [lo, hi]`: TOST on the log scale, the fold change's interval inside [lo, hi]; contradicted when wholly outside. `spike_rate_higher`: the exact conditional-binomial (Clopper-Pearson) interval of the spike rate ratio above 1; contradicted when the exact test says lower.",
+            s.alpha, s.min_seeds
+        ),
+        "Trends (`decreasing`/`increasing`): a linear contrast over the configurations' ranks in sweep order (scores centred on the middle rank), i.e. the least-squares slope of the per-configuration means per sweep step, on the log scale for KL-type metrics; paired t over seeds when every configuration ran the same seeds on the built-in engine (the contrast is taken seed by seed), else Welch-Satterthwaite. It tests a trend, not that every step goes down.".to_string(),
+        format!(
+            "Several configurations in one claim: the claim is reproduced only when every configuration is (an intersection-union test: each at alpha, so the claim's false-reproduction rate stays at most {}); it is contradicted when Holm's step-down adjustment over its configurations' p-values against it still leaves one below alpha (family-wise error at most {}). Claims are not adjusted against each other: each claim holds its own error rate. On a night with sequential seeds the claims' tests are fixed-sample tests on the seeds the night reached. A claim changes the night's verdict only with `gate = true` (a contradicted gated claim is a regression).",
+            s.alpha, s.alpha
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arm(config: &str, vals: &[f64], coupled: bool) -> ClaimArm {
+        ClaimArm {
+            config: config.into(),
+            base: config.into(),
+            seeds: (0..vals.len() as u64).collect(),
+            coupled,
+            values: [(
+                "train/train_rollout_kl".to_string(),
+                vals.iter()
+                    .enumerate()
+                    .map(|(i, v)| SeedValue {
+                        seed: i as u64,
+                        last: *v,
+                        first: *v,
+                    })
+                    .collect(),
+            )]
+            .into(),
+            ..Default::default()
+        }
+    }
+
+    fn claim(predicate: Predicate, configs: &[&str], vs: Option<&str>) -> ClaimSpec {
+        ClaimSpec {
+            name: "c".into(),
+            statement: "s".into(),
+            source: "src".into(),
+            expect: "x".into(),
+            metric: "train/train_rollout_kl".into(),
+            configs: configs.iter().map(|c| c.to_string()).collect(),
+            vs: vs.map(str::to_string),
+            predicate,
+            gate: false,
+        }
+    }
+
+    #[test]
+    fn a_fold_change_is_read_on_the_log_scale() {
+        let s = CompareSettings::default();
+        let b = arm("bf16", &[1e-4, 1.2e-4, 0.9e-4, 1.1e-4], true);
+        let x = arm("nvfp4-dq", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true);
+        let arms = vec![b, x];
+        let higher = evaluate(&[claim(Predicate::Higher(true), &[], None)], &arms, &s);
+        assert_eq!(
+            higher[0].verdict,
+            ClaimVerdict::Reproduced,
+            "{:?}",
+            higher[0]
+        );
+        let r = &higher[0].rows[0];
+        assert_eq!(
+            (r.scale.as_str(), r.test.as_str()),
+            ("fold", "paired t over seeds, log scale")
+        );
+        assert!((30.0..50.0).contains(&r.interval.estimate), "{r:?}");
+        let lower = evaluate(&[claim(Predicate::Higher(false), &[], None)], &arms, &s);
+        assert_eq!(lower[0].verdict, ClaimVerdict::Contradicted);
+        let within = evaluate(
+            &[claim(Predicate::FoldWithin(20.0, 80.0), &[], None)],
+            &arms,
+            &s,
+        );
+        assert_eq!(
+            within[0].verdict,
+            ClaimVerdict::Reproduced,
+            "{:?}",
+            within[0]
+        );
+        let outside = evaluate(
+            &[claim(Predicate::FoldWithin(0.67, 1.5), &[], None)],
+            &arms,
+            &s,
+        );
+        assert_eq!(outside[0].verdict, ClaimVerdict::Contradicted);
+        // Fewer seeds than `min_seeds`: inconclusive, whatever the numbers.
+        let two = vec![
+            arm("bf16", &[1e-4, 1.1e-4], true),
+            arm("nvfp4-dq", &[4e-3, 4.1e-3], true),
+        ];
+        let r = evaluate(&[claim(Predicate::Higher(true), &[], None)], &two, &s);
+        assert_eq!(r[0].verdict, ClaimVerdict::Inconclusive);
+        assert!(r[0].evidence.contains("at least 3"), "{}", r[0].evidence);
+    }
+
+    #[test]
+    fn a_trend_follows_the_listed_order() {
+        let s = CompareSettings::default();
+        let arms = vec![
+            arm("a", &[4.0, 4.2, 3.9, 4.1], true),
+            arm("b", &[2.0, 2.2, 1.9, 2.1], true),
+            arm("c", &[1.0, 1.1, 0.9, 1.0], true),
+        ];
+        let dec = |d: bool, order: &[&str]| {
+            evaluate(
+                &[claim(
+                    Predicate::Trend {
+                        decreasing: d,
+                        by: None,
+                    },
+                    order,
+                    None,
+                )],
+                &arms,
+                &s,
+            )
+            .remove(0)
+        };
+        let r = dec(true, &["a", "b", "c"]);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        assert_eq!(r.rows[0].config, "a < b < c");
+        // Halving per step: the fold per step is about 0.5.
+        assert!(
+            (r.rows[0].interval.estimate - 0.5).abs() < 0.05,
+            "{:?}",
+            r.rows[0]
+        );
+        assert_eq!(
+            dec(true, &["c", "b", "a"]).verdict,
+            ClaimVerdict::Contradicted
+        );
+        assert_eq!(
+            dec(false, &["c", "b", "a"]).verdict,
+            ClaimVerdict::Reproduced
+        );
+        let missing = dec(true, &["a", "zz"]);
+        assert_eq!(missing.verdict, ClaimVerdict::Inconclusive);
+        assert!(
+            missing.evidence.contains("no runs of `zz`"),
+            "{}",
+            missing.evidence
+        );
+    }
+
+    #[test]
+    fn equivalence_uses_the_comparisons_tost() {
+        let s = CompareSettings::default();
+        let mut b = arm("bf16", &[0.50, 0.52, 0.49, 0.51, 0.50, 0.48], true);
+        let mut x = arm("mxfp8", &[0.505, 0.515, 0.495, 0.51, 0.505, 0.485], true);
+        for a in [&mut b, &mut x] {
+            let v = a.values.remove("train/train_rollout_kl").unwrap();
+            a.values.insert("rollout/raw_reward".into(), v);
+        }
+        let mut c = claim(Predicate::Equivalent(MarginRule::Absolute(0.05)), &[], None);
+        c.metric = "rollout/raw_reward".into();
+        let arms = vec![b, x];
+        let r = evaluate(std::slice::from_ref(&c), &arms, &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        c.predicate = Predicate::Equivalent(MarginRule::Absolute(0.001));
+        let r = evaluate(&[c], &arms, &s).remove(0);
+        assert_ne!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+    }
+}
