@@ -503,19 +503,8 @@ fn quantize_mxfp8(
         .zip(scales.par_chunks_mut(nb))
         .zip(x.par_chunks(bc))
         .with_min_len((16 * 1024 / bc).max(1))
-        .map(|((crow, srow), xrow)| {
-            let mut st = QuantStats::default();
-            for (b, s) in srow.iter_mut().enumerate() {
-                let span = b * MX_BLOCK..(b + 1) * MX_BLOCK;
-                *s = mxfp8::quantize_block(
-                    &xrow[span.clone()],
-                    elem,
-                    rule,
-                    &mut crow[span],
-                    &mut st,
-                );
-            }
-            st
+        .map_init(mxfp8::RowScratch::default, |scratch, ((crow, srow), xrow)| {
+            mxfp8_row(xrow, elem, rule, srow, crow, scratch)
         })
         .reduce(QuantStats::default, QuantStats::merge);
     let mut q = empty(QuantFormat::Mxfp8 { elem, rule });
@@ -523,6 +512,37 @@ fn quantize_mxfp8(
     q.scales = Scales::E8m0(scales);
     q.stats = stats;
     q
+}
+
+/// Quantize one row of MXFP8 blocks, compiled twice from [`mxfp8::quantize_row`] (baseline and
+/// AVX2, picked at run time) like [`nvfp4_row`].
+fn mxfp8_row(
+    xrow: &[f32],
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+    srow: &mut [u8],
+    crow: &mut [u8],
+    scratch: &mut mxfp8::RowScratch,
+) -> QuantStats {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { mxfp8_row_avx2(xrow, elem, rule, srow, crow, scratch) };
+    }
+    mxfp8::quantize_row(xrow, elem, rule, srow, crow, scratch)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn mxfp8_row_avx2(
+    xrow: &[f32],
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+    srow: &mut [u8],
+    crow: &mut [u8],
+    scratch: &mut mxfp8::RowScratch,
+) -> QuantStats {
+    mxfp8::quantize_row(xrow, elem, rule, srow, crow, scratch)
 }
 
 /// Global amax of an NVFP4 tensor: `[shards]` (per tensor) or `[br, shards]` (per token).
