@@ -120,7 +120,9 @@ pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<Benc
         for (name, fmt, axis) in bench_formats() {
             let s = pool.install(|| {
                 time_median(3, min_time, || {
-                    std::hint::black_box(quantize(&x, n, n, &fmt, axis).map(|q| q.codes.len()).ok());
+                    std::hint::black_box(
+                        quantize(&x, n, n, &fmt, axis).map(|q| q.codes.len()).ok(),
+                    );
                 })
             });
             let moved = moved_bytes(&fmt, n * n);
