@@ -1,5 +1,5 @@
-//! `lockstep bench quantize --device cuda` and `lockstep bench step`: device timings printed as
-//! tables (the numbers behind `docs/cuda.md`).
+//! `lockstep bench quantize` (CPU, and `--device cuda`) and `lockstep bench step`: timings
+//! printed as tables (the GPU numbers are behind `docs/cuda.md`).
 
 use anyhow::{Context, Result};
 use clap::Args;

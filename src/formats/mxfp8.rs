@@ -185,16 +185,11 @@ pub struct RowScratch {
     mult: Vec<f32>,
 }
 
-/// max |x| skipping NaN, on the bit patterns: for non-NaN values |x| orders like its bits with the
-/// sign cleared, and NaNs (cleared bits above +Inf's 0x7F800000) count as 0. Equals
-/// [`amax_ignoring_nan`] exactly; an integer max reduction vectorises where the float one does not.
+/// max of the sign-cleared bit patterns: |x|'s bits when no element is NaN, above 0x7F800000
+/// when one is.
 #[inline(always)]
-pub fn amax_ignoring_nan_bits(x: &[f32]) -> f32 {
-    let m = x.iter().fold(0u32, |m, v| {
-        let a = v.to_bits() & 0x7FFF_FFFF;
-        m.max(if a > 0x7F80_0000 { 0 } else { a })
-    });
-    f32::from_bits(m)
+fn amax_nan_propagating_bits(x: &[f32; MX_BLOCK]) -> u32 {
+    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF))
 }
 
 /// Quantize one row of MXFP8 blocks (`x.len()` a multiple of 32): one E8M0 byte per block into
@@ -229,14 +224,21 @@ pub fn quantize_row(
     scratch.mult.resize(x.len(), 0.0);
     let mult = &mut scratch.mult[..x.len()];
     let rcp = elem.rcp_max();
-    for ((s, x32), m32) in scales
-        .iter_mut()
-        .zip(x.chunks_exact(MX_BLOCK))
-        .zip(mult.chunks_exact_mut(MX_BLOCK))
-    {
-        let b = e8m0_ceil_from_f32(amax_ignoring_nan_bits(x32) * rcp);
+    // Fixed-size blocks (`as_chunks`): the fill below is four vector stores, not 32 scalar ones.
+    let (x32s, _) = x.as_chunks::<MX_BLOCK>();
+    let (m32s, _) = mult.as_chunks_mut::<MX_BLOCK>();
+    for ((s, x32), m32) in scales.iter_mut().zip(x32s).zip(m32s) {
+        // The NaN-propagating integer max vectorises; a block holding a NaN (its max bits above
+        // +Inf's) takes the NaN-skipping loop instead, which is rare and gives the same amax.
+        let a = amax_nan_propagating_bits(x32);
+        let amax = if a > 0x7F80_0000 {
+            amax_ignoring_nan(x32)
+        } else {
+            f32::from_bits(a)
+        };
+        let b = e8m0_ceil_from_f32(amax * rcp);
         *s = b;
-        m32.fill(e8m0_reciprocal(b));
+        *m32 = [e8m0_reciprocal(b); MX_BLOCK];
     }
     let n = x.len() - x.len() % MX_BLOCK;
     match elem {
