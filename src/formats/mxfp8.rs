@@ -10,7 +10,7 @@
 
 use super::QuantStats;
 use super::e8m0::{e8m0_ceil_from_f32, e8m0_from_exponent, e8m0_reciprocal, e8m0_to_f32};
-use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_from_f32_sat, e5m2_from_f32_sat};
+use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_code_u32_sat, e4m3_from_f32_sat, e5m2_from_f32_sat};
 use serde::{Deserialize, Serialize};
 
 /// Elements per MXFP8 block.
@@ -183,6 +183,7 @@ fn encode_with(
 #[derive(Debug, Default)]
 pub struct RowScratch {
     mult: Vec<f32>,
+    block_mult: Vec<f32>,
 }
 
 /// max of the sign-cleared bit patterns: |x|'s bits when no element is NaN, above 0x7F800000
@@ -220,14 +221,13 @@ pub fn quantize_row(
         }
         return st;
     }
-    // Every element of the buffer is written below before it is read: no clearing needed.
-    scratch.mult.resize(x.len(), 0.0);
-    let mult = &mut scratch.mult[..x.len()];
+    // Every element of the buffers is written below before it is read: no clearing needed.
+    let nb = scales.len();
+    scratch.block_mult.resize(nb, 0.0);
+    let bm = &mut scratch.block_mult[..nb];
     let rcp = elem.rcp_max();
-    // Fixed-size blocks (`as_chunks`): the fill below is four vector stores, not 32 scalar ones.
     let (x32s, _) = x.as_chunks::<MX_BLOCK>();
-    let (m32s, _) = mult.as_chunks_mut::<MX_BLOCK>();
-    for ((s, x32), m32) in scales.iter_mut().zip(x32s).zip(m32s) {
+    for ((s, x32), m) in scales.iter_mut().zip(x32s).zip(bm.iter_mut()) {
         // The NaN-propagating integer max vectorises; a block holding a NaN (its max bits above
         // +Inf's) takes the NaN-skipping loop instead, which is rare and gives the same amax.
         let a = amax_nan_propagating_bits(x32);
@@ -238,26 +238,42 @@ pub fn quantize_row(
         };
         let b = e8m0_ceil_from_f32(amax * rcp);
         *s = b;
-        *m32 = [e8m0_reciprocal(b); MX_BLOCK];
+        *m = e8m0_reciprocal(b);
     }
-    let n = x.len() - x.len() % MX_BLOCK;
     match elem {
-        Fp8Elem::E4M3 => encode_row(
-            &x[..n],
-            mult,
-            super::fp8::E4M3_MAX,
-            e4m3_from_f32_sat,
-            codes,
-            &mut st,
-        ),
-        Fp8Elem::E5M2 => encode_row(
-            &x[..n],
-            mult,
-            super::fp8::E5M2_MAX,
-            e5m2_from_f32_sat,
-            codes,
-            &mut st,
-        ),
+        // A block at a time under its multiplier, in 32-bit lanes to the code byte (the loop
+        // LLVM's SLP pass vectorises; no per-element multiplier array to write and read back).
+        Fp8Elem::E4M3 => {
+            let max = super::fp8::E4M3_MAX;
+            let (mut sat, mut under) = (0u32, 0u32);
+            let (c32s, _) = codes.as_chunks_mut::<MX_BLOCK>();
+            for ((c32, x32), &m) in c32s.iter_mut().zip(x32s).zip(bm.iter()) {
+                for (c, &v) in c32.iter_mut().zip(x32) {
+                    let s = v * m;
+                    let code = e4m3_code_u32_sat(s);
+                    sat = sat.wrapping_add(u32::from((s.abs() > max) & v.is_finite()));
+                    under = under.wrapping_add(u32::from((code & 0x7F == 0) & (v != 0.0)));
+                    *c = code as u8;
+                }
+            }
+            st.add_block(x32s.len() * MX_BLOCK, sat, under);
+        }
+        Fp8Elem::E5M2 => {
+            scratch.mult.resize(x.len(), 0.0);
+            let mult = &mut scratch.mult[..x.len()];
+            for (m32, &m) in mult.as_chunks_mut::<MX_BLOCK>().0.iter_mut().zip(bm.iter()) {
+                *m32 = [m; MX_BLOCK];
+            }
+            let n = x32s.len() * MX_BLOCK;
+            encode_row(
+                &x[..n],
+                mult,
+                super::fp8::E5M2_MAX,
+                e5m2_from_f32_sat,
+                codes,
+                &mut st,
+            );
+        }
     }
     st
 }
