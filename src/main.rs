@@ -100,44 +100,7 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Bench(BenchCommand::Step(args)) => cli::bench::step(args),
         Command::Bench(BenchCommand::Forward(args)) => cli::bench::forward(args),
         Command::Bench(BenchCommand::Quantize { size, min_time, .. }) => {
-            let size = &size.unwrap_or(4096);
-            let all = std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1);
-            let rows = lockstep::tools::bench::quantize_throughput(
-                *size,
-                all,
-                std::time::Duration::from_secs_f64(*min_time),
-            );
-            println!(
-                "quantize {size}x{size} fp32 ({:.0} MiB), median of repetitions",
-                (*size * *size * 4) as f64 / (1 << 20) as f64
-            );
-            println!(
-                "{:<18} {:>7} {:>10} {:>9} {:>9}",
-                "what", "threads", "median_ms", "GB/s", "vs copy"
-            );
-            for r in &rows {
-                println!(
-                    "{:<18} {:>7} {:>10.2} {:>9.2} {:>9.3}",
-                    r.what,
-                    r.threads,
-                    r.median_s * 1e3,
-                    r.gb_per_s,
-                    r.vs_copy
-                );
-            }
-            for w in ["mxfp8", "nvfp4 per-token"] {
-                let t1 = rows.iter().find(|r| r.what == w && r.threads == 1);
-                let tn = rows.iter().find(|r| r.what == w && r.threads == all);
-                if let (Some(a), Some(b)) = (t1, tn) {
-                    println!(
-                        "{w}: scaling 1 -> {all} threads: {:.2}x",
-                        a.median_s / b.median_s
-                    );
-                }
-            }
-            Ok(true)
+            cli::bench::quantize_cpu(size.unwrap_or(4096), *min_time)
         }
     }
 }

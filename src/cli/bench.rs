@@ -1,5 +1,5 @@
-//! `lockstep bench quantize --device cuda` and `lockstep bench step`: device timings printed as
-//! tables (the numbers behind `docs/cuda.md`).
+//! `lockstep bench quantize` (CPU, and `--device cuda`) and `lockstep bench step`: timings
+//! printed as tables (the GPU numbers are behind `docs/cuda.md`).
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -49,6 +49,52 @@ pub struct StepArgs {
     /// Timed steps (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
+}
+
+/// The CPU quantizer next to the bytes-moved floor (see `tools::bench`), on 1 core and all cores.
+pub fn quantize_cpu(size: usize, min_time: f64) -> Result<bool> {
+    let all = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let rows = lockstep::tools::bench::quantize_throughput(
+        size,
+        all,
+        std::time::Duration::from_secs_f64(min_time),
+    );
+    println!(
+        "quantize {size}x{size} fp32 ({:.0} MiB), median of repetitions; floor = input read + codes \
+         and scales written, at the copy's bandwidth with the same thread count",
+        (size * size * 4) as f64 / (1 << 20) as f64
+    );
+    println!(
+        "{:<18} {:>7} {:>10} {:>10} {:>9} {:>10} {:>9}",
+        "what", "threads", "median_ms", "input GB/s", "moved MB", "floor_ms", "of floor"
+    );
+    for r in &rows {
+        println!(
+            "{:<18} {:>7} {:>10.2} {:>10.2} {:>9.1} {:>10.2} {:>9.3}",
+            r.what,
+            r.threads,
+            r.median_s * 1e3,
+            r.gb_per_s,
+            r.moved_bytes / 1e6,
+            r.floor_s * 1e3,
+            r.of_floor
+        );
+    }
+    for r in rows.iter().filter(|r| r.threads == 1 && r.what != "copy") {
+        if let Some(b) = rows
+            .iter()
+            .find(|b| b.what == r.what && b.threads == all && all > 1)
+        {
+            println!(
+                "{}: scaling 1 -> {all} threads: {:.2}x",
+                r.what,
+                r.median_s / b.median_s
+            );
+        }
+    }
+    Ok(true)
 }
 
 /// Median GRPO step time and its phases on one device. On a GPU, four backends are timed side

@@ -55,7 +55,9 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// MXFP8 and NVFP4 per-token quantizer throughput next to a plain copy, on 1 core and all cores
+    /// MXFP8 and NVFP4 (per token and per tensor, rows and columns) quantizer throughput next to
+    /// the bytes-moved floor (input read + codes and scales written, at the bandwidth of a copy
+    /// into a pre-faulted buffer timed in the same run), on 1 core and all cores
     /// (`--device cuda`: every quantizer kernel next to a device-to-device copy).
     Quantize {
         /// Side of the square FP32 tensor (default 4096 on the CPU, 16384 on a GPU).

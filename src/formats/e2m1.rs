@@ -33,6 +33,13 @@ pub enum E2m1Convention {
 /// (|x| >= 1), FP32-addition RNE in steps of 0.5 below; specials per convention.
 #[inline(always)]
 pub fn e2m1_from_f32(x: f32, conv: E2m1Convention) -> u8 {
+    e2m1_code_u32(x, conv) as u8
+}
+
+/// [`e2m1_from_f32`] in a 32-bit lane: the same rule, kept 32-bit to the end so a vectorised
+/// loop does not narrow to bytes in the middle (LLVM then builds the bytes one insert at a time).
+#[inline(always)]
+pub(crate) fn e2m1_code_u32(x: f32, conv: E2m1Convention) -> u32 {
     let u = x.to_bits();
     let a = f32::from_bits(u & 0x7FFF_FFFF).min(6.0);
     let ab = a.to_bits();
@@ -42,19 +49,15 @@ pub fn e2m1_from_f32(x: f32, conv: E2m1Convention) -> u8 {
         >> 22;
     let sub = (a * 2.0 + 8_388_608.0).to_bits().wrapping_sub(0x4B00_0000);
     let mag = if ab < (127 << 23) { sub } else { normal };
-    let code = ((u >> 28) & 8) as u8 | mag as u8;
-    if x.is_nan() {
-        return match conv {
-            E2m1Convention::TeRef => 0,
-            E2m1Convention::MlDtypes => 8,
-            E2m1Convention::PtxSatfinite => 7,
-        };
-    }
-    if u == 0x8000_0000 && conv == E2m1Convention::TeRef {
-        0
-    } else {
-        code
-    }
+    let code = ((u >> 28) & 8) | mag;
+    let nan_code = match conv {
+        E2m1Convention::TeRef => 0,
+        E2m1Convention::MlDtypes => 8,
+        E2m1Convention::PtxSatfinite => 7,
+    };
+    let neg_zero = (u == 0x8000_0000) & (conv == E2m1Convention::TeRef);
+    let code = if neg_zero { 0 } else { code };
+    if x.is_nan() { nan_code } else { code }
 }
 
 /// Reference (slow, generic) E2M1 encode; kept to test the fast path against.

@@ -38,6 +38,13 @@ fn sign_bit(x: f32) -> u8 {
 /// The generic `minifloat` rounding is the independent reference it is tested against.
 #[inline(always)]
 pub fn e4m3_from_f32_sat(x: f32) -> u8 {
+    e4m3_code_u32_sat(x) as u8
+}
+
+/// [`e4m3_from_f32_sat`] in a 32-bit lane (the code is below 256): the same rule, kept 32-bit
+/// to the end so a vectorised block loop does not narrow to bytes in the middle.
+#[inline(always)]
+pub(crate) fn e4m3_code_u32_sat(x: f32) -> u32 {
     let u = x.to_bits();
     let a = f32::from_bits(u & 0x7FFF_FFFF).min(E4M3_MAX); // min() ignores NaN: handled below
     let ab = a.to_bits();
@@ -51,7 +58,7 @@ pub fn e4m3_from_f32_sat(x: f32) -> u8 {
         .to_bits()
         .wrapping_sub(0x4B00_0000);
     let mag = if ab < (121 << 23) { sub } else { normal };
-    let code = ((u >> 24) & 0x80) as u8 | mag as u8;
+    let code = ((u >> 24) & 0x80) | (mag & 0xFF);
     if x.is_nan() { 0x7F } else { code }
 }
 

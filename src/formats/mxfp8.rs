@@ -10,7 +10,7 @@
 
 use super::QuantStats;
 use super::e8m0::{e8m0_ceil_from_f32, e8m0_from_exponent, e8m0_reciprocal, e8m0_to_f32};
-use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_from_f32_sat, e5m2_from_f32_sat};
+use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_code_u32_sat, e4m3_from_f32_sat, e5m2_from_f32_sat};
 use serde::{Deserialize, Serialize};
 
 /// Elements per MXFP8 block.
@@ -174,6 +174,128 @@ fn encode_with(
         let code = enc(s);
         sat += u32::from(s.abs() > max && v.is_finite());
         under += u32::from(code & 0x7F == 0 && v != 0.0);
+        *c = code;
+    }
+    stats.add_block(x.len(), sat, under);
+}
+
+/// Per-thread buffers reused across rows by [`quantize_row`].
+#[derive(Debug, Default)]
+pub struct RowScratch {
+    mult: Vec<f32>,
+    block_mult: Vec<f32>,
+}
+
+/// max of the sign-cleared bit patterns: |x|'s bits when no element is NaN, above 0x7F800000
+/// when one is.
+#[inline(always)]
+fn amax_nan_propagating_bits(x: &[f32; MX_BLOCK]) -> u32 {
+    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF))
+}
+
+/// Quantize one row of MXFP8 blocks (`x.len()` a multiple of 32): one E8M0 byte per block into
+/// `scales`, one code per element into `codes`. Byte for byte [`quantize_block`] on each block
+/// (tested over every FP32 exponent and sign, with NaN, Inf, subnormals and ties).
+///
+/// For the TE rule the row is done in whole-row loops, as NVFP4's row: the block scales and each
+/// element's multiplier first, then one encode loop over the row that LLVM vectorises (a loop per
+/// 32-element block is fully unrolled before the vectoriser runs and stays scalar). The OCP rule,
+/// whose NaN/Inf blocks short-circuit, stays block by block.
+#[inline(always)]
+pub fn quantize_row(
+    x: &[f32],
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+    scales: &mut [u8],
+    codes: &mut [u8],
+    scratch: &mut RowScratch,
+) -> QuantStats {
+    let mut st = QuantStats::default();
+    if rule == MxScaleRule::OcpFloor {
+        for ((s, x32), c32) in scales
+            .iter_mut()
+            .zip(x.chunks_exact(MX_BLOCK))
+            .zip(codes.chunks_exact_mut(MX_BLOCK))
+        {
+            *s = quantize_block(x32, elem, rule, c32, &mut st);
+        }
+        return st;
+    }
+    // Every element of the buffers is written below before it is read: no clearing needed.
+    let nb = scales.len();
+    scratch.block_mult.resize(nb, 0.0);
+    let bm = &mut scratch.block_mult[..nb];
+    let rcp = elem.rcp_max();
+    let (x32s, _) = x.as_chunks::<MX_BLOCK>();
+    for ((s, x32), m) in scales.iter_mut().zip(x32s).zip(bm.iter_mut()) {
+        // The NaN-propagating integer max vectorises; a block holding a NaN (its max bits above
+        // +Inf's) takes the NaN-skipping loop instead, which is rare and gives the same amax.
+        let a = amax_nan_propagating_bits(x32);
+        let amax = if a > 0x7F80_0000 {
+            amax_ignoring_nan(x32)
+        } else {
+            f32::from_bits(a)
+        };
+        let b = e8m0_ceil_from_f32(amax * rcp);
+        *s = b;
+        *m = e8m0_reciprocal(b);
+    }
+    match elem {
+        // A block at a time under its multiplier, in 32-bit lanes to the code byte (the loop
+        // LLVM's SLP pass vectorises; no per-element multiplier array to write and read back).
+        Fp8Elem::E4M3 => {
+            let max = super::fp8::E4M3_MAX;
+            let (mut sat, mut under) = (0u32, 0u32);
+            let (c32s, _) = codes.as_chunks_mut::<MX_BLOCK>();
+            for ((c32, x32), &m) in c32s.iter_mut().zip(x32s).zip(bm.iter()) {
+                for (c, &v) in c32.iter_mut().zip(x32) {
+                    let s = v * m;
+                    let code = e4m3_code_u32_sat(s);
+                    sat = sat.wrapping_add(u32::from((s.abs() > max) & v.is_finite()));
+                    under = under.wrapping_add(u32::from((code & 0x7F == 0) & (v != 0.0)));
+                    *c = code as u8;
+                }
+            }
+            st.add_block(x32s.len() * MX_BLOCK, sat, under);
+        }
+        Fp8Elem::E5M2 => {
+            scratch.mult.resize(x.len(), 0.0);
+            let mult = &mut scratch.mult[..x.len()];
+            for (m32, &m) in mult.as_chunks_mut::<MX_BLOCK>().0.iter_mut().zip(bm.iter()) {
+                *m32 = [m; MX_BLOCK];
+            }
+            let n = x32s.len() * MX_BLOCK;
+            encode_row(
+                &x[..n],
+                mult,
+                super::fp8::E5M2_MAX,
+                e5m2_from_f32_sat,
+                codes,
+                &mut st,
+            );
+        }
+    }
+    st
+}
+
+/// [`encode_with`] with a multiplier per element: the same element rule and counts.
+#[inline(always)]
+fn encode_row(
+    x: &[f32],
+    mult: &[f32],
+    max: f32,
+    enc: impl Fn(f32) -> u8,
+    codes: &mut [u8],
+    stats: &mut QuantStats,
+) {
+    let (mut sat, mut under) = (0u32, 0u32);
+    for ((c, &v), &m) in codes.iter_mut().zip(x).zip(mult) {
+        let s = v * m;
+        let code = enc(s);
+        // wrapping: a row has far fewer than 2^32 elements, and an overflow-checked add is a
+        // branch that keeps the loop scalar in builds with overflow checks (the dev profile).
+        sat = sat.wrapping_add(u32::from((s.abs() > max) & v.is_finite()));
+        under = under.wrapping_add(u32::from((code & 0x7F == 0) & (v != 0.0)));
         *c = code;
     }
     stats.add_block(x.len(), sat, under);

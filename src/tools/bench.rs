@@ -1,8 +1,11 @@
 //! Benchmarks that print ratios measured side by side in one run (timings never live in tests).
 //!
-//! `quantize`: throughput (GB/s of FP32 input) of MXFP8 and NVFP4 per-token quantization next to a
-//! plain copy of the same tensor, on one core and on all cores. The copy is the memory-bandwidth
-//! yardstick, so "0.25 of copy" reads the same on any machine.
+//! `quantize`: throughput of the quantizer (MXFP8, NVFP4 per token and per tensor, rows and
+//! columns) on one core and on all cores, next to the *bytes-moved floor*: the time a copy would
+//! take to read the FP32 input and write the codes and scales, at the copy bandwidth measured in
+//! the same run. The copy reference is one `copy_from_slice` per thread into a preallocated,
+//! pre-faulted buffer (large enough that the C library streams it like a plain `memcpy`), so the
+//! fraction of the floor reads the same on any machine and is not flattered by a slow reference.
 
 use crate::formats::{Axis, QuantFormat, SecondScale, quantize};
 use rayon::prelude::*;
@@ -14,9 +17,15 @@ pub struct BenchRow {
     pub what: String,
     pub threads: usize,
     pub median_s: f64,
+    /// FP32 input consumed per second (GB/s).
     pub gb_per_s: f64,
-    /// Throughput relative to the copy with the same thread count.
-    pub vs_copy: f64,
+    /// Bytes read and written per call: the FP32 input plus the codes and scales (for the copy:
+    /// the input read and its copy written).
+    pub moved_bytes: f64,
+    /// Time the copy would take to move `moved_bytes`, at this thread count's copy bandwidth.
+    pub floor_s: f64,
+    /// `floor_s / median_s`: 1.0 is copy speed, 0.5 takes twice the floor.
+    pub of_floor: f64,
 }
 
 /// Median wall time of `f` over at least `min_reps` runs and `min_time` (after one warm-up).
@@ -33,60 +42,99 @@ pub fn time_median(min_reps: usize, min_time: Duration, mut f: impl FnMut()) -> 
     times[times.len() / 2]
 }
 
-/// Quantizer throughput vs copy on an `n x n` tensor, on 1 thread and on `all` threads.
+/// The formats `bench quantize` times, with their display names.
+pub fn bench_formats() -> Vec<(&'static str, QuantFormat, Axis)> {
+    let token = QuantFormat::Nvfp4 {
+        second: SecondScale::PerToken,
+        shards: 1,
+    };
+    let tensor = QuantFormat::Nvfp4 {
+        second: SecondScale::PerTensor,
+        shards: 1,
+    };
+    vec![
+        ("mxfp8 row", QuantFormat::MXFP8, Axis::Row),
+        ("mxfp8 col", QuantFormat::MXFP8, Axis::Col),
+        ("nvfp4 token row", token, Axis::Row),
+        ("nvfp4 token col", token, Axis::Col),
+        ("nvfp4 tensor row", tensor, Axis::Row),
+        ("nvfp4 tensor col", tensor, Axis::Col),
+    ]
+}
+
+/// Bytes a quantization of `elems` FP32 values moves at least: the input read once, the codes
+/// and the block scales written (second-level scales are a float per row at most, left out).
+pub fn moved_bytes(fmt: &QuantFormat, elems: usize) -> f64 {
+    let e = elems as f64;
+    match fmt {
+        QuantFormat::Mxfp8 { .. } => 4.0 * e + e + e / 32.0,
+        QuantFormat::Nvfp4 { .. } => 4.0 * e + e / 2.0 + e / 16.0,
+        QuantFormat::Bf16 => 4.0 * e + 2.0 * e,
+        QuantFormat::Fp8Block { .. } => 4.0 * e + e + e / 32.0,
+    }
+}
+
+/// Median seconds of copying `x` into the pre-faulted `dst` on the current rayon pool: one
+/// contiguous `copy_from_slice` per thread (no small chunks, which defeat the streaming stores a
+/// large `memcpy` uses and read each destination line before writing it).
+fn time_copy(x: &[f32], dst: &mut [f32], min_time: Duration) -> f64 {
+    let per = x.len().div_ceil(rayon::current_num_threads());
+    time_median(3, min_time, || {
+        dst.par_chunks_mut(per)
+            .zip(x.par_chunks(per))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        std::hint::black_box(&dst);
+    })
+}
+
+/// Quantizer throughput vs the bytes-moved floor on an `n x n` tensor, on 1 thread and on `all`.
 pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<BenchRow> {
     let x: Vec<f32> = (0..n * n)
         .map(|i| ((i as f32) * 0.618).sin() * if i % 97 == 0 { 40.0 } else { 1.0 })
         .collect();
-    let bytes = (n * n * 4) as f64;
-    let formats = [
-        ("mxfp8", QuantFormat::MXFP8),
-        (
-            "nvfp4 per-token",
-            QuantFormat::Nvfp4 {
-                second: SecondScale::PerToken,
-                shards: 1,
-            },
-        ),
-    ];
+    let in_bytes = (n * n * 4) as f64;
+    // Written once here, so every page is faulted in before the copy is timed.
+    let mut dst = vec![1.0f32; n * n];
     let mut rows = Vec::new();
-    for threads in [1, all.max(1)] {
+    let mut thread_counts = vec![1];
+    if all > 1 {
+        thread_counts.push(all);
+    }
+    for threads in thread_counts {
         let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
             Ok(p) => p,
             Err(_) => continue,
         };
-        let mut dst = vec![0.0f32; n * n];
-        let copy_s = pool.install(|| {
-            time_median(3, min_time, || {
-                dst.par_chunks_mut(64 * 1024)
-                    .zip(x.par_chunks(64 * 1024))
-                    .for_each(|(d, s)| d.copy_from_slice(s));
-                std::hint::black_box(&dst);
-            })
-        });
+        let copy_s = pool.install(|| time_copy(&x, &mut dst, min_time));
+        let copy_moved = 2.0 * in_bytes;
+        let bandwidth = copy_moved / copy_s;
         rows.push(BenchRow {
             what: "copy".into(),
             threads,
             median_s: copy_s,
-            gb_per_s: bytes / copy_s / 1e9,
-            vs_copy: 1.0,
+            gb_per_s: in_bytes / copy_s / 1e9,
+            moved_bytes: copy_moved,
+            floor_s: copy_s,
+            of_floor: 1.0,
         });
-        for (name, fmt) in formats {
+        for (name, fmt, axis) in bench_formats() {
             let s = pool.install(|| {
                 time_median(3, min_time, || {
                     std::hint::black_box(
-                        quantize(&x, n, n, &fmt, Axis::Row)
-                            .map(|q| q.codes.len())
-                            .ok(),
+                        quantize(&x, n, n, &fmt, axis).map(|q| q.codes.len()).ok(),
                     );
                 })
             });
+            let moved = moved_bytes(&fmt, n * n);
+            let floor_s = moved / bandwidth;
             rows.push(BenchRow {
                 what: name.into(),
                 threads,
                 median_s: s,
-                gb_per_s: bytes / s / 1e9,
-                vs_copy: copy_s / s,
+                gb_per_s: in_bytes / s / 1e9,
+                moved_bytes: moved,
+                floor_s,
+                of_floor: floor_s / s,
             });
         }
     }
