@@ -3,12 +3,12 @@
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use lockstep::engine::model::ModelConfig;
-use lockstep::engine::run::{RunConfig, default_cache, run_one, step_line};
 use lockstep::engine::task::Task;
 use lockstep::engine::trainer::{ContractBreak, GrpoConfig};
 use lockstep::engine::warmstart::WarmStartConfig;
 use lockstep::recipe::{Precision, Site, file::load};
 use lockstep::store::RunStatus;
+use lockstep::suite::builtin::{RunConfig, default_cache, run_one, step_line};
 use std::path::PathBuf;
 
 /// A model preset name.

@@ -5,8 +5,8 @@
 use super::suite::RunArgs;
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use lockstep::engine::run::default_cache;
 use lockstep::store::RunStatus;
+use lockstep::suite::builtin::default_cache;
 use lockstep::suite::runner::{Outcome, Progress, RunnerOptions, run_planned, suite_dir};
 use lockstep::suite::slurm::{
     self, SlurmEvent, SlurmOptions, SlurmSpec, TaskIdentity, stamp_manifest, write_task_marker,
@@ -294,7 +294,7 @@ pub fn run_task(
             lockstep::store::run::hostname()
         ),
         Progress::Step { record, .. } => {
-            println!("{}", lockstep::engine::run::step_line(record))
+            println!("{}", lockstep::suite::builtin::step_line(record))
         }
         Progress::Finished { status, error, .. } => println!(
             "{status:?}{}",

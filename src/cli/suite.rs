@@ -2,8 +2,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use lockstep::engine::run::default_cache;
 use lockstep::store::RunDir;
+use lockstep::suite::builtin::default_cache;
 use lockstep::suite::runner::{Progress, RunnerOptions, run_suite, safe_component, suite_dir};
 use lockstep::suite::{expand, load};
 use std::io::IsTerminal;

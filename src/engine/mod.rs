@@ -11,7 +11,6 @@ pub mod model;
 pub mod ops;
 pub mod optim;
 pub mod rollout;
-pub mod run;
 pub mod task;
 pub mod trainer;
 pub mod warmstart;

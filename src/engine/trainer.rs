@@ -731,20 +731,26 @@ pub fn evaluate(
     mean((0..ro.b).map(|s| task.reward(&problems[s], ro.response(s)) as f64))
 }
 
-/// Validate a run configuration without running it (model, lengths, recipe, every site's blocks).
-pub fn check_run(run: &super::run::RunConfig) -> Result<(), TrainerError> {
-    run.model.validate()?;
-    if run.task.prompt_len() + run.grpo.max_response_tokens > run.model.max_seq {
+/// Validate a training setup without running it (model, lengths, recipe, every site's blocks).
+pub fn check_setup(
+    model: &ModelConfig,
+    task: &Task,
+    grpo: &GrpoConfig,
+    recipe: &Recipe,
+    contract_break: ContractBreak,
+) -> Result<(), TrainerError> {
+    model.validate()?;
+    if task.prompt_len() + grpo.max_response_tokens > model.max_seq {
         return Err(TrainerError::TooLong {
-            task: run.task.to_string(),
-            prompt: run.task.prompt_len(),
-            resp: run.grpo.max_response_tokens,
-            max_seq: run.model.max_seq,
+            task: task.to_string(),
+            prompt: task.prompt_len(),
+            resp: grpo.max_response_tokens,
+            max_seq: model.max_seq,
         });
     }
-    let plan = run.recipe.resolve(run.model.n_layers)?;
-    check_sites(&run.model, &plan)?;
-    check_sites(&run.model, &rollout_plan(&plan, run.contract_break))
+    let plan = recipe.resolve(model.n_layers)?;
+    check_sites(model, &plan)?;
+    check_sites(model, &rollout_plan(&plan, contract_break))
 }
 
 /// Every site's weights must block under the plan.

@@ -132,7 +132,7 @@ pub fn load(dir: &Path) -> Result<(BaselineMeta, BTreeMap<String, GoldenTable>),
         .map_err(|e| IoError::invalid(&p, format!("not a lockstep baseline: {e}")))?;
     let mut tables = BTreeMap::new();
     for (config, file) in &meta.configs {
-        crate::suite::runner::safe_component(file)
+        super::safe_component(file)
             .map_err(|why| IoError::invalid(&p, format!("file `{file}`: {why}")))?;
         let p = dir.join(file);
         tables.insert(config.clone(), read_table(&p)?);

@@ -2,6 +2,7 @@
 //! checks, expanded into the list of runs to execute ([`plan`]), run by a resumable parallel runner
 //! ([`runner`]) or handed to Slurm as one job array ([`slurm`]). No statistics here.
 
+pub mod builtin;
 pub mod command;
 pub mod frameworks;
 pub mod ingest;

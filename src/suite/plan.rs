@@ -3,10 +3,10 @@
 
 use super::spec::{ConfigSpec, SuiteError, SuiteSpec};
 use crate::engine::model::ModelConfig;
-use crate::engine::run::RunConfig;
 use crate::engine::task::Task;
 use crate::engine::trainer::{ContractBreak, GrpoConfig};
 use crate::recipe::{BackwardMode, LayerCount, Precision, Recipe, Rule};
+use crate::suite::builtin::RunConfig;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -351,9 +351,9 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 seed: 0,
                 steps: w.steps,
             };
-            // Checked once per configuration: the seed changes nothing `check_run` looks at.
+            // Checked once per configuration: the seed changes nothing `RunConfig::check` looks at.
             if s.engine == "builtin" {
-                crate::engine::trainer::check_run(&template).map_err(|e| {
+                template.check().map_err(|e| {
                     // A recipe file's own errors name the file, not only the recipe.
                     let file = if recipe_is_file(&c.recipe) {
                         format!(" (recipe file {})", c.recipe)

@@ -86,21 +86,7 @@ pub fn suite_dir(store: &Path, suite: &str) -> Result<PathBuf, IoError> {
     Ok(store.join(suite))
 }
 
-/// A path component that cannot escape its parent.
-pub fn safe_component(s: &str) -> Result<(), String> {
-    if s.is_empty() || s.starts_with('.') || s.len() > 200 {
-        return Err("must be 1-200 characters and not start with `.`".into());
-    }
-    if let Some(c) = s
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
-    {
-        return Err(format!(
-            "character {c:?} is not allowed (letters, digits, -, _, .)"
-        ));
-    }
-    Ok(())
-}
+pub use crate::store::safe_component;
 
 /// A relative path that stays inside its root (no `..`, not absolute).
 pub fn safe_relative(p: &str) -> Result<(), String> {
@@ -299,7 +285,7 @@ fn execute(
     let on_step = |r: &StepRecord| progress(Progress::Step { run, record: r });
     let stop = super::interrupt::requested;
     let mut m = match suite.engine.as_str() {
-        "builtin" => crate::engine::run::run_one_until(
+        "builtin" => crate::suite::builtin::run_one_until(
             be,
             &run.run,
             &run.run_id,

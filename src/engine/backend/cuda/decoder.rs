@@ -43,7 +43,7 @@ impl<'a> ResidentDecoder<'a> {
     }
 
     /// GPU failures cannot be returned through the trait: they panic with the device, which
-    /// `engine::run::run_one` turns into a `failed` run with that message (as `gemm` does).
+    /// `suite::builtin::run_one` turns into a `failed` run with that message (as `gemm` does).
     fn fail(&self, what: &str, e: super::CudaError) -> ! {
         panic!(
             "cuda:{}: resident {what} failed: {e}",

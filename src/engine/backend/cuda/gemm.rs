@@ -498,7 +498,7 @@ impl Backend for CudaBackend {
     }
 
     /// GPU failures cannot be returned through the trait: they panic with the device and shape,
-    /// which `engine::run::run_one` turns into a `failed` run with that message.
+    /// which `suite::builtin::run_one` turns into a `failed` run with that message.
     fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool) {
         if let Err(e) = self.try_gemm(a, b, c, accumulate) {
             let (m, k) = a.shape();

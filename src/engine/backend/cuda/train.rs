@@ -829,7 +829,7 @@ impl<'a> ResidentPass<'a> {
     }
 
     /// GPU failures cannot be returned through the trait: they panic with the device, which
-    /// `engine::run::run_one` turns into a `failed` run with that message (as `gemm` does).
+    /// `suite::builtin::run_one` turns into a `failed` run with that message (as `gemm` does).
     fn fail(&self, what: &str, e: CudaError) -> ! {
         panic!(
             "cuda:{}: resident trainer {what} failed: {e}",

@@ -3,12 +3,12 @@
 //! and its events recorded; a panic inside the engine becomes status `failed` — neither takes the
 //! process (or a sweep) down.
 
-use super::backend::Backend;
-use super::metrics::StepRecord;
-use super::model::ModelConfig;
-use super::task::Task;
-use super::trainer::{ContractBreak, GrpoConfig, Trainer};
-use super::warmstart::{WarmStartConfig, warm_start};
+use crate::engine::backend::Backend;
+use crate::engine::metrics::StepRecord;
+use crate::engine::model::ModelConfig;
+use crate::engine::task::Task;
+use crate::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
+use crate::engine::warmstart::{WarmStartConfig, warm_start};
 use crate::io::IoError;
 use crate::recipe::Recipe;
 use crate::store::{Manifest, RunDir, RunStatus};
@@ -26,6 +26,19 @@ pub struct RunConfig {
     pub contract_break: ContractBreak,
     pub seed: u64,
     pub steps: usize,
+}
+
+impl RunConfig {
+    /// Whether the run can start (model, lengths, recipe, every site's blocks), without running it.
+    pub fn check(&self) -> Result<(), crate::engine::trainer::TrainerError> {
+        crate::engine::trainer::check_setup(
+            &self.model,
+            &self.task,
+            &self.grpo,
+            &self.recipe,
+            self.contract_break,
+        )
+    }
 }
 
 /// Run `cfg` into `out`, calling `on_step` after each step. `cache` holds warm starts.
