@@ -165,16 +165,7 @@ pub fn paired(x: &[f64], y: &[f64]) -> (f64, f64, f64) {
 /// `(-margin, margin)` is the paired TOST at level alpha).
 pub fn paired_interval(x: &[f64], y: &[f64], alpha: f64) -> Interval {
     let (d, se, df) = paired(x, y);
-    let h = if se == 0.0 {
-        0.0
-    } else {
-        t_quantile(1.0 - alpha, df) * se
-    };
-    Interval {
-        estimate: d,
-        lo: d - h,
-        hi: d + h,
-    }
+    t_interval(d, se, df, alpha)
 }
 
 /// An interval on the log scale turned into a fold change: `exp` of each end.
