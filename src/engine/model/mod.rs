@@ -17,13 +17,16 @@
 //!
 //! Left out on purpose: dropout, biases, rotary embeddings, load-balancing losses, MLA.
 
-use super::backend::Backend;
+pub mod pass;
+
+use super::backend::{Backend, CpuBackend};
+use super::device::cpu::CpuOps;
 use super::layout::Layout;
-use super::linear::{self, LinearCache, PreparedWeight};
+use super::linear::{self, PreparedWeight};
 use super::ops;
 use crate::formats::QuantStats;
 use crate::formats::bf16::round_bf16;
-use crate::recipe::{LayerPlan, ModelPlan, SitePlan};
+use crate::recipe::{ModelPlan, SitePlan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -751,114 +754,8 @@ pub fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<(), ModelError>
         None => Ok(()),
     }
 }
-
 // ===================================================================================================
-// Forward caches (what each block keeps for the backward)
-
-/// Attention block: h_out = x + proj(attention(qkv(rmsnorm(x)))).
-#[derive(Debug, Clone)]
-struct AttnCache {
-    /// [N, D] block input (residual stream), for the RMSNorm backward.
-    x: Vec<f32>,
-    /// [N]
-    rstd: Vec<f32>,
-    qkv_lin: LinearCache,
-    /// [N, 3D]
-    qkv: Vec<f32>,
-    /// [N, H, S] softmax weights (see `ops::attention_forward`).
-    probs: Vec<f32>,
-    proj_lin: LinearCache,
-}
-
-/// fc1 → SwiGLU → fc2 on a block of rows (one expert's tokens, or all tokens for the shared expert).
-#[derive(Debug, Clone)]
-struct FfnCache {
-    fc1_lin: LinearCache,
-    /// [n, 2F] pre-activation (gate | up).
-    fc1_out: Vec<f32>,
-    fc2_lin: LinearCache,
-}
-
-/// One routed expert: its rows and what the gate-weight gradient needs.
-#[derive(Debug, Clone)]
-struct ExpertCache {
-    /// Flat indices n·K + j into `ids`/`weights` of the (token, choice) pairs routed here, token order.
-    slots: Vec<usize>,
-    ffn: FfnCache,
-    /// [n_e, D] expert output before the gate weight.
-    y: Vec<f32>,
-}
-
-/// MoE block: h_out = x + shared(xn) + Σ_j w_j · expert_{i_j}(xn), xn = rmsnorm(x).
-#[derive(Debug, Clone)]
-struct MoeCache {
-    /// [N, D] block input.
-    x: Vec<f32>,
-    /// [N]
-    rstd: Vec<f32>,
-    router_lin: LinearCache,
-    /// [N, K]
-    ids: Vec<u32>,
-    /// [N, K] renormalized gate weights.
-    weights: Vec<f32>,
-    experts: Vec<ExpertCache>,
-    shared: FfnCache,
-}
-
-#[derive(Debug, Clone)]
-struct LayerCache {
-    attn: AttnCache,
-    moe: MoeCache,
-}
-
-/// Everything [`backward`] needs from one [`forward`].
-#[derive(Debug, Clone)]
-pub struct ForwardCache {
-    layout: Layout,
-    tokens: Vec<u32>,
-    layers: Vec<LayerCache>,
-    /// [N, D] input of the final RMSNorm.
-    h_final: Vec<f32>,
-    /// [N]
-    final_rstd: Vec<f32>,
-    out_lin: LinearCache,
-}
-
-impl ForwardCache {
-    /// The row layout of the forward that made it.
-    pub fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
-    /// Activation-quantization counts of this forward, one entry per matmul site and layer, named as
-    /// the recipe names sites (`decoder.layers.{i}.mlp.experts.linear_fc1`, ..., `output_layer`); the
-    /// routed experts of a layer are merged into their site.
-    pub fn quant_stats(&self) -> Vec<(String, QuantStats)> {
-        let mut stats = Vec::with_capacity(7 * self.layers.len() + 1);
-        for l in &self.layers {
-            let merged = |f: fn(&ExpertCache) -> &LinearCache| {
-                l.moe
-                    .experts
-                    .iter()
-                    .fold(QuantStats::default(), |acc, ex| acc.merge(f(ex).stats))
-            };
-            stats.extend([
-                l.attn.qkv_lin.stats,
-                l.attn.proj_lin.stats,
-                l.moe.router_lin.stats,
-                merged(|ex| &ex.ffn.fc1_lin),
-                merged(|ex| &ex.ffn.fc2_lin),
-                l.moe.shared.fc1_lin.stats,
-                l.moe.shared.fc2_lin.stats,
-            ]);
-        }
-        stats.push(self.out_lin.stats);
-        quant_sites(self.layers.len())
-            .into_iter()
-            .zip(stats)
-            .collect()
-    }
-}
+// Activation counts, and the trainer's pass wherever it runs
 
 /// The matmul sites a forward's activation counts are reported for, in the order of
 /// [`ForwardCache::quant_stats`]: per layer qkv, proj, router, routed experts' fc1 and fc2, shared
@@ -891,7 +788,7 @@ pub struct HostPass<'a> {
     be: &'a dyn Backend,
     prep: &'a PreparedModel,
     logits: Vec<f32>,
-    cache: ForwardCache,
+    cache: ForwardCache<'a>,
 }
 
 impl<'a> HostPass<'a> {
@@ -926,388 +823,53 @@ impl TrainPass for HostPass<'_> {
 }
 
 // ===================================================================================================
-// Blocks: forward and backward side by side
+// The passes on the host (`pass` over `CpuOps`)
 
-fn add_into(dst: &mut [f32], src: &[f32]) {
-    dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
-}
+/// A forward's cache on the host (see [`pass::Cache`]), for [`backward`].
+pub type ForwardCache<'a> = pass::Cache<CpuOps<'a>>;
 
-fn rmsnorm(x: &[f32], g: &[f32], n: usize, d: usize) -> (Vec<f32>, Vec<f32>) {
-    let (mut out, mut rstd) = (vec![0.0f32; n * d], vec![0.0f32; n]);
-    ops::rmsnorm_forward(&mut out, &mut rstd, x, g, n, d);
-    (out, rstd)
-}
-
-/// x [N, D] (consumed into the cache) → x + proj(attn(qkv(rmsnorm(x)))).
-fn attn_forward(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    cfg: &ModelConfig,
-    x: Vec<f32>,
-    layout: &Layout,
-) -> (Vec<f32>, AttnCache) {
-    let (n, d, h) = (layout.rows(), cfg.d_model, cfg.n_heads);
-    let (xn, rstd) = rmsnorm(&x, &w.attn_norm, n, d);
-    let mut qkv = vec![0.0f32; n * 3 * d];
-    let qkv_lin = linear::forward(be, &p.linear_qkv, &xn, n, &w.linear_qkv, &mut qkv);
-    let probs_len = n * h * layout.max_context();
-    let (mut att, mut probs) = (vec![0.0f32; n * d], vec![0.0f32; probs_len]);
-    ops::attention_forward(&mut att, &mut probs, &qkv, layout, h, d);
-    let mut out = vec![0.0f32; n * d];
-    let proj_lin = linear::forward(be, &p.linear_proj, &att, n, &w.linear_proj, &mut out);
-    add_into(&mut out, &x);
-    (
-        out,
-        AttnCache {
-            x,
-            rstd,
-            qkv_lin,
-            qkv,
-            probs,
-            proj_lin,
-        },
-    )
-}
-
-/// dh [N, D]: in, gradient w.r.t. the block output; out, w.r.t. its input (residual kept, norm added).
-#[allow(clippy::too_many_arguments)]
-fn attn_backward(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    cfg: &ModelConfig,
-    c: &AttnCache,
-    dh: &mut [f32],
-    g: &mut LayerParams,
-    layout: &Layout,
-) {
-    let (n, d, h) = (layout.rows(), cfg.d_model, cfg.n_heads);
-    let mut datt = vec![0.0f32; n * d];
-    linear::backward(
-        be,
-        &p.linear_proj,
-        &c.proj_lin,
-        &w.linear_proj,
-        dh,
-        Some(&mut datt),
-        &mut g.linear_proj,
-    );
-    let mut dqkv = vec![0.0f32; n * 3 * d];
-    ops::attention_backward(&mut dqkv, &datt, &c.qkv, &c.probs, layout, h, d);
-    let mut dxn = vec![0.0f32; n * d];
-    linear::backward(
-        be,
-        &p.linear_qkv,
-        &c.qkv_lin,
-        &w.linear_qkv,
-        &dqkv,
-        Some(&mut dxn),
-        &mut g.linear_qkv,
-    );
-    ops::rmsnorm_backward(
-        dh,
-        &mut g.attn_norm,
-        &dxn,
-        &c.x,
-        &w.attn_norm,
-        &c.rstd,
-        n,
-        d,
-    );
-}
-
-/// fc1 → SwiGLU → fc2 over x [n, D]; returns y [n, D].
-fn ffn_forward(
-    be: &dyn Backend,
-    w1: &PreparedWeight,
-    p1: &SitePlan,
-    w2: &PreparedWeight,
-    p2: &SitePlan,
-    x: &[f32],
-    n: usize,
-) -> (Vec<f32>, FfnCache) {
-    let (f, d) = (w2.in_dim, w2.out_dim);
-    let mut fc1_out = vec![0.0f32; n * 2 * f];
-    let fc1_lin = linear::forward(be, p1, x, n, w1, &mut fc1_out);
-    let mut act = vec![0.0f32; n * f];
-    ops::swiglu_forward(&mut act, &fc1_out, n, f);
-    let mut y = vec![0.0f32; n * d];
-    let fc2_lin = linear::forward(be, p2, &act, n, w2, &mut y);
-    (
-        y,
-        FfnCache {
-            fc1_lin,
-            fc1_out,
-            fc2_lin,
-        },
-    )
-}
-
-/// dy [n, D] → dx [n, D] (written); dW1 [2F, D] and dW2 [D, F] accumulated.
-#[allow(clippy::too_many_arguments)]
-fn ffn_backward(
-    be: &dyn Backend,
-    w1: &PreparedWeight,
-    p1: &SitePlan,
-    w2: &PreparedWeight,
-    p2: &SitePlan,
-    c: &FfnCache,
-    dy: &[f32],
-    dx: &mut [f32],
-    dw1: &mut [f32],
-    dw2: &mut [f32],
-) {
-    let (n, f) = (c.fc1_lin.n, w2.in_dim);
-    let mut dact = vec![0.0f32; n * f];
-    linear::backward(be, p2, &c.fc2_lin, w2, dy, Some(&mut dact), dw2);
-    let mut dfc1 = vec![0.0f32; n * 2 * f];
-    ops::swiglu_backward(&mut dfc1, &dact, &c.fc1_out, n, f);
-    linear::backward(be, p1, &c.fc1_lin, w1, &dfc1, Some(dx), dw1);
-}
-
-/// The (token, choice) slots routed to each expert, in token order.
-fn expert_slots(ids: &[u32], e: usize) -> Vec<Vec<usize>> {
-    let mut slots = vec![Vec::new(); e];
-    for (s, &id) in ids.iter().enumerate() {
-        slots[id as usize].push(s);
+impl ForwardCache<'_> {
+    /// Activation-quantization counts of this forward, one entry per matmul site and layer, named as
+    /// the recipe names sites (`decoder.layers.{i}.mlp.experts.linear_fc1`, ..., `output_layer`); the
+    /// routed experts of a layer are merged into their site.
+    pub fn quant_stats(&self) -> Vec<(String, QuantStats)> {
+        let stats = pass::quant_stats(&CpuOps::new(&CpuBackend), self).expect("host counts");
+        quant_sites(self.n_layers())
+            .into_iter()
+            .zip(stats)
+            .collect()
     }
-    slots
 }
 
-/// Expert `ei`: gathers its tokens' rows of xn [N, D] into [n_e, D] and runs its FFN.
-#[allow(clippy::too_many_arguments)]
-fn expert_forward(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    xn: &[f32],
-    ei: usize,
-    slots: Vec<usize>,
-    k: usize,
-    d: usize,
-) -> ExpertCache {
-    let mut xe = vec![0.0f32; slots.len() * d];
-    for (row, &s) in xe.chunks_mut(d).zip(&slots) {
-        row.copy_from_slice(&xn[(s / k) * d..][..d]);
-    }
-    let (y, ffn) = ffn_forward(
-        be,
-        &w.experts_fc1[ei],
-        &p.experts_fc1,
-        &w.experts_fc2[ei],
-        &p.experts_fc2,
-        &xe,
-        slots.len(),
-    );
-    ExpertCache { slots, ffn, y }
-}
-
-/// x [N, D] (consumed into the cache) → x + shared(xn) + Σ gate · expert(xn). Shared expert and routed
-/// experts run concurrently; their outputs are summed in a fixed order (shared, then experts by index).
-fn moe_forward(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    cfg: &ModelConfig,
-    x: Vec<f32>,
-    n: usize,
-    replay: Option<&[u32]>,
-) -> (Vec<f32>, MoeCache) {
-    let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
-    let (xn, rstd) = rmsnorm(&x, &w.mlp_norm, n, d);
-    let mut logits = vec![0.0f32; n * e];
-    let router_lin = linear::forward(be, &p.router, &xn, n, &w.router, &mut logits);
-    let (mut probs, mut ids, mut weights) =
-        (vec![0.0f32; n * e], vec![0u32; n * k], vec![0.0f32; n * k]);
-    ops::router_forward(&mut probs, &mut ids, &mut weights, &logits, n, e, k, replay);
-    let slots = expert_slots(&ids, e);
-    let ((mut out, shared), experts) = rayon::join(
-        || {
-            ffn_forward(
-                be,
-                &w.shared_fc1,
-                &p.shared_fc1,
-                &w.shared_fc2,
-                &p.shared_fc2,
-                &xn,
-                n,
-            )
-        },
-        || {
-            slots
-                .into_par_iter()
-                .enumerate()
-                .map(|(ei, s)| expert_forward(be, w, p, &xn, ei, s, k, d))
-                .collect::<Vec<_>>()
-        },
-    );
-    for ex in &experts {
-        for (&s, y) in ex.slots.iter().zip(ex.y.chunks(d)) {
-            let gate = weights[s];
-            out[(s / k) * d..][..d]
-                .iter_mut()
-                .zip(y)
-                .for_each(|(o, &v)| *o += gate * v);
-        }
-    }
-    add_into(&mut out, &x);
-    (
-        out,
-        MoeCache {
-            x,
-            rstd,
-            router_lin,
-            ids,
-            weights,
-            experts,
-            shared,
-        },
-    )
-}
-
-/// Expert backward: returns (dx [n_e, D], d gate weight [n_e]); its dW1/dW2 slices accumulate.
-#[allow(clippy::too_many_arguments)]
-fn expert_backward(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    ex: &ExpertCache,
-    ei: usize,
-    weights: &[f32],
-    dh: &[f32],
-    k: usize,
-    d: usize,
-    dw1: &mut [f32],
-    dw2: &mut [f32],
-) -> (Vec<f32>, Vec<f32>) {
-    let n_e = ex.slots.len();
-    let (mut dy, mut dgate) = (vec![0.0f32; n_e * d], vec![0.0f32; n_e]);
-    for (r, &s) in ex.slots.iter().enumerate() {
-        let src = &dh[(s / k) * d..][..d];
-        dgate[r] = src
+impl PreparedModel {
+    /// This prepared model as the host passes read it (borrowed, nothing copied).
+    pub fn host_weights(&self) -> pass::Weights<CpuOps<'_>> {
+        let layers = self
+            .layers
             .iter()
-            .zip(&ex.y[r * d..][..d])
-            .map(|(&a, &b)| a * b)
-            .sum();
-        dy[r * d..][..d]
-            .iter_mut()
-            .zip(src)
-            .for_each(|(o, &v)| *o = weights[s] * v);
-    }
-    let mut dx = vec![0.0f32; n_e * d];
-    ffn_backward(
-        be,
-        &w.experts_fc1[ei],
-        &p.experts_fc1,
-        &w.experts_fc2[ei],
-        &p.experts_fc2,
-        &ex.ffn,
-        &dy,
-        &mut dx,
-        dw1,
-        dw2,
-    );
-    (dx, dgate)
-}
-
-/// dh [N, D]: in, gradient w.r.t. the MoE block output; out, w.r.t. its input.
-fn moe_backward(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    cfg: &ModelConfig,
-    c: &MoeCache,
-    dh: &mut [f32],
-    g: &mut LayerParams,
-) {
-    let (n, d, e, k) = (c.rstd.len(), cfg.d_model, cfg.n_experts, cfg.top_k);
-    let (f1, f2) = (2 * cfg.d_ff * d, d * cfg.d_ff);
-    let LayerParams {
-        mlp_norm: dmlp_norm,
-        router: drouter,
-        experts_fc1: dexp1,
-        experts_fc2: dexp2,
-        shared_fc1: dsh1,
-        shared_fc2: dsh2,
-        ..
-    } = g;
-    let mut dxn = vec![0.0f32; n * d];
-    let dh_in: &[f32] = dh;
-    let ((), per_expert) = rayon::join(
-        || {
-            ffn_backward(
-                be,
-                &w.shared_fc1,
-                &p.shared_fc1,
-                &w.shared_fc2,
-                &p.shared_fc2,
-                &c.shared,
-                dh_in,
-                &mut dxn,
-                dsh1,
-                dsh2,
-            )
-        },
-        || {
-            dexp1
-                .par_chunks_mut(f1)
-                .zip(dexp2.par_chunks_mut(f2))
-                .zip(c.experts.par_iter())
-                .enumerate()
-                .map(|(ei, ((dw1, dw2), ex))| {
-                    expert_backward(be, w, p, ex, ei, &c.weights, dh_in, k, d, dw1, dw2)
-                })
-                .collect::<Vec<_>>()
-        },
-    );
-    // Scatter-add the experts' dx in expert order (fixed, so thread count cannot change the sum).
-    let mut dweights = vec![0.0f32; n * k];
-    for (ex, (dxe, dgate)) in c.experts.iter().zip(&per_expert) {
-        for (r, &s) in ex.slots.iter().enumerate() {
-            add_into(&mut dxn[(s / k) * d..][..d], &dxe[r * d..][..d]);
-            dweights[s] = dgate[r];
+            .map(|l| pass::LayerWeights {
+                attn_norm: &l.attn_norm[..],
+                linear_qkv: &l.linear_qkv,
+                linear_proj: &l.linear_proj,
+                mlp_norm: &l.mlp_norm[..],
+                router: &l.router,
+                experts_fc1: &l.experts_fc1[..],
+                experts_fc2: &l.experts_fc2[..],
+                shared_fc1: &l.shared_fc1,
+                shared_fc2: &l.shared_fc2,
+            })
+            .collect();
+        pass::Weights {
+            config: self.config.clone(),
+            plan: self.plan.clone(),
+            wte: &self.wte,
+            wpe: &self.wpe,
+            layers,
+            final_norm: &self.final_norm,
+            output_layer: &self.output_layer,
         }
     }
-    let mut dlogits = vec![0.0f32; n * e];
-    ops::router_backward(&mut dlogits, &dweights, &c.ids, &c.weights, n, e, k);
-    let mut dxr = vec![0.0f32; n * d];
-    linear::backward(
-        be,
-        &p.router,
-        &c.router_lin,
-        &w.router,
-        &dlogits,
-        Some(&mut dxr),
-        drouter,
-    );
-    add_into(&mut dxn, &dxr);
-    ops::rmsnorm_backward(dh, dmlp_norm, &dxn, &c.x, &w.mlp_norm, &c.rstd, n, d);
 }
-
-/// Final RMSNorm and output layer: h [n, D] → logits [n, V].
-fn head_forward(
-    be: &dyn Backend,
-    prep: &PreparedModel,
-    h: &[f32],
-    n: usize,
-) -> (Vec<f32>, Vec<f32>, LinearCache) {
-    let (d, v) = (prep.config.d_model, prep.config.vocab);
-    let (hn, rstd) = rmsnorm(h, &prep.final_norm, n, d);
-    let mut logits = vec![0.0f32; n * v];
-    let lin = linear::forward(
-        be,
-        &prep.plan.output_layer,
-        &hn,
-        n,
-        &prep.output_layer,
-        &mut logits,
-    );
-    (logits, rstd, lin)
-}
-
-// ===================================================================================================
-// Full forward / backward
 
 /// Causal forward over B sequences of T tokens (`tokens` sequence-major, [B·T]): returns logits
 /// [B·T, V], the cache for [`backward`], and the experts chosen in every layer. With `replay`, the
@@ -1317,14 +879,14 @@ fn head_forward(
 /// # Panics
 /// On inputs [`check_inputs`] rejects (wrong token count, id outside the vocabulary, T > max_seq, a
 /// replay record that does not fit). Call it first where the inputs come from outside.
-pub fn forward(
-    be: &dyn Backend,
-    prep: &PreparedModel,
+pub fn forward<'a>(
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
     tokens: &[u32],
     b: usize,
     t: usize,
     replay: Option<&Routing>,
-) -> (Vec<f32>, ForwardCache, Routing) {
+) -> (Vec<f32>, ForwardCache<'a>, Routing) {
     forward_rows(be, prep, tokens, &Layout::plain(b, t), replay)
 }
 
@@ -1333,114 +895,33 @@ pub fn forward(
 ///
 /// # Panics
 /// As [`forward`], on inputs [`check_layout_inputs`] rejects.
-pub fn forward_rows(
-    be: &dyn Backend,
-    prep: &PreparedModel,
+pub fn forward_rows<'a>(
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
     tokens: &[u32],
     layout: &Layout,
     replay: Option<&Routing>,
-) -> (Vec<f32>, ForwardCache, Routing) {
-    let cfg = &prep.config;
-    if let Err(err) = check_layout_inputs(cfg, tokens, layout, replay) {
-        panic!("model::forward: {err}");
-    }
-    let (n, d) = (layout.rows(), cfg.d_model);
-    let positions = layout.positions();
-    let mut h = vec![0.0f32; n * d];
-    ops::embedding_forward(&mut h, tokens, &prep.wte, &prep.wpe, |r| positions[r], d);
-    let mut layers = Vec::with_capacity(cfg.n_layers);
-    let mut routing = Routing {
-        top_k: cfg.top_k,
-        n_tokens: n,
-        layers: Vec::with_capacity(cfg.n_layers),
-    };
-    for (l, (w, p)) in prep.layers.iter().zip(&prep.plan.layers).enumerate() {
-        let (h_mid, attn) = attn_forward(be, w, p, cfg, h, layout);
-        let (h_out, moe) = moe_forward(
-            be,
-            w,
-            p,
-            cfg,
-            h_mid,
-            n,
-            replay.map(|r| r.layers[l].as_slice()),
-        );
-        routing.layers.push(moe.ids.clone());
-        layers.push(LayerCache { attn, moe });
-        h = h_out;
-    }
-    let (logits, final_rstd, out_lin) = head_forward(be, prep, &h, n);
-    let cache = ForwardCache {
-        layout: layout.clone(),
-        tokens: tokens.to_vec(),
-        layers,
-        h_final: h,
-        final_rstd,
-        out_lin,
-    };
-    (logits, cache, routing)
+) -> (Vec<f32>, ForwardCache<'a>, Routing) {
+    pass::forward(
+        &CpuOps::new(be),
+        &prep.host_weights(),
+        tokens,
+        layout,
+        replay,
+    )
+    .unwrap_or_else(|err| panic!("model::forward: {err}"))
 }
 
 /// Gradients of the loss w.r.t. the FP32 master weights, given dL/dlogits [N, V] (in the row order
 /// of the forward that produced `cache`, on the same `prep`).
-pub fn backward(
-    be: &dyn Backend,
-    prep: &PreparedModel,
-    cache: &ForwardCache,
+pub fn backward<'a>(
+    be: &'a dyn Backend,
+    prep: &'a PreparedModel,
+    cache: &ForwardCache<'a>,
     dlogits: &[f32],
 ) -> Params {
-    let cfg = &prep.config;
-    let layout = &cache.layout;
-    let positions = layout.positions();
-    let (n, d) = (layout.rows(), cfg.d_model);
-    assert_eq!(
-        dlogits.len(),
-        n * cfg.vocab,
-        "backward: dlogits must be [N, V] = [{n}, {}]",
-        cfg.vocab
-    );
-    let mut g = Params::zeros(cfg);
-    // Output layer and final norm.
-    let mut dhn = vec![0.0f32; n * d];
-    linear::backward(
-        be,
-        &prep.plan.output_layer,
-        &cache.out_lin,
-        &prep.output_layer,
-        dlogits,
-        Some(&mut dhn),
-        &mut g.output_layer,
-    );
-    let mut dh = vec![0.0f32; n * d]; // gradient w.r.t. the residual stream, walked down the layers
-    ops::rmsnorm_backward(
-        &mut dh,
-        &mut g.final_norm,
-        &dhn,
-        &cache.h_final,
-        &prep.final_norm,
-        &cache.final_rstd,
-        n,
-        d,
-    );
-    for l in (0..cfg.n_layers).rev() {
-        let (w, p, c, gl) = (
-            &prep.layers[l],
-            &prep.plan.layers[l],
-            &cache.layers[l],
-            &mut g.layers[l],
-        );
-        moe_backward(be, w, p, cfg, &c.moe, &mut dh, gl);
-        attn_backward(be, w, p, cfg, &c.attn, &mut dh, gl, layout);
-    }
-    ops::embedding_backward(
-        &mut g.wte,
-        &mut g.wpe,
-        &dh,
-        &cache.tokens,
-        |r| positions[r],
-        d,
-    );
-    g
+    pass::backward(&CpuOps::new(be), &prep.host_weights(), cache, dlogits)
+        .unwrap_or_else(|err| panic!("model::backward: {err}"))
 }
 
 // ===================================================================================================
@@ -1556,40 +1037,47 @@ impl KvCache {
     }
 }
 
-/// Attention block for one new position of each sequence: x [B, D] → x + proj(attn over the cache).
-fn attn_step(
-    be: &dyn Backend,
-    w: &PreparedLayer,
-    p: &LayerPlan,
-    cfg: &ModelConfig,
-    x: Vec<f32>,
-    cache: &mut KvCache,
-    l: usize,
-) -> Vec<f32> {
-    let (b, d, h) = (cache.b, cfg.d_model, cfg.n_heads);
-    let (xn, _) = rmsnorm(&x, &w.attn_norm, b, d);
-    let mut qkv = vec![0.0f32; b * 3 * d];
-    linear::forward(be, &p.linear_qkv, &xn, b, &w.linear_qkv, &mut qkv);
-    cache.store(l, &qkv, h, d);
-    let mut att = vec![0.0f32; b * d];
-    ops::attention_step(
-        &mut att,
-        &qkv,
-        &cache.k[l],
-        &cache.v[l],
-        b,
-        h,
-        d,
-        cache.capacity,
-        cache.len + 1,
-    );
-    let mut out = vec![0.0f32; b * d];
-    linear::forward(be, &p.linear_proj, &att, b, &w.linear_proj, &mut out);
-    add_into(&mut out, &x);
-    out
+impl KvCache {
+    /// An empty cache of this shape (BF16 rounding on).
+    pub fn for_shape(layers: usize, b: usize, positions: usize, d: usize, h: usize) -> KvCache {
+        let per_layer = b * positions * d;
+        let zeros = |_| vec![0.0; per_layer];
+        KvCache {
+            b,
+            capacity: positions,
+            head_dim: d / h.max(1),
+            len: 0,
+            round_bf16: true,
+            k: (0..layers).map(zeros).collect(),
+            v: (0..layers).map(zeros).collect(),
+        }
+    }
+
+    /// Stores this step's keys and values (`qkv` [B, 3D]) in layer `l` and attends over the
+    /// cache up to them: [B, D].
+    pub(crate) fn attend(&mut self, l: usize, qkv: &[f32], h: usize, d: usize) -> Vec<f32> {
+        self.store(l, qkv, h, d);
+        let mut att = vec![0.0f32; self.b * d];
+        ops::attention_step(
+            &mut att,
+            qkv,
+            &self.k[l],
+            &self.v[l],
+            self.b,
+            h,
+            d,
+            self.capacity,
+            self.len + 1,
+        );
+        att
+    }
+
+    /// Marks the step's position filled.
+    pub(crate) fn advance(&mut self) {
+        self.len += 1;
+    }
 }
 
-/// Validates the inputs of [`decode_step`] (which panics on the same conditions).
 pub fn check_step(
     cfg: &ModelConfig,
     cache: &KvCache,
@@ -1635,35 +1123,17 @@ pub fn decode_step(
     tokens: &[u32],
     replay: Option<&Routing>,
 ) -> (Vec<f32>, Routing) {
-    let cfg = &prep.config;
-    if let Err(err) = check_step(cfg, cache, tokens, replay) {
+    if let Err(err) = check_step(&prep.config, cache, tokens, replay) {
         panic!("model::decode_step: {err}");
     }
-    let (b, d) = (cache.b, cfg.d_model);
-    let mut h = vec![0.0f32; b * d];
-    ops::embedding_forward(&mut h, tokens, &prep.wte, &prep.wpe, |_| cache.len, d);
-    let mut routing = Routing {
-        top_k: cfg.top_k,
-        n_tokens: b,
-        layers: Vec::with_capacity(cfg.n_layers),
-    };
-    for (l, (w, p)) in prep.layers.iter().zip(&prep.plan.layers).enumerate() {
-        let h_mid = attn_step(be, w, p, cfg, h, cache, l);
-        let (h_out, moe) = moe_forward(
-            be,
-            w,
-            p,
-            cfg,
-            h_mid,
-            b,
-            replay.map(|r| r.layers[l].as_slice()),
-        );
-        routing.layers.push(moe.ids);
-        h = h_out;
-    }
-    cache.len += 1;
-    let (logits, _, _) = head_forward(be, prep, &h, b);
-    (logits, routing)
+    pass::decode_step(
+        &CpuOps::new(be),
+        &prep.host_weights(),
+        cache,
+        tokens,
+        replay,
+    )
+    .unwrap_or_else(|err| panic!("model::decode_step: {err}"))
 }
 
 #[cfg(test)]

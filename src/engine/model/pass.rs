@@ -1,0 +1,625 @@
+//! The model's passes, written once over a device's op set ([`Ops`]): the training forward
+//! (keeping what the backward needs), the backward, and the incremental decode step. Each block
+//! is a forward/backward pair side by side, as in llm.c's `train_gpt2.c`; [`backward`] walks
+//! the layers in reverse.
+//!
+//! Blocks (dimension letters as in `engine::ops`):
+//! - attention: `h = x + proj(attention(qkv(rmsnorm(x))))`;
+//! - MoE: `h = x + shared(xn) + Σ_j gate_j · expert_{i_j}(xn)`, `xn = rmsnorm(x)`, with the
+//!   routed experts run as one dispatched batch (the device decides its layout) and the shared
+//!   expert beside them;
+//! - head: `logits = output_layer(rmsnorm(h))`; the loss is computed by the caller.
+
+use super::{ModelConfig, ModelError, Params, Routing, check_layout_inputs, check_tokens};
+use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
+use crate::engine::layout::Layout;
+use crate::formats::QuantStats;
+use crate::recipe::{LayerPlan, ModelPlan, SitePlan};
+
+/// One block's weights on a device (see `model::PreparedLayer`).
+pub struct LayerWeights<O: Ops> {
+    pub attn_norm: O::Param,
+    pub linear_qkv: O::Weight,
+    pub linear_proj: O::Weight,
+    pub mlp_norm: O::Param,
+    pub router: O::Weight,
+    pub experts_fc1: O::Experts,
+    pub experts_fc2: O::Experts,
+    pub shared_fc1: O::Weight,
+    pub shared_fc2: O::Weight,
+}
+
+/// A prepared model on a device, with the plan its sites were prepared for.
+pub struct Weights<O: Ops> {
+    pub config: ModelConfig,
+    pub plan: ModelPlan,
+    pub wte: O::Param,
+    pub wpe: O::Param,
+    pub layers: Vec<LayerWeights<O>>,
+    pub final_norm: O::Param,
+    pub output_layer: O::Weight,
+}
+
+/// fc1 → SwiGLU → fc2 over a block of rows; `L` is a linear cache (one weight, or the experts).
+struct FfnCache<L, T> {
+    fc1: L,
+    /// `[rows, 2F]` pre-activation (gate | up).
+    fc1_out: T,
+    fc2: L,
+}
+
+type SharedCache<O> = FfnCache<<O as Ops>::Lin, <O as Ops>::T>;
+type ExpertsCache<O> = FfnCache<<O as Ops>::ExpertLin, <O as Ops>::T>;
+
+struct AttnCache<O: Ops> {
+    /// `[N, D]` block input, for the RMSNorm backward.
+    x: O::T,
+    rstd: O::T,
+    qkv_lin: O::Lin,
+    /// `[N, 3D]`
+    qkv: O::T,
+    /// `[N, H, S]` softmax weights.
+    probs: O::T,
+    proj_lin: O::Lin,
+}
+
+struct MoeCache<O: Ops> {
+    x: O::T,
+    rstd: O::T,
+    router_lin: O::Lin,
+    /// `[N, K]` chosen experts and their renormalized gate weights.
+    ids: O::Ids,
+    weights: O::T,
+    disp: O::Dispatch,
+    shared: SharedCache<O>,
+    experts: ExpertsCache<O>,
+    /// The experts' outputs before the gate weight, one row per dispatched slot.
+    y_experts: O::T,
+}
+
+struct LayerCache<O: Ops> {
+    attn: AttnCache<O>,
+    moe: MoeCache<O>,
+}
+
+/// Everything [`backward`] needs from one [`forward`].
+pub struct Cache<O: Ops> {
+    layout: Layout,
+    rows: O::Rows,
+    tokens: O::Ids,
+    layers: Vec<LayerCache<O>>,
+    /// `[N, D]` input of the final RMSNorm.
+    h_final: O::T,
+    final_rstd: O::T,
+    out_lin: O::Lin,
+}
+
+impl<O: Ops> Cache<O> {
+    /// The row layout of the forward that made it.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Layers of the model that made it.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+fn shape_err(e: ModelError) -> OpError {
+    OpError::Shape(e.to_string())
+}
+
+// ===================================================================================================
+// Blocks: forward and backward side by side
+
+/// `x` (kept) → `x + proj(attention(qkv(rmsnorm(x))))`.
+fn attn_forward<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    cfg: &ModelConfig,
+    x: O::T,
+    rows: &O::Rows,
+    n: usize,
+) -> OpResult<(O::T, AttnCache<O>)> {
+    let (d, h) = (cfg.d_model, cfg.n_heads);
+    let (xn, rstd) = ops.rmsnorm(&x, &w.attn_norm, n, d)?;
+    let (qkv, qkv_lin) = ops.linear(&p.linear_qkv, &xn, n, &w.linear_qkv)?;
+    let (att, probs) = ops.attention(&qkv, rows, h, d)?;
+    let (mut out, proj_lin) = ops.linear(&p.linear_proj, &att, n, &w.linear_proj)?;
+    ops.add_into(&mut out, &x, n * d)?;
+    let cache = AttnCache {
+        x,
+        rstd,
+        qkv_lin,
+        qkv,
+        probs,
+        proj_lin,
+    };
+    Ok((out, cache))
+}
+
+/// `dh`: in, the gradient w.r.t. the block output; out, w.r.t. its input.
+#[allow(clippy::too_many_arguments)]
+fn attn_backward<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    cfg: &ModelConfig,
+    c: &AttnCache<O>,
+    dh: &mut O::T,
+    g: &mut LayerGrads<O>,
+    rows: &O::Rows,
+    n: usize,
+) -> OpResult<()> {
+    let (d, h) = (cfg.d_model, cfg.n_heads);
+    let mut datt = ops.zeros(n * d)?;
+    ops.linear_backward(
+        &p.linear_proj,
+        &c.proj_lin,
+        &w.linear_proj,
+        dh,
+        Some(&mut datt),
+        &mut g.linear_proj,
+    )?;
+    let dqkv = ops.attention_backward(&datt, &c.qkv, &c.probs, rows, h, d)?;
+    let mut dxn = ops.zeros(n * d)?;
+    ops.linear_backward(
+        &p.linear_qkv,
+        &c.qkv_lin,
+        &w.linear_qkv,
+        &dqkv,
+        Some(&mut dxn),
+        &mut g.linear_qkv,
+    )?;
+    // The residual: the block input's gradient is dh itself plus the norm's (accumulated).
+    ops.rmsnorm_backward(
+        dh,
+        &mut g.attn_norm,
+        &dxn,
+        &c.x,
+        &w.attn_norm,
+        &c.rstd,
+        n,
+        d,
+    )
+}
+
+/// The shared expert: fc1 → SwiGLU → fc2 over `x` `[n, D]`.
+fn shared_forward<O: Ops>(
+    ops: &O,
+    (w1, p1): (&O::Weight, &SitePlan),
+    (w2, p2): (&O::Weight, &SitePlan),
+    x: &O::T,
+    n: usize,
+    f: usize,
+) -> OpResult<(O::T, SharedCache<O>)> {
+    let (fc1_out, fc1) = ops.linear(p1, x, n, w1)?;
+    let act = ops.swiglu(&fc1_out, n, f)?;
+    let (y, fc2) = ops.linear(p2, &act, n, w2)?;
+    Ok((y, FfnCache { fc1, fc1_out, fc2 }))
+}
+
+/// The shared expert's backward: `dx` written; dW1, dW2 accumulated.
+#[allow(clippy::too_many_arguments)]
+fn shared_backward<O: Ops>(
+    ops: &O,
+    (w1, p1): (&O::Weight, &SitePlan),
+    (w2, p2): (&O::Weight, &SitePlan),
+    c: &SharedCache<O>,
+    dy: &O::T,
+    (n, f): (usize, usize),
+    dx: &mut O::T,
+    (dw1, dw2): (&mut O::T, &mut O::T),
+) -> OpResult<()> {
+    let mut dact = ops.zeros(n * f)?;
+    ops.linear_backward(p2, &c.fc2, w2, dy, Some(&mut dact), dw2)?;
+    let dfc1 = ops.swiglu_backward(&dact, &c.fc1_out, n, f)?;
+    ops.linear_backward(p1, &c.fc1, w1, &dfc1, Some(dx), dw1)
+}
+
+/// The routed experts over their dispatched batch `xe`.
+fn experts_forward<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    xe: &O::T,
+    disp: &O::Dispatch,
+    f: usize,
+) -> OpResult<(O::T, ExpertsCache<O>)> {
+    let rows = ops.dispatch_rows(disp);
+    let (fc1_out, fc1) = ops.experts_linear(&p.experts_fc1, xe, disp, &w.experts_fc1)?;
+    let act = ops.swiglu(&fc1_out, rows, f)?;
+    let (y, fc2) = ops.experts_linear(&p.experts_fc2, &act, disp, &w.experts_fc2)?;
+    Ok((y, FfnCache { fc1, fc1_out, fc2 }))
+}
+
+/// The routed experts' backward: their batch's `dx`; dW1, dW2 accumulated.
+#[allow(clippy::too_many_arguments)]
+fn experts_backward<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    c: &MoeCache<O>,
+    dy: &O::T,
+    (d, f): (usize, usize),
+    (dw1, dw2): (&mut O::T, &mut O::T),
+) -> OpResult<O::T> {
+    let rows = ops.dispatch_rows(&c.disp);
+    let e = &c.experts;
+    let mut dact = ops.zeros(rows * f)?;
+    ops.experts_linear_backward(&p.experts_fc2, &e.fc2, &w.experts_fc2, dy, &mut dact, dw2)?;
+    let dfc1 = ops.swiglu_backward(&dact, &e.fc1_out, rows, f)?;
+    let mut dx = ops.zeros(rows * d)?;
+    ops.experts_linear_backward(&p.experts_fc1, &e.fc1, &w.experts_fc1, &dfc1, &mut dx, dw1)?;
+    Ok(dx)
+}
+
+/// `x` (kept) → `x + shared(xn) + Σ gate · expert(xn)`; the shared expert runs beside the routed
+/// ones.
+#[allow(clippy::too_many_arguments)]
+fn moe_forward<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    cfg: &ModelConfig,
+    x: O::T,
+    n: usize,
+    replay: Option<&[u32]>,
+) -> OpResult<(O::T, MoeCache<O>)> {
+    let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
+    let (xn, rstd) = ops.rmsnorm(&x, &w.mlp_norm, n, d)?;
+    let (logits, router_lin) = ops.linear(&p.router, &xn, n, &w.router)?;
+    let (ids, weights) = ops.route(&logits, n, e, k, replay)?;
+    let disp = ops.dispatch(&ids, n, k, e)?;
+    let xe = ops.gather(&xn, &disp, d)?;
+    let (shared, experts) = ops.join(
+        || {
+            shared_forward(
+                ops,
+                (&w.shared_fc1, &p.shared_fc1),
+                (&w.shared_fc2, &p.shared_fc2),
+                &xn,
+                n,
+                cfg.d_ff_shared,
+            )
+        },
+        || experts_forward(ops, w, p, &xe, &disp, cfg.d_ff),
+    );
+    let ((shared_y, shared), (y_experts, experts)) = (shared?, experts?);
+    let out = ops.combine(&x, &shared_y, &y_experts, &disp, &weights, n, d)?;
+    let cache = MoeCache {
+        x,
+        rstd,
+        router_lin,
+        ids,
+        weights,
+        disp,
+        shared,
+        experts,
+        y_experts,
+    };
+    Ok((out, cache))
+}
+
+/// `dh`: in, the gradient w.r.t. the MoE block output; out, w.r.t. its input.
+#[allow(clippy::too_many_arguments)]
+fn moe_backward<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    cfg: &ModelConfig,
+    c: &MoeCache<O>,
+    dh: &mut O::T,
+    g: &mut LayerGrads<O>,
+    n: usize,
+) -> OpResult<()> {
+    let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
+    let (dy_experts, dweights) =
+        ops.combine_backward(dh, &c.y_experts, &c.disp, &c.weights, n, d)?;
+    let mut dxn = ops.zeros(n * d)?;
+    let LayerGrads {
+        experts_fc1,
+        experts_fc2,
+        shared_fc1,
+        shared_fc2,
+        ..
+    } = g;
+    let dh_in: &O::T = dh;
+    let (shared, dx_experts) = ops.join(
+        || {
+            shared_backward(
+                ops,
+                (&w.shared_fc1, &p.shared_fc1),
+                (&w.shared_fc2, &p.shared_fc2),
+                &c.shared,
+                dh_in,
+                (n, cfg.d_ff_shared),
+                &mut dxn,
+                (shared_fc1, shared_fc2),
+            )
+        },
+        || {
+            experts_backward(
+                ops,
+                w,
+                p,
+                c,
+                &dy_experts,
+                (d, cfg.d_ff),
+                (experts_fc1, experts_fc2),
+            )
+        },
+    );
+    shared?;
+    // The experts' dx added back in expert order (fixed, so the thread count cannot change it).
+    ops.scatter_add(&mut dxn, &dx_experts?, &c.disp, d)?;
+    let dlogits = ops.route_backward(&dweights, &c.ids, &c.weights, n, e, k)?;
+    let mut dxr = ops.zeros(n * d)?;
+    ops.linear_backward(
+        &p.router,
+        &c.router_lin,
+        &w.router,
+        &dlogits,
+        Some(&mut dxr),
+        &mut g.router,
+    )?;
+    ops.add_into(&mut dxn, &dxr, n * d)?;
+    ops.rmsnorm_backward(dh, &mut g.mlp_norm, &dxn, &c.x, &w.mlp_norm, &c.rstd, n, d)
+}
+
+// ===================================================================================================
+// The training forward and backward
+
+/// Causal forward over the rows of `layout` (`tokens`, logits, routing and replay all in layout
+/// row order): logits `[rows, V]` on the host, the cache for [`backward`], and the experts chosen
+/// in every layer. With `replay`, the selection is forced to the record (rollout routing replay);
+/// gate weights still come from this forward's router.
+pub fn forward<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    tokens: &[u32],
+    layout: &Layout,
+    replay: Option<&Routing>,
+) -> OpResult<(Vec<f32>, Cache<O>, Routing)> {
+    let cfg = &w.config;
+    check_layout_inputs(cfg, tokens, layout, replay).map_err(shape_err)?;
+    let (n, d) = (layout.rows(), cfg.d_model);
+    let rows = ops.rows(layout)?;
+    let toks = ops.ids(tokens)?;
+    let mut h = ops.embedding(&toks, &rows, &w.wte, &w.wpe, n, d)?;
+    let mut layers = Vec::with_capacity(cfg.n_layers);
+    for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
+        let (mid, attn) = attn_forward(ops, lw, p, cfg, h, &rows, n)?;
+        let r = replay.map(|r| r.layers[l].as_slice());
+        let (out, moe) = moe_forward(ops, lw, p, cfg, mid, n, r)?;
+        layers.push(LayerCache { attn, moe });
+        h = out;
+    }
+    let (hn, final_rstd) = ops.rmsnorm(&h, &w.final_norm, n, d)?;
+    let (logits, out_lin) = ops.linear(&w.plan.output_layer, &hn, n, &w.output_layer)?;
+    let logits = ops.to_host(&logits, n * cfg.vocab)?;
+    let ids: Vec<&O::Ids> = layers.iter().map(|l| &l.moe.ids).collect();
+    let routing = Routing {
+        top_k: cfg.top_k,
+        n_tokens: n,
+        layers: ops.ids_to_host(&ids, n * cfg.top_k)?,
+    };
+    let cache = Cache {
+        layout: layout.clone(),
+        rows,
+        tokens: toks,
+        layers,
+        h_final: h,
+        final_rstd,
+        out_lin,
+    };
+    Ok((logits, cache, routing))
+}
+
+/// A forward's activation counts, one per matmul site and layer in `model::quant_sites` order
+/// (the routed experts of a layer merged into their site).
+pub fn quant_stats<O: Ops>(ops: &O, c: &Cache<O>) -> OpResult<Vec<QuantStats>> {
+    let mut sites = Vec::with_capacity(7 * c.layers.len() + 1);
+    for l in &c.layers {
+        sites.extend([
+            SiteCounts::One(&l.attn.qkv_lin),
+            SiteCounts::One(&l.attn.proj_lin),
+            SiteCounts::One(&l.moe.router_lin),
+            SiteCounts::Experts(&l.moe.experts.fc1),
+            SiteCounts::Experts(&l.moe.experts.fc2),
+            SiteCounts::One(&l.moe.shared.fc1),
+            SiteCounts::One(&l.moe.shared.fc2),
+        ]);
+    }
+    sites.push(SiteCounts::One(&c.out_lin));
+    ops.counts(&sites)
+}
+
+/// One layer's gradients on the device (`LayerParams`' fields).
+struct LayerGrads<O: Ops> {
+    attn_norm: O::T,
+    linear_qkv: O::T,
+    linear_proj: O::T,
+    mlp_norm: O::T,
+    router: O::T,
+    experts_fc1: O::T,
+    experts_fc2: O::T,
+    shared_fc1: O::T,
+    shared_fc2: O::T,
+}
+
+/// Zero gradients shaped like `like`'s tensors, on the device.
+fn zeros_like<O: Ops>(ops: &O, like: &[f32]) -> OpResult<O::T> {
+    ops.zeros(like.len())
+}
+
+/// Gradients of the loss w.r.t. the FP32 master weights, given dL/dlogits `[rows, V]` in the
+/// row order of the forward that produced `c` (on the same weights).
+pub fn backward<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    c: &Cache<O>,
+    dlogits: &[f32],
+) -> OpResult<Params> {
+    let cfg = &w.config;
+    let (n, d, v) = (c.layout.rows(), cfg.d_model, cfg.vocab);
+    if dlogits.len() != n * v {
+        return Err(OpError::Shape(format!(
+            "backward: dlogits must be [N, V] = [{n}, {v}], got {} values",
+            dlogits.len()
+        )));
+    }
+    let shapes = Params::zeros(cfg);
+    let z = |x: &[f32]| zeros_like(ops, x);
+    let (mut dwte, mut dwpe, mut dfinal, mut dout) = (
+        z(&shapes.wte)?,
+        z(&shapes.wpe)?,
+        z(&shapes.final_norm)?,
+        z(&shapes.output_layer)?,
+    );
+    let mut grads = Vec::with_capacity(cfg.n_layers);
+    for l in &shapes.layers {
+        grads.push(LayerGrads::<O> {
+            attn_norm: z(&l.attn_norm)?,
+            linear_qkv: z(&l.linear_qkv)?,
+            linear_proj: z(&l.linear_proj)?,
+            mlp_norm: z(&l.mlp_norm)?,
+            router: z(&l.router)?,
+            experts_fc1: z(&l.experts_fc1)?,
+            experts_fc2: z(&l.experts_fc2)?,
+            shared_fc1: z(&l.shared_fc1)?,
+            shared_fc2: z(&l.shared_fc2)?,
+        });
+    }
+    // Output layer and final norm.
+    let dl = ops.upload(dlogits)?;
+    let mut dhn = ops.zeros(n * d)?;
+    ops.linear_backward(
+        &w.plan.output_layer,
+        &c.out_lin,
+        &w.output_layer,
+        &dl,
+        Some(&mut dhn),
+        &mut dout,
+    )?;
+    // The gradient w.r.t. the residual stream, walked down the layers.
+    let mut dh = ops.zeros(n * d)?;
+    ops.rmsnorm_backward(
+        &mut dh,
+        &mut dfinal,
+        &dhn,
+        &c.h_final,
+        &w.final_norm,
+        &c.final_rstd,
+        n,
+        d,
+    )?;
+    for l in (0..cfg.n_layers).rev() {
+        let (lw, p, lc, g) = (&w.layers[l], &w.plan.layers[l], &c.layers[l], &mut grads[l]);
+        moe_backward(ops, lw, p, cfg, &lc.moe, &mut dh, g, n)?;
+        attn_backward(ops, lw, p, cfg, &lc.attn, &mut dh, g, &c.rows, n)?;
+    }
+    ops.embedding_backward(&mut dwte, &mut dwpe, &dh, &c.tokens, &c.rows, n, d)?;
+    grads_to_host(ops, shapes, (dwte, dwpe, dfinal, dout), grads)
+}
+
+/// Every gradient copied back into `Params` (one batched copy where the device has one).
+fn grads_to_host<O: Ops>(
+    ops: &O,
+    mut out: Params,
+    (dwte, dwpe, dfinal, dout): (O::T, O::T, O::T, O::T),
+    layers: Vec<LayerGrads<O>>,
+) -> OpResult<Params> {
+    let mut all = vec![
+        (dwte, out.wte.len()),
+        (dwpe, out.wpe.len()),
+        (dfinal, out.final_norm.len()),
+        (dout, out.output_layer.len()),
+    ];
+    for (g, s) in layers.into_iter().zip(&out.layers) {
+        all.extend([
+            (g.attn_norm, s.attn_norm.len()),
+            (g.linear_qkv, s.linear_qkv.len()),
+            (g.linear_proj, s.linear_proj.len()),
+            (g.mlp_norm, s.mlp_norm.len()),
+            (g.router, s.router.len()),
+            (g.experts_fc1, s.experts_fc1.len()),
+            (g.experts_fc2, s.experts_fc2.len()),
+            (g.shared_fc1, s.shared_fc1.len()),
+            (g.shared_fc2, s.shared_fc2.len()),
+        ]);
+    }
+    let mut host = ops.all_to_host(all)?.into_iter();
+    let mut next = || host.next().expect("one host copy per gradient");
+    out.wte = next();
+    out.wpe = next();
+    out.final_norm = next();
+    out.output_layer = next();
+    for l in &mut out.layers {
+        l.attn_norm = next();
+        l.linear_qkv = next();
+        l.linear_proj = next();
+        l.mlp_norm = next();
+        l.router = next();
+        l.experts_fc1 = next();
+        l.experts_fc2 = next();
+        l.shared_fc1 = next();
+        l.shared_fc2 = next();
+    }
+    Ok(out)
+}
+
+// ===================================================================================================
+// Incremental decode (rollout)
+
+/// One new position for each of the cache's sequences (`tokens`, one each) attending over the
+/// cached positions: logits `[seqs, V]` on the host and this position's routing. Same blocks and
+/// weights as [`forward`]; only attention reads keys and values from the cache.
+pub fn decode_step<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    kv: &mut O::Kv,
+    tokens: &[u32],
+    replay: Option<&Routing>,
+) -> OpResult<(Vec<f32>, Routing)> {
+    let cfg = &w.config;
+    let b = ops.kv_seqs(kv);
+    if tokens.len() != b {
+        return Err(OpError::Shape(format!(
+            "decode step: {} tokens for a cache of {b} sequences",
+            tokens.len()
+        )));
+    }
+    check_tokens(cfg, tokens)
+        .and_then(|()| replay.map_or(Ok(()), |r| r.check(cfg, b)))
+        .map_err(shape_err)?;
+    let (d, h) = (cfg.d_model, cfg.n_heads);
+    let rows = ops.decode_rows(kv)?;
+    let toks = ops.ids(tokens)?;
+    let mut x = ops.embedding(&toks, &rows, &w.wte, &w.wpe, b, d)?;
+    let mut ids = Vec::with_capacity(cfg.n_layers);
+    for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
+        let (xn, _) = ops.rmsnorm(&x, &lw.attn_norm, b, d)?;
+        let (qkv, _) = ops.linear(&p.linear_qkv, &xn, b, &lw.linear_qkv)?;
+        let att = ops.kv_attend(kv, l, &qkv, h, d)?;
+        let (mut mid, _) = ops.linear(&p.linear_proj, &att, b, &lw.linear_proj)?;
+        ops.add_into(&mut mid, &x, b * d)?;
+        let r = replay.map(|r| r.layers[l].as_slice());
+        let (out, moe) = moe_forward(ops, lw, p, cfg, mid, b, r)?;
+        ids.push(moe.ids);
+        x = out;
+    }
+    ops.kv_advance(kv);
+    let (hn, _) = ops.rmsnorm(&x, &w.final_norm, b, d)?;
+    let (logits, _) = ops.linear(&w.plan.output_layer, &hn, b, &w.output_layer)?;
+    let logits = ops.to_host(&logits, b * cfg.vocab)?;
+    let ids: Vec<&O::Ids> = ids.iter().collect();
+    let routing = Routing {
+        top_k: cfg.top_k,
+        n_tokens: b,
+        layers: ops.ids_to_host(&ids, b * cfg.top_k)?,
+    };
+    Ok((logits, routing))
+}
