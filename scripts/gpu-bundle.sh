@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build what a GPU machine needs for issue 7's checks (it has no cargo), here:
-# target/gpuz/bundle.tgz holds b/lockstep, one binary per GPU test file (b/cuda_*), a copy of
+# target/gpuz/bundle.tgz holds b/lockstep, one binary per GPU test file (b/cuda_*, and
+# b/model_devices, whose bodies run on every device), a copy of
 # tests/golden and scripts/gpu-check.sh. Carry target/gpuz to the device and run there:
 #   tar xzf target/gpuz/bundle.tgz -C /tmp && /tmp/b/gpu-check.sh /tmp/b "$OUT"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tests=$(ls tests/cuda_*.rs | xargs -n1 basename | sed 's/\.rs$//')
+tests=$(ls tests/cuda_*.rs tests/model_devices.rs | xargs -n1 basename | sed 's/\.rs$//')
 cargo build --release
 args=()
 for t in $tests; do args+=(--test "$t"); done

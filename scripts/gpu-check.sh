@@ -12,7 +12,7 @@ BUILT=$(cat "$DIR/built_in")
 mkdir -p "$BUILT/tests" && rm -rf "$BUILT/tests/golden" && cp -r "$DIR/golden" "$BUILT/tests/golden"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/machine.txt" 2>&1
 status=0
-for t in "$DIR"/cuda_*; do
+for t in "$DIR"/cuda_* "$DIR"/model_devices; do
   name=$(basename "$t")
   echo "==== $name" >> "$OUT/tests.log"
   timeout 300 "$t" --test-threads 1 --nocapture > /tmp/gpu-check-test.log 2>&1 || status=1
@@ -22,8 +22,9 @@ done
 [ "${3:-}" = quick ] && exit $status
 SAN=/usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
-  # The newest kernels' tests (the trainer's: its pass test alone, the end-to-end one is long).
-  for spec in "cuda_train resident_pass" "cuda_linear"; do
+  # The model's passes over GpuOps (the trainer's pass test alone, the end-to-end one is long;
+  # the decode and the inference forward) and the linear layer.
+  for spec in "cuda_train resident_pass" "cuda_linear" "model_devices decoding" "model_devices inference"; do
     set -- $spec
     name=$1
     [ -x "$DIR/$name" ] || continue

@@ -1,4 +1,5 @@
-//! The device-resident forward (`cuda::resident`) against the CPU forward (`model::forward_rows`).
+//! The inference forward on a GPU (`model::pass::infer` over `GpuOps`, the trainer's reference
+//! forward) against the CPU forward (`model::forward_rows`).
 //!
 //! Without a GPU each test prints why it skips and passes. On a GPU: the same prepared weights and
 //! tokens through both, at the benchmark's layout shape (groups of samples sharing a prompt,
@@ -9,16 +10,16 @@ mod common;
 use common::{agreement, bits, plan};
 use lockstep::engine::backend::cpu::CpuBackend;
 use lockstep::engine::backend::cuda::CudaDevice;
-use lockstep::engine::backend::cuda::resident::{ForwardOutput, ResidentForward};
+use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::layout::Layout;
-use lockstep::engine::model::{ModelConfig, Params, PreparedModel, forward_rows};
+use lockstep::engine::model::{ModelConfig, Params, PreparedModel, forward_rows, pass};
 use lockstep::tools::bench::trainer_batch;
 use std::sync::OnceLock;
 
-/// The shared resident forward, or `None` (with the reason printed) where there is no GPU.
-fn gpu(test: &str) -> Option<&'static ResidentForward> {
-    static R: OnceLock<Result<ResidentForward, String>> = OnceLock::new();
-    common::gpu_fixture(&R, test, || ResidentForward::new(&CudaDevice::open(0)?))
+/// The shared op set, or `None` (with the reason printed) where there is no GPU.
+fn gpu(test: &str) -> Option<&'static GpuOps> {
+    static R: OnceLock<Result<GpuOps, String>> = OnceLock::new();
+    common::gpu_fixture(&R, test, || GpuOps::new(&CudaDevice::open(0)?))
 }
 
 /// Largest |a - b| over the largest |a|.
@@ -59,14 +60,11 @@ fn resident_forward_matches_the_cpu_forward() {
         let prep = PreparedModel::new(&params, &plan(name, cfg.n_layers)).unwrap();
         let (tokens, layout) = trainer_batch(cfg.vocab, (8, 8, 7, 15), 5, true);
         let (cpu_logits, _, cpu_routing) = forward_rows(&CpuBackend, &prep, &tokens, &layout, None);
-        let dm = rf.upload(&prep).unwrap();
-        let free = rf.forward(&dm, &tokens, &layout, None).unwrap();
-        let again = rf.forward(&dm, &tokens, &layout, None).unwrap();
-        let replayed = rf
-            .forward(&dm, &tokens, &layout, Some(&cpu_routing))
-            .unwrap();
-        let ForwardOutput { logits, routing } = replayed;
-        let agree = agreement(&cpu_routing, &free.routing);
+        let dm = rf.upload_model(&prep).unwrap();
+        let free = pass::infer(rf, &dm, &tokens, &layout, None).unwrap();
+        let again = pass::infer(rf, &dm, &tokens, &layout, None).unwrap();
+        let (logits, routing) = pass::infer(rf, &dm, &tokens, &layout, Some(&cpu_routing)).unwrap();
+        let agree = agreement(&cpu_routing, &free.1);
         let diff = rel_max_diff(&cpu_logits, &logits);
         eprintln!(
             "{name} (d_model {}): routing agreement {agree:.5}, replayed logits rel max diff {diff:.3e}",
@@ -81,7 +79,7 @@ fn resident_forward_matches_the_cpu_forward() {
         if agree < 0.98 {
             failures.push(format!("{name}: only {agree:.4} of expert choices agree"));
         }
-        if bits(&free.logits) != bits(&again.logits) || free.routing != again.routing {
+        if bits(&free.0) != bits(&again.0) || free.1 != again.1 {
             failures.push(format!("{name}: two GPU forwards differ"));
         }
     }
@@ -97,13 +95,10 @@ fn resident_forward_rejects_bad_tokens() {
     let cfg = ModelConfig::tiny();
     let prep =
         PreparedModel::new(&Params::init(&cfg, 1).unwrap(), &plan("bf16", cfg.n_layers)).unwrap();
-    let dm = rf.upload(&prep).unwrap();
+    let dm = rf.upload_model(&prep).unwrap();
     let layout = Layout::plain(2, 4);
     let mut tokens = vec![1u32; 8];
     tokens[5] = cfg.vocab as u32;
-    let e = rf
-        .forward(&dm, &tokens, &layout, None)
-        .err()
-        .expect("an error");
+    let e = pass::infer(rf, &dm, &tokens, &layout, None).expect_err("an error");
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
 }

@@ -1,5 +1,5 @@
-//! The resident trainer's pass (`cuda::train`: `model::forward_rows` keeping its cache on the
-//! device, and `model::backward` over it) against the CPU's, and the trainer on a GPU end to end.
+//! The model's passes on a GPU (`model::pass` over `cuda::device_ops::GpuOps`) against the CPU's,
+//! and the trainer on a GPU end to end.
 //!
 //! Without a GPU each test prints why it skips and passes. On a GPU: the same prepared weights,
 //! tokens (groups sharing a prompt, ragged responses) and dL/dlogits through both, with the CPU's
@@ -11,9 +11,11 @@ mod common;
 
 use common::{bits, plan};
 use lockstep::engine::backend::cpu::CpuBackend;
-use lockstep::engine::backend::cuda::train::ResidentTrainer;
+use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::backend::cuda::{CudaBackend, CudaDevice};
-use lockstep::engine::model::{ModelConfig, Params, PreparedModel, backward, forward_rows};
+use lockstep::engine::model::{
+    ModelConfig, Params, PreparedModel, backward, forward_rows, pass, quant_sites,
+};
 use lockstep::engine::task::Task;
 use lockstep::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
 use lockstep::recipe::presets::preset;
@@ -22,9 +24,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::sync::OnceLock;
 
-fn gpu(test: &str) -> Option<&'static ResidentTrainer> {
-    static T: OnceLock<Result<ResidentTrainer, String>> = OnceLock::new();
-    common::gpu_fixture(&T, test, || ResidentTrainer::new(&CudaDevice::open(0)?))
+fn gpu(test: &str) -> Option<&'static GpuOps> {
+    static T: OnceLock<Result<GpuOps, String>> = OnceLock::new();
+    common::gpu_fixture(&T, test, || GpuOps::new(&CudaDevice::open(0)?))
 }
 
 /// Largest |a - b| over the largest |b| (b the CPU's).
@@ -76,13 +78,12 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
         let dlogits = common::uniform(&mut rng, cpu_logits.len(), 1e-2);
         let cpu_grads = backward(&CpuBackend, &prep, &cpu_cache, &dlogits);
 
-        let m = tr.upload(&prep).unwrap();
-        let fwd = tr
-            .forward(&m, &tokens, &layout, Some(&cpu_routing))
-            .unwrap();
-        let grads = tr.backward(&m, &fwd.cache, &dlogits).unwrap();
-        let again = tr.backward(&m, &fwd.cache, &dlogits).unwrap();
-        let logit_diff = rel(&fwd.logits, &cpu_logits);
+        let m = tr.upload_model(&prep).unwrap();
+        let (logits, cache, _) =
+            pass::forward(tr, &m, &tokens, &layout, Some(&cpu_routing)).unwrap();
+        let grads = pass::backward(tr, &m, &cache, &dlogits).unwrap();
+        let again = pass::backward(tr, &m, &cache, &dlogits).unwrap();
+        let logit_diff = rel(&logits, &cpu_logits);
         let (mut worst, mut worst_name) = (0.0f32, String::new());
         let (mut sq_gpu, mut sq_cpu) = (0.0f64, 0.0f64);
         for ((gname, g), (_, c)) in grads
@@ -126,7 +127,10 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
         }
         // Activation counts: the first site's input (embedding + RMSNorm) is the CPU's bit for
         // bit, so its counts are; later sites see GEMM outputs, so theirs may move by a few.
-        let gpu_stats = tr.quant_stats(&m, &fwd.cache).unwrap();
+        let gpu_stats: Vec<_> = quant_sites(cfg.n_layers)
+            .into_iter()
+            .zip(pass::quant_stats(tr, &cache).unwrap())
+            .collect();
         let cpu_stats = cpu_cache.quant_stats();
         let names: Vec<_> = gpu_stats.iter().map(|(n, _)| n.clone()).collect();
         let cpu_names: Vec<_> = cpu_stats.iter().map(|(n, _)| n.clone()).collect();

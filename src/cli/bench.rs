@@ -277,7 +277,7 @@ pub fn forward(args: &ForwardArgs) -> Result<bool> {
     let resident = match device {
         Device::Cuda(ordinal) => Some(
             cuda::CudaDevice::open(ordinal)
-                .and_then(|d| cuda::resident::ResidentForward::new(&d))
+                .and_then(|d| cuda::device_ops::GpuOps::new(&d))
                 .map_err(|err| lockstep::engine::backend::DeviceError::Cuda { device, err })?,
         ),
         Device::Cpu => None,
@@ -306,9 +306,9 @@ pub fn forward(args: &ForwardArgs) -> Result<bool> {
             println!("  {name:<12} cpu {:>8.2} ms", cpu * 1e3);
             continue;
         };
-        let dm = rf.upload(&prep).context("upload")?;
+        let dm = rf.upload_model(&prep).context("upload")?;
         let gpu = median_secs(args.reps, || {
-            rf.forward(&dm, &rows, &layout, None).map(|_| ())
+            lockstep::engine::model::pass::infer(rf, &dm, &rows, &layout, None).map(|_| ())
         })
         .context("resident forward")?;
         println!(

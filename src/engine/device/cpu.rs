@@ -63,6 +63,17 @@ fn expert_chunks_mut<'b>(buf: &'b mut [f32], disp: &CpuDispatch, w: usize) -> Ve
     out
 }
 
+/// The host decodes one position per step (`rollout::Decoder::feed` steps through a prompt).
+fn one_position(count: usize) -> OpResult<()> {
+    if count == 1 {
+        Ok(())
+    } else {
+        Err(OpError::Shape(format!(
+            "the host decoder runs one position per step, not {count}"
+        )))
+    }
+}
+
 fn shape(what: &str, got: usize, want: usize) -> OpResult<()> {
     if got == want {
         Ok(())
@@ -413,13 +424,12 @@ impl<'a> Ops for CpuOps<'a> {
         x: &Vec<f32>,
         shared: &Vec<f32>,
         experts: &Vec<f32>,
+        _ids: &Vec<u32>,
         disp: &CpuDispatch,
         weights: &Vec<f32>,
-        n: usize,
-        d: usize,
+        (n, k, d): (usize, usize, usize),
     ) -> OpResult<Vec<f32>> {
         let mut out = shared[..n * d].to_vec();
-        let k = disp.k;
         for (&s, y) in disp.slots.iter().flatten().zip(experts.chunks(d)) {
             let gate = weights[s];
             out[(s / k) * d..][..d]
@@ -437,10 +447,8 @@ impl<'a> Ops for CpuOps<'a> {
         experts: &Vec<f32>,
         disp: &CpuDispatch,
         weights: &Vec<f32>,
-        n: usize,
-        d: usize,
+        (n, k, d): (usize, usize, usize),
     ) -> OpResult<(Vec<f32>, Vec<f32>)> {
-        let k = disp.k;
         let (mut dy, mut dweights) = (vec![0.0f32; disp.rows() * d], vec![0.0f32; n * k]);
         for ((&s, y), dyr) in disp
             .slots
@@ -462,10 +470,10 @@ impl<'a> Ops for CpuOps<'a> {
         &self,
         dx: &mut Vec<f32>,
         dexperts: &Vec<f32>,
+        _ids: &Vec<u32>,
         disp: &CpuDispatch,
-        d: usize,
+        (_, k, d): (usize, usize, usize),
     ) -> OpResult<()> {
-        let k = disp.k;
         for (&s, src) in disp.slots.iter().flatten().zip(dexperts.chunks(d)) {
             dx[(s / k) * d..][..d]
                 .iter_mut()
@@ -494,7 +502,8 @@ impl<'a> Ops for CpuOps<'a> {
         kv.batch()
     }
 
-    fn decode_rows(&self, kv: &KvCache) -> OpResult<CpuRows> {
+    fn decode_rows(&self, kv: &KvCache, count: usize) -> OpResult<CpuRows> {
+        one_position(count)?;
         Ok(CpuRows {
             layout: None,
             positions: vec![kv.len(); kv.batch()],
@@ -506,13 +515,21 @@ impl<'a> Ops for CpuOps<'a> {
         kv: &mut KvCache,
         l: usize,
         qkv: &Vec<f32>,
+        _rows: &CpuRows,
         h: usize,
         d: usize,
+        count: usize,
     ) -> OpResult<Vec<f32>> {
+        one_position(count)?;
         Ok(kv.attend(l, qkv, h, d))
     }
 
-    fn kv_advance(&self, kv: &mut KvCache) {
-        kv.advance();
+    fn kv_advance(&self, kv: &mut KvCache, count: usize) {
+        (0..count).for_each(|_| kv.advance());
+    }
+
+    fn kv_repeat_each(&self, kv: &mut KvCache, samples: usize) -> OpResult<()> {
+        *kv = kv.repeat_each(samples);
+        Ok(())
     }
 }

@@ -190,6 +190,20 @@ pub trait Ops: Sync {
         dx: &mut Self::T,
         dw: &mut Self::T,
     ) -> OpResult<()>;
+    /// [`Ops::linear`] without what a backward needs (an inference pass).
+    fn apply(&self, plan: &SitePlan, x: &Self::T, n: usize, w: &Self::Weight) -> OpResult<Self::T> {
+        self.linear(plan, x, n, w).map(|(y, _)| y)
+    }
+    /// [`Ops::experts_linear`] without what a backward needs.
+    fn apply_experts(
+        &self,
+        plan: &SitePlan,
+        x: &Self::T,
+        d: &Self::Dispatch,
+        w: &Self::Experts,
+    ) -> OpResult<Self::T> {
+        self.experts_linear(plan, x, d, w).map(|(y, _)| y)
+    }
     /// The activation counts of these forwards, in order.
     fn counts(&self, sites: &[SiteCounts<'_, Self>]) -> OpResult<Vec<QuantStats>>;
 
@@ -221,17 +235,18 @@ pub trait Ops: Sync {
     fn dispatch_rows(&self, d: &Self::Dispatch) -> usize;
     /// The experts' input batch: each dispatched (token, choice)'s row of `x` `[n, d]`.
     fn gather(&self, x: &Self::T, disp: &Self::Dispatch, d: usize) -> OpResult<Self::T>;
-    /// `x + shared + Σ_j gate_j · expert_j`, summed shared first, then the experts by index.
+    /// `x + shared + Σ_j gate_j · expert_j` over `[n, d]`, `k` choices per token, summed in a
+    /// fixed order (shared first).
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &self,
         x: &Self::T,
         shared: &Self::T,
         experts: &Self::T,
+        ids: &Self::Ids,
         disp: &Self::Dispatch,
         weights: &Self::T,
-        n: usize,
-        d: usize,
+        nkd: (usize, usize, usize),
     ) -> OpResult<Self::T>;
     /// The combine's backward for the experts: (dy of the experts' batch, d gate weights `[n, k]`).
     fn combine_backward(
@@ -240,16 +255,16 @@ pub trait Ops: Sync {
         experts: &Self::T,
         disp: &Self::Dispatch,
         weights: &Self::T,
-        n: usize,
-        d: usize,
+        nkd: (usize, usize, usize),
     ) -> OpResult<(Self::T, Self::T)>;
-    /// Adds the experts' batch gradient back into its tokens' rows of `dx`, experts by index.
+    /// Adds the experts' batch gradient back into its tokens' rows of `dx`, in a fixed order.
     fn scatter_add(
         &self,
         dx: &mut Self::T,
         dexperts: &Self::T,
+        ids: &Self::Ids,
         disp: &Self::Dispatch,
-        d: usize,
+        nkd: (usize, usize, usize),
     ) -> OpResult<()>;
 
     // -- incremental decode ------------------------------------------------------------------
@@ -266,18 +281,25 @@ pub trait Ops: Sync {
     fn kv_len(&self, kv: &Self::Kv) -> usize;
     /// Sequences in the cache.
     fn kv_seqs(&self, kv: &Self::Kv) -> usize;
-    /// The rows of one decode step: position `kv_len` of every sequence.
-    fn decode_rows(&self, kv: &Self::Kv) -> OpResult<Self::Rows>;
-    /// Stores this step's keys and values (`qkv` `[seqs, 3d]`) in layer `l` and attends over the
-    /// cache: `[seqs, d]`.
+    /// The rows of `count` decode steps at once: positions `kv_len..kv_len + count` of every
+    /// sequence, sequence-major.
+    fn decode_rows(&self, kv: &Self::Kv, count: usize) -> OpResult<Self::Rows>;
+    /// Stores these rows' keys and values (`qkv` `[seqs · count, 3d]`) in layer `l` and attends
+    /// each row over its sequence's cached positions up to itself: `[seqs · count, d]`.
+    #[allow(clippy::too_many_arguments)]
     fn kv_attend(
         &self,
         kv: &mut Self::Kv,
         l: usize,
         qkv: &Self::T,
+        rows: &Self::Rows,
         h: usize,
         d: usize,
+        count: usize,
     ) -> OpResult<Self::T>;
-    /// Marks the step's position filled.
-    fn kv_advance(&self, kv: &mut Self::Kv);
+    /// Marks `count` positions filled.
+    fn kv_advance(&self, kv: &mut Self::Kv, count: usize);
+    /// Each sequence's cache copied to `samples` consecutive sequences (a prompt decoded once,
+    /// then shared by its samples).
+    fn kv_repeat_each(&self, kv: &mut Self::Kv, samples: usize) -> OpResult<()>;
 }

@@ -1126,11 +1126,12 @@ pub fn decode_step(
     if let Err(err) = check_step(&prep.config, cache, tokens, replay) {
         panic!("model::decode_step: {err}");
     }
-    pass::decode_step(
+    pass::decode(
         &CpuOps::new(be),
         &prep.host_weights(),
         cache,
         tokens,
+        1,
         replay,
     )
     .unwrap_or_else(|err| panic!("model::decode_step: {err}"))

@@ -288,7 +288,7 @@ fn moe_forward<O: Ops>(
         || experts_forward(ops, w, p, &xe, &disp, cfg.d_ff),
     );
     let ((shared_y, shared), (y_experts, experts)) = (shared?, experts?);
-    let out = ops.combine(&x, &shared_y, &y_experts, &disp, &weights, n, d)?;
+    let out = ops.combine(&x, &shared_y, &y_experts, &ids, &disp, &weights, (n, k, d))?;
     let cache = MoeCache {
         x,
         rstd,
@@ -317,7 +317,7 @@ fn moe_backward<O: Ops>(
 ) -> OpResult<()> {
     let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
     let (dy_experts, dweights) =
-        ops.combine_backward(dh, &c.y_experts, &c.disp, &c.weights, n, d)?;
+        ops.combine_backward(dh, &c.y_experts, &c.disp, &c.weights, (n, k, d))?;
     let mut dxn = ops.zeros(n * d)?;
     let LayerGrads {
         experts_fc1,
@@ -354,7 +354,7 @@ fn moe_backward<O: Ops>(
     );
     shared?;
     // The experts' dx added back in expert order (fixed, so the thread count cannot change it).
-    ops.scatter_add(&mut dxn, &dx_experts?, &c.disp, d)?;
+    ops.scatter_add(&mut dxn, &dx_experts?, &c.ids, &c.disp, (n, k, d))?;
     let dlogits = ops.route_backward(&dweights, &c.ids, &c.weights, n, e, k)?;
     let mut dxr = ops.zeros(n * d)?;
     ops.linear_backward(
@@ -572,54 +572,169 @@ fn grads_to_host<O: Ops>(
 }
 
 // ===================================================================================================
-// Incremental decode (rollout)
+// Inference: the reference forward and the incremental decode (rollout)
 
-/// One new position for each of the cache's sequences (`tokens`, one each) attending over the
-/// cached positions: logits `[seqs, V]` on the host and this position's routing. Same blocks and
-/// weights as [`forward`]; only attention reads keys and values from the cache.
-pub fn decode_step<O: Ops>(
+/// The shared expert or every routed expert, forward only.
+fn ffn_infer<O: Ops>(
+    ops: &O,
+    rows: usize,
+    f: usize,
+    fc1: impl FnOnce(&O::T) -> OpResult<O::T>,
+    fc2: impl FnOnce(&O::T) -> OpResult<O::T>,
+    x: &O::T,
+) -> OpResult<O::T> {
+    let h = fc1(x)?;
+    let act = ops.swiglu(&h, rows, f)?;
+    fc2(&act)
+}
+
+/// [`moe_forward`] keeping nothing: the output and the chosen experts.
+#[allow(clippy::too_many_arguments)]
+fn moe_infer<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    cfg: &ModelConfig,
+    x: &O::T,
+    n: usize,
+    replay: Option<&[u32]>,
+) -> OpResult<(O::T, O::Ids)> {
+    let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
+    let (xn, _) = ops.rmsnorm(x, &w.mlp_norm, n, d)?;
+    let logits = ops.apply(&p.router, &xn, n, &w.router)?;
+    let (ids, weights) = ops.route(&logits, n, e, k, replay)?;
+    let disp = ops.dispatch(&ids, n, k, e)?;
+    let xe = ops.gather(&xn, &disp, d)?;
+    let rows = ops.dispatch_rows(&disp);
+    let (shared, experts) = ops.join(
+        || {
+            ffn_infer(
+                ops,
+                n,
+                cfg.d_ff_shared,
+                |x| ops.apply(&p.shared_fc1, x, n, &w.shared_fc1),
+                |x| ops.apply(&p.shared_fc2, x, n, &w.shared_fc2),
+                &xn,
+            )
+        },
+        || {
+            ffn_infer(
+                ops,
+                rows,
+                cfg.d_ff,
+                |x| ops.apply_experts(&p.experts_fc1, x, &disp, &w.experts_fc1),
+                |x| ops.apply_experts(&p.experts_fc2, x, &disp, &w.experts_fc2),
+                &xe,
+            )
+        },
+    );
+    let out = ops.combine(x, &shared?, &experts?, &ids, &disp, &weights, (n, k, d))?;
+    Ok((out, ids))
+}
+
+/// [`attn_forward`] keeping nothing; `attend` maps qkv to the attention output (over the rows
+/// themselves, or over a decoder's cache).
+fn attn_infer<O: Ops>(
+    ops: &O,
+    w: &LayerWeights<O>,
+    p: &LayerPlan,
+    cfg: &ModelConfig,
+    x: &O::T,
+    n: usize,
+    attend: impl FnOnce(&O::T) -> OpResult<O::T>,
+) -> OpResult<O::T> {
+    let d = cfg.d_model;
+    let (xn, _) = ops.rmsnorm(x, &w.attn_norm, n, d)?;
+    let qkv = ops.apply(&p.linear_qkv, &xn, n, &w.linear_qkv)?;
+    let att = attend(&qkv)?;
+    let mut out = ops.apply(&p.linear_proj, &att, n, &w.linear_proj)?;
+    ops.add_into(&mut out, x, n * d)?;
+    Ok(out)
+}
+
+/// Embedding, the blocks and the head over `n` rows, keeping nothing: logits `[n, V]` on the
+/// host and the experts chosen in every layer. `attend(l, qkv)` is layer `l`'s attention.
+#[allow(clippy::too_many_arguments)]
+fn infer_rows<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    tokens: &[u32],
+    rows: &O::Rows,
+    n: usize,
+    replay: Option<&Routing>,
+    mut attend: impl FnMut(usize, &O::T) -> OpResult<O::T>,
+) -> OpResult<(Vec<f32>, Routing)> {
+    let cfg = &w.config;
+    let d = cfg.d_model;
+    let toks = ops.ids(tokens)?;
+    let mut x = ops.embedding(&toks, rows, &w.wte, &w.wpe, n, d)?;
+    let mut ids = Vec::with_capacity(cfg.n_layers);
+    for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
+        let mid = attn_infer(ops, lw, p, cfg, &x, n, |qkv| attend(l, qkv))?;
+        let r = replay.map(|r| r.layers[l].as_slice());
+        let (out, layer_ids) = moe_infer(ops, lw, p, cfg, &mid, n, r)?;
+        ids.push(layer_ids);
+        x = out;
+    }
+    let (hn, _) = ops.rmsnorm(&x, &w.final_norm, n, d)?;
+    let logits = ops.apply(&w.plan.output_layer, &hn, n, &w.output_layer)?;
+    let logits = ops.to_host(&logits, n * cfg.vocab)?;
+    let ids: Vec<&O::Ids> = ids.iter().collect();
+    let routing = Routing {
+        top_k: cfg.top_k,
+        n_tokens: n,
+        layers: ops.ids_to_host(&ids, n * cfg.top_k)?,
+    };
+    Ok((logits, routing))
+}
+
+/// [`forward`] keeping nothing for a backward (the trainer's reference forward): the same
+/// logits and routing.
+pub fn infer<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    tokens: &[u32],
+    layout: &Layout,
+    replay: Option<&Routing>,
+) -> OpResult<(Vec<f32>, Routing)> {
+    let cfg = &w.config;
+    check_layout_inputs(cfg, tokens, layout, replay).map_err(shape_err)?;
+    let rows = ops.rows(layout)?;
+    let (h, d) = (cfg.n_heads, cfg.d_model);
+    infer_rows(ops, w, tokens, &rows, layout.rows(), replay, |_, qkv| {
+        ops.attention(qkv, &rows, h, d).map(|(att, _)| att)
+    })
+}
+
+/// `count` new positions of each of the cache's sequences (`tokens` sequence-major, `count` per
+/// sequence), each attending over its sequence's cached positions and the new ones up to
+/// itself: logits `[seqs · count, V]` on the host and the routing, in the same row order. Same
+/// blocks and weights as [`forward`]; only attention reads keys and values from the cache.
+pub fn decode<O: Ops>(
     ops: &O,
     w: &Weights<O>,
     kv: &mut O::Kv,
     tokens: &[u32],
+    count: usize,
     replay: Option<&Routing>,
 ) -> OpResult<(Vec<f32>, Routing)> {
     let cfg = &w.config;
-    let b = ops.kv_seqs(kv);
-    if tokens.len() != b {
+    let n = ops.kv_seqs(kv) * count;
+    if count == 0 || tokens.len() != n {
         return Err(OpError::Shape(format!(
-            "decode step: {} tokens for a cache of {b} sequences",
-            tokens.len()
+            "decode: {} tokens for {count} positions of {} sequences",
+            tokens.len(),
+            ops.kv_seqs(kv)
         )));
     }
     check_tokens(cfg, tokens)
-        .and_then(|()| replay.map_or(Ok(()), |r| r.check(cfg, b)))
+        .and_then(|()| replay.map_or(Ok(()), |r| r.check(cfg, n)))
         .map_err(shape_err)?;
-    let (d, h) = (cfg.d_model, cfg.n_heads);
-    let rows = ops.decode_rows(kv)?;
-    let toks = ops.ids(tokens)?;
-    let mut x = ops.embedding(&toks, &rows, &w.wte, &w.wpe, b, d)?;
-    let mut ids = Vec::with_capacity(cfg.n_layers);
-    for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
-        let (xn, _) = ops.rmsnorm(&x, &lw.attn_norm, b, d)?;
-        let (qkv, _) = ops.linear(&p.linear_qkv, &xn, b, &lw.linear_qkv)?;
-        let att = ops.kv_attend(kv, l, &qkv, h, d)?;
-        let (mut mid, _) = ops.linear(&p.linear_proj, &att, b, &lw.linear_proj)?;
-        ops.add_into(&mut mid, &x, b * d)?;
-        let r = replay.map(|r| r.layers[l].as_slice());
-        let (out, moe) = moe_forward(ops, lw, p, cfg, mid, b, r)?;
-        ids.push(moe.ids);
-        x = out;
-    }
-    ops.kv_advance(kv);
-    let (hn, _) = ops.rmsnorm(&x, &w.final_norm, b, d)?;
-    let (logits, _) = ops.linear(&w.plan.output_layer, &hn, b, &w.output_layer)?;
-    let logits = ops.to_host(&logits, b * cfg.vocab)?;
-    let ids: Vec<&O::Ids> = ids.iter().collect();
-    let routing = Routing {
-        top_k: cfg.top_k,
-        n_tokens: b,
-        layers: ops.ids_to_host(&ids, b * cfg.top_k)?,
-    };
-    Ok((logits, routing))
+    let (h, d) = (cfg.n_heads, cfg.d_model);
+    let rows = ops.decode_rows(kv, count)?;
+    let out = infer_rows(ops, w, tokens, &rows, n, replay, |l, qkv| {
+        ops.kv_attend(kv, l, qkv, &rows, h, d, count)
+    })?;
+    ops.kv_advance(kv, count);
+    Ok(out)
 }

@@ -1,22 +1,24 @@
 //! The rollout's decoder on a GPU ([`CudaBackend`]'s [`Backend::decoder`]): the exported model
 //! uploaded once per rollout, keys and values in a device KV cache, every position one
-//! [`ResidentForward::decode_step`]. Only the tokens go in and the logits and routed ids come back
-//! per position; sampling stays on the host (`rollout::generate`, the same code and RNG as on the
-//! CPU).
+//! `model::pass::decode` over [`GpuOps`] and a prompt's positions in one pass. Only the tokens go
+//! in and the logits and routed ids come back per position; sampling stays on the host
+//! (`rollout::generate`, the same code and RNG as on the CPU).
 //!
 //! [`Backend::decoder`]: crate::engine::backend::Backend::decoder
 
 use super::CudaBackend;
-use super::resident::{DeviceKvCache, DeviceModel, ResidentForward};
+use super::device_ops::{DeviceKvCache, GpuOps};
+use crate::engine::device::{OpError, Ops};
+use crate::engine::model::pass::{self, Weights};
 use crate::engine::model::{PreparedModel, Routing};
 use crate::engine::rollout::Decoder;
 
-/// A decode in progress on one GPU. Holds one of the backend's resident forwards (returned to its
-/// pool on drop), the uploaded model and the cache.
+/// A decode in progress on one GPU. Holds one of the backend's op sets (returned to its pool on
+/// drop), the uploaded model and the cache.
 pub struct ResidentDecoder<'a> {
     backend: &'a CudaBackend,
-    forward: Option<ResidentForward>,
-    model: DeviceModel,
+    ops: Option<GpuOps>,
+    model: Weights<GpuOps>,
     cache: DeviceKvCache,
 }
 
@@ -27,53 +29,74 @@ impl<'a> ResidentDecoder<'a> {
         prep: &PreparedModel,
         seqs: usize,
         positions: usize,
-    ) -> Result<Self, super::CudaError> {
-        let forward = backend.take_forward()?;
+    ) -> Result<Self, OpError> {
+        let ops = backend.take_ops()?;
+        let cfg = &prep.config;
+        if positions > cfg.max_seq {
+            backend.give_ops(ops);
+            return Err(OpError::Shape(format!(
+                "kv cache: {positions} positions exceed max_seq {}",
+                cfg.max_seq
+            )));
+        }
         let t0 = std::time::Instant::now();
         // Queued, not waited for: the decode's first kernels follow the copy on the stream.
-        let model = forward.upload(prep)?;
-        backend.note_model_upload(t0);
-        let cache = forward.kv_cache(&model, seqs, positions)?;
-        Ok(ResidentDecoder {
-            backend,
-            forward: Some(forward),
-            model,
-            cache,
-        })
+        let made = ops
+            .upload_model(prep)
+            .map_err(OpError::from)
+            .and_then(|model| {
+                backend.note_model_upload(t0);
+                let cache =
+                    ops.kv_cache(cfg.n_layers, seqs, positions, cfg.d_model, cfg.n_heads)?;
+                Ok((model, cache))
+            });
+        match made {
+            Ok((model, cache)) => Ok(ResidentDecoder {
+                backend,
+                ops: Some(ops),
+                model,
+                cache,
+            }),
+            Err(e) => {
+                backend.give_ops(ops);
+                Err(e)
+            }
+        }
     }
 
     /// GPU failures cannot be returned through the trait: they panic with the device, which
     /// `suite::builtin::run_one` turns into a `failed` run with that message (as `gemm` does).
-    fn fail(&self, what: &str, e: super::CudaError) -> ! {
+    fn fail(&self, what: &str, e: OpError) -> ! {
         panic!(
             "cuda:{}: resident {what} failed: {e}",
             self.backend.device().ordinal()
         )
     }
+
+    fn decode(&mut self, tokens: &[u32], count: usize) -> Result<(Vec<f32>, Routing), OpError> {
+        let ops = self.ops.as_ref().expect("held until drop");
+        pass::decode(ops, &self.model, &mut self.cache, tokens, count, None)
+    }
 }
 
 impl Decoder for ResidentDecoder<'_> {
     fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing) {
-        let fw = self.forward.as_ref().expect("held until drop");
-        match fw.decode_step(&self.model, &mut self.cache, tokens, None) {
-            Ok(out) => (out.logits, out.routing),
-            Err(e) => self.fail("decode step", e),
-        }
+        self.decode(tokens, 1)
+            .unwrap_or_else(|e| self.fail("decode step", e))
     }
 
-    /// The `count` positions in one pass ([`ResidentForward::decode_positions`]); its routing,
-    /// sequence-major, split back into one record per position.
+    /// The `count` positions in one pass; its routing, sequence-major, split back into one
+    /// record per position.
     fn feed(&mut self, tokens: &[u32], count: usize) -> Vec<Routing> {
-        let fw = self.forward.as_ref().expect("held until drop");
-        match fw.decode_positions(&self.model, &mut self.cache, tokens, count, None) {
-            Ok(out) => per_position(&out.routing, count),
+        match self.decode(tokens, count) {
+            Ok((_, routing)) => per_position(&routing, count),
             Err(e) => self.fail("decode of several positions", e),
         }
     }
 
     fn repeat_each(&mut self, samples: usize) {
-        let fw = self.forward.as_ref().expect("held until drop");
-        if let Err(e) = fw.repeat_each(&mut self.cache, samples) {
+        let ops = self.ops.as_ref().expect("held until drop");
+        if let Err(e) = ops.kv_repeat_each(&mut self.cache, samples) {
             self.fail("kv cache copy", e);
         }
     }
@@ -81,8 +104,8 @@ impl Decoder for ResidentDecoder<'_> {
 
 impl Drop for ResidentDecoder<'_> {
     fn drop(&mut self) {
-        if let Some(f) = self.forward.take() {
-            self.backend.give_forward(f);
+        if let Some(o) = self.ops.take() {
+            self.backend.give_ops(o);
         }
     }
 }

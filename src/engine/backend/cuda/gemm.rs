@@ -20,11 +20,13 @@
 //! metrics run to run.
 
 use super::decoder::ResidentDecoder;
-use super::resident::{DeviceModel, ResidentForward};
-use super::train::{ResidentPass, ResidentTrainer};
+use super::device_ops::GpuOps;
+use super::train::ResidentPass;
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, MatRef};
+use crate::engine::device::OpError;
 use crate::engine::layout::Layout;
+use crate::engine::model::pass::{self, Weights};
 use crate::engine::model::{PreparedModel, Routing, TrainPass};
 use crate::engine::rollout::Decoder;
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
@@ -214,20 +216,18 @@ pub struct CudaBackend {
     lanes: Pool<Lane>,
     resident: Mutex<Resident<CudaSlice<f32>>>,
     counters: AtomicCounters,
-    /// Run the forward-only passes on the device ([`ResidentDecoder`], [`ResidentForward`])
+    /// Run the forward-only passes on the device ([`ResidentDecoder`], `forward_logits`)
     /// rather than on the host.
     device_model: bool,
-    /// Resident forwards (kernels, stream, cuBLAS handle) of finished decoders, one per
-    /// concurrent caller at most, so compiling them is paid once per worker.
-    forwards: Pool<ResidentForward>,
     /// Run the trainer's policy forward and backward on the device ([`ResidentPass`]).
     device_train: bool,
-    /// Resident trainers, pooled as the forwards are.
-    trainers: Pool<ResidentTrainer>,
+    /// Op sets (kernels, stream, cuBLAS handle) of finished passes, one per concurrent caller
+    /// at most, so compiling them is paid once per worker.
+    ops: Pool<GpuOps>,
     /// The models `forward_logits` uploaded, by [`PreparedModel::key`], newest last: the
     /// trainer's BF16 reference does not change during a run, so it is uploaded once per run
     /// instead of once per step (one per concurrent run, up to [`UPLOADED_MODELS`]).
-    uploaded: Mutex<Vec<(u64, Arc<DeviceModel>)>>,
+    uploaded: Mutex<Vec<(u64, Arc<Weights<GpuOps>>)>>,
 }
 
 /// Models kept by `forward_logits` (each a few tens of MB at the shipped sizes).
@@ -275,9 +275,8 @@ impl CudaBackend {
             resident: Mutex::new(Resident::new(budget)),
             counters: AtomicCounters::default(),
             device_model: true,
-            forwards: Pool::new(Vec::new()),
             device_train: true,
-            trainers: Pool::new(Vec::new()),
+            ops: Pool::new(Vec::new()),
             uploaded: Mutex::new(Vec::new()),
         })
     }
@@ -298,22 +297,13 @@ impl CudaBackend {
         self
     }
 
-    /// A resident trainer from the pool, or a new one.
-    pub(super) fn take_trainer(&self) -> Result<ResidentTrainer, CudaError> {
-        self.trainers.take(|| ResidentTrainer::new(&self.dev))
+    /// An op set from the pool, or a new one.
+    pub(super) fn take_ops(&self) -> Result<GpuOps, CudaError> {
+        self.ops.take(|| GpuOps::new(&self.dev))
     }
 
-    pub(super) fn give_trainer(&self, t: ResidentTrainer) {
-        self.trainers.give(t);
-    }
-
-    /// A resident forward from the pool, or a new one.
-    pub(super) fn take_forward(&self) -> Result<ResidentForward, CudaError> {
-        self.forwards.take(|| ResidentForward::new(&self.dev))
-    }
-
-    pub(super) fn give_forward(&self, f: ResidentForward) {
-        self.forwards.give(f);
+    pub(super) fn give_ops(&self, o: GpuOps) {
+        self.ops.give(o);
     }
 
     /// Count a whole-model upload that started at `since` and is queued (the host's part: packing
@@ -537,7 +527,7 @@ impl Backend for CudaBackend {
         }
         // An uploaded copy is only published after a forward on the uploading stream has
         // returned its logits (a synchronizing copy), so any other stream reads it complete.
-        let run = |f: &ResidentForward| {
+        let run = |f: &GpuOps| -> Result<_, OpError> {
             let key = prep.key();
             let held = self.uploaded.lock().ok().and_then(|v| {
                 v.iter()
@@ -548,13 +538,13 @@ impl Backend for CudaBackend {
                 Some(m) => m,
                 None => {
                     let t0 = std::time::Instant::now();
-                    let m = f.upload(prep)?;
-                    f.stream().synchronize()?;
+                    let m = f.upload_model(prep)?;
+                    f.stream().synchronize().map_err(CudaError::from)?;
                     self.note_model_upload(t0);
                     Arc::new(m)
                 }
             };
-            let out = f.forward(&m, tokens, layout, replay)?;
+            let out = pass::infer(f, &m, tokens, layout, replay)?;
             if let Ok(mut v) = self.uploaded.lock()
                 && !v.iter().any(|(k, _)| *k == key)
             {
@@ -565,13 +555,13 @@ impl Backend for CudaBackend {
             }
             Ok(out)
         };
-        let out = self.take_forward().and_then(|f| {
+        let out = self.take_ops().map_err(OpError::from).and_then(|f| {
             let out = run(&f);
-            self.give_forward(f);
+            self.give_ops(f);
             out
         });
         match out {
-            Ok(o) => Some(o.logits),
+            Ok((logits, _)) => Some(logits),
             Err(e) => panic!("{}: resident forward failed: {e}", self.name()),
         }
     }

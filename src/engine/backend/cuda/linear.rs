@@ -382,6 +382,46 @@ impl CudaLinear {
         Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
+    /// [`Self::forward`] without what a backward needs (an inference pass: decode, the
+    /// reference forward): the same quantization and GEMM, the output only.
+    pub fn apply(
+        &self,
+        plan: &SitePlan,
+        x: &CudaSlice<f32>,
+        n: usize,
+        w: &DeviceWeight,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (k, m, batch) = (w.in_dim, w.out_dim, w.batch);
+        let rows = batch * n;
+        let mut y = self.output(rows * m)?;
+        let x_q = match plan.activation_format() {
+            None => None,
+            Some(fmt) => {
+                let x_hp = if matches!(fmt, QuantFormat::Bf16) {
+                    None
+                } else {
+                    let mut r = self.output(rows * k)?;
+                    self.fq.round_bf16(x, &mut r, rows * k)?;
+                    Some(r)
+                };
+                let mut q = self.output(rows * k)?;
+                let src = x_hp.as_ref().unwrap_or(x);
+                self.quantize(Quant::Rows, src, (n, k, batch), &fmt, &mut q, None)?;
+                Some(q)
+            }
+        };
+        let xin = x_q.as_ref().unwrap_or(x);
+        self.gemm(
+            (xin, false),
+            (&w.w_fwd, true),
+            &mut y,
+            (n, k, m),
+            batch,
+            false,
+        )?;
+        Ok(y)
+    }
+
     /// `linear::backward`: `dx = dy · W` (when `dx` is given, written) and `dW += dyᵀ · x`
     /// (accumulated), dy quantized as the plan's backward mode says; per block of a stacked
     /// weight.

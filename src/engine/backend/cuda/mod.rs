@@ -15,13 +15,13 @@
 pub mod backward;
 pub mod bench;
 pub mod decoder;
+pub mod device_ops;
 pub mod fake_quant;
 pub mod gemm;
 pub mod linear;
 pub mod moe;
 pub mod ops;
 pub mod quant;
-pub mod resident;
 pub mod staging;
 pub mod train;
 
