@@ -412,6 +412,45 @@ impl Params {
         }
     }
 
+    /// Params from its tensors in [`Self::named_tensors`] order (a device's gradients copied
+    /// back), checked against `cfg`'s shapes.
+    pub fn from_tensors(cfg: &ModelConfig, tensors: Vec<Vec<f32>>) -> Result<Params, ModelError> {
+        let count = 4 + 9 * cfg.n_layers;
+        if tensors.len() != count {
+            return Err(ModelError::Shape {
+                name: "(all tensors)".into(),
+                got: tensors.len(),
+                want: count,
+            });
+        }
+        let mut it = tensors.into_iter();
+        let mut next = || it.next().unwrap_or_default();
+        let (wte, wpe) = (next(), next());
+        let layers = (0..cfg.n_layers)
+            .map(|_| LayerParams {
+                attn_norm: next(),
+                linear_qkv: next(),
+                linear_proj: next(),
+                mlp_norm: next(),
+                router: next(),
+                experts_fc1: next(),
+                experts_fc2: next(),
+                shared_fc1: next(),
+                shared_fc2: next(),
+            })
+            .collect();
+        let p = Params {
+            config: cfg.clone(),
+            wte,
+            wpe,
+            layers,
+            final_norm: next(),
+            output_layer: next(),
+        };
+        p.check_shapes()?;
+        Ok(p)
+    }
+
     pub fn zeros_like(&self) -> Params {
         Params::zeros(&self.config)
     }

@@ -450,9 +450,36 @@ struct LayerGrads<O: Ops> {
     shared_fc2: O::T,
 }
 
-/// Zero gradients shaped like `like`'s tensors, on the device.
-fn zeros_like<O: Ops>(ops: &O, like: &[f32]) -> OpResult<O::T> {
-    ops.zeros(like.len())
+impl<O: Ops> LayerGrads<O> {
+    /// Zeros of the 9 lengths `lens` (`LayerParams` order).
+    fn zeros(ops: &O, lens: &[usize]) -> OpResult<Self> {
+        let z = |i: usize| ops.zeros(lens[i]);
+        Ok(LayerGrads {
+            attn_norm: z(0)?,
+            linear_qkv: z(1)?,
+            linear_proj: z(2)?,
+            mlp_norm: z(3)?,
+            router: z(4)?,
+            experts_fc1: z(5)?,
+            experts_fc2: z(6)?,
+            shared_fc1: z(7)?,
+            shared_fc2: z(8)?,
+        })
+    }
+
+    fn into_list(self) -> [O::T; 9] {
+        [
+            self.attn_norm,
+            self.linear_qkv,
+            self.linear_proj,
+            self.mlp_norm,
+            self.router,
+            self.experts_fc1,
+            self.experts_fc2,
+            self.shared_fc1,
+            self.shared_fc2,
+        ]
+    }
 }
 
 /// Gradients of the loss w.r.t. the FP32 master weights, given dL/dlogits `[rows, V]` in the
@@ -471,28 +498,19 @@ pub fn backward<O: Ops>(
             dlogits.len()
         )));
     }
-    let shapes = Params::zeros(cfg);
-    let z = |x: &[f32]| zeros_like(ops, x);
-    let (mut dwte, mut dwpe, mut dfinal, mut dout) = (
-        z(&shapes.wte)?,
-        z(&shapes.wpe)?,
-        z(&shapes.final_norm)?,
-        z(&shapes.output_layer)?,
-    );
-    let mut grads = Vec::with_capacity(cfg.n_layers);
-    for l in &shapes.layers {
-        grads.push(LayerGrads::<O> {
-            attn_norm: z(&l.attn_norm)?,
-            linear_qkv: z(&l.linear_qkv)?,
-            linear_proj: z(&l.linear_proj)?,
-            mlp_norm: z(&l.mlp_norm)?,
-            router: z(&l.router)?,
-            experts_fc1: z(&l.experts_fc1)?,
-            experts_fc2: z(&l.experts_fc2)?,
-            shared_fc1: z(&l.shared_fc1)?,
-            shared_fc2: z(&l.shared_fc2)?,
-        });
-    }
+    // Tensor lengths in `Params::named_tensors` order: wte, wpe, 9 per layer, final norm, output.
+    let lens: Vec<usize> = cfg
+        .named_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product())
+        .collect();
+    let last = lens.len() - 2;
+    let (mut dwte, mut dwpe) = (ops.zeros(lens[0])?, ops.zeros(lens[1])?);
+    let (mut dfinal, mut dout) = (ops.zeros(lens[last])?, ops.zeros(lens[last + 1])?);
+    let mut grads = lens[2..last]
+        .chunks(9)
+        .map(|l| LayerGrads::zeros(ops, l))
+        .collect::<OpResult<Vec<_>>>()?;
     // Output layer and final norm.
     let dl = ops.upload(dlogits)?;
     let mut dhn = ops.zeros(n * d)?;
@@ -522,53 +540,12 @@ pub fn backward<O: Ops>(
         attn_backward(ops, lw, p, cfg, &lc.attn, &mut dh, g, &c.rows, n)?;
     }
     ops.embedding_backward(&mut dwte, &mut dwpe, &dh, &c.tokens, &c.rows, n, d)?;
-    grads_to_host(ops, shapes, (dwte, dwpe, dfinal, dout), grads)
-}
-
-/// Every gradient copied back into `Params` (one batched copy where the device has one).
-fn grads_to_host<O: Ops>(
-    ops: &O,
-    mut out: Params,
-    (dwte, dwpe, dfinal, dout): (O::T, O::T, O::T, O::T),
-    layers: Vec<LayerGrads<O>>,
-) -> OpResult<Params> {
-    let mut all = vec![
-        (dwte, out.wte.len()),
-        (dwpe, out.wpe.len()),
-        (dfinal, out.final_norm.len()),
-        (dout, out.output_layer.len()),
-    ];
-    for (g, s) in layers.into_iter().zip(&out.layers) {
-        all.extend([
-            (g.attn_norm, s.attn_norm.len()),
-            (g.linear_qkv, s.linear_qkv.len()),
-            (g.linear_proj, s.linear_proj.len()),
-            (g.mlp_norm, s.mlp_norm.len()),
-            (g.router, s.router.len()),
-            (g.experts_fc1, s.experts_fc1.len()),
-            (g.experts_fc2, s.experts_fc2.len()),
-            (g.shared_fc1, s.shared_fc1.len()),
-            (g.shared_fc2, s.shared_fc2.len()),
-        ]);
-    }
-    let mut host = ops.all_to_host(all)?.into_iter();
-    let mut next = || host.next().expect("one host copy per gradient");
-    out.wte = next();
-    out.wpe = next();
-    out.final_norm = next();
-    out.output_layer = next();
-    for l in &mut out.layers {
-        l.attn_norm = next();
-        l.linear_qkv = next();
-        l.linear_proj = next();
-        l.mlp_norm = next();
-        l.router = next();
-        l.experts_fc1 = next();
-        l.experts_fc2 = next();
-        l.shared_fc1 = next();
-        l.shared_fc2 = next();
-    }
-    Ok(out)
+    // Every gradient copied back (one batched copy where the device has one).
+    let mut all = vec![dwte, dwpe];
+    all.extend(grads.into_iter().flat_map(LayerGrads::into_list));
+    all.extend([dfinal, dout]);
+    let host = ops.all_to_host(all.into_iter().zip(lens).collect())?;
+    Params::from_tensors(cfg, host).map_err(shape_err)
 }
 
 // ===================================================================================================
