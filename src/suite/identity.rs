@@ -42,7 +42,10 @@ pub const IDENTITY_DEFAULTS: &str = r#"{
   }
 }"#;
 
-/// The id of one planned run: `<config>-s<seed>-<hash>` ([`format_run_id`]) of [`identity_text`].
+/// The id of one planned run, `<config>-s<seed>-<hash>` ([`format_run_id`]). The rule: the hash
+/// is over [`identity_text`], what the run computes as JSON with object keys sorted and every
+/// field at its [`IDENTITY_DEFAULTS`] value left out, so a version that adds a setting at its
+/// old-behaviour value keeps every id, and any other value gives a new one.
 pub fn run_id(
     s: &SuiteSpec,
     config: &str,
