@@ -151,6 +151,7 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     if args.reingest {
         return reingest_cmd(&s, &runs, args);
     }
+    note_unplanned_runs(&s, &runs, &args.store);
     if args.executor == Executor::Slurm {
         return super::slurm::run(args, &s, &runs);
     }
@@ -158,6 +159,26 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
         bail!("{flag} only applies with --executor slurm");
     }
     run_local(&s, &runs, args)
+}
+
+/// Say so when the suite's folder holds runs that are not runs of the suite as it is now (an
+/// edited suite, or an older lockstep's run ids), so a rerun of all of it is not a surprise.
+fn note_unplanned_runs(
+    s: &lockstep::suite::SuiteSpec,
+    runs: &[lockstep::suite::RunSpec],
+    store: &std::path::Path,
+) {
+    let Ok(root) = suite_dir(store, &s.name) else {
+        return;
+    };
+    let other = lockstep::suite::runner::unplanned_runs(&root, runs);
+    if let Some(first) = other.first() {
+        eprintln!(
+            "note: {} run folder(s) in {} are not runs of this suite as it is now (e.g. {first}): an edited suite, or run ids of an older lockstep (README, \"Upgrading\"); they do not count as done, `compare` ignores them, `report` still draws them",
+            other.len(),
+            root.display()
+        );
+    }
 }
 
 /// Run `runs` (planned runs of suite `s`) on this machine with `args`' workers and devices;

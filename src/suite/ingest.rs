@@ -26,8 +26,9 @@
 //! together or not at all ([`crate::io::atomic::write_dirs`]). A metadata `status` of `failed`,
 //! `timeout`, `diverged` or `running` is kept (a `running` run is not finished, so never `ok`).
 
+use super::identity::format_run_id;
 use super::metrics::{MetricsMapping, MetricsRead, read_metrics};
-use super::plan::{RunSpec, format_run_id};
+use super::plan::RunSpec;
 use super::runner::suite_dir;
 use super::spec::SuiteSpec;
 use crate::io::{IoError, atomic};
@@ -370,6 +371,7 @@ pub fn ingest_tree(
                 "no metric rows found; check [metrics] files and step in the mapping",
             ));
         }
+        // Plain values only, which no upgrade adds fields to, so imported runs keep their ids.
         let identity =
             serde_json::to_string(&("ingest", &run.config, run.seed, &run.rel)).unwrap_or_default();
         let run_id = format_run_id(&run.config, run.seed, &identity);

@@ -5,6 +5,7 @@
 pub mod builtin;
 pub mod command;
 pub mod frameworks;
+pub mod identity;
 pub mod ingest;
 pub mod interrupt;
 pub mod metrics;

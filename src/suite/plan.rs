@@ -1,5 +1,6 @@
 //! Suite → run list: configurations x sweep combinations x seeds, each resolved to a complete
-//! [`RunConfig`] whose hash is the run id (so a rerun finds finished runs by id).
+//! [`RunConfig`] whose hash is the run id (so a rerun finds finished runs by id; see
+//! [`super::identity`]).
 
 use super::spec::{ConfigSpec, SuiteError, SuiteSpec};
 use crate::engine::model::ModelConfig;
@@ -8,7 +9,6 @@ use crate::engine::trainer::{ContractBreak, GrpoConfig};
 use crate::recipe::{BackwardMode, LayerCount, Precision, Recipe, Rule};
 use crate::suite::builtin::RunConfig;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 
 /// One run of a suite.
@@ -374,7 +374,7 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                     format!("{} {}", c.name, label(&axes))
                 };
                 let (env, vars) = merged_env_vars(s, c);
-                let run_id = run_id(s, &config, &run, &env, &vars);
+                let run_id = super::identity::run_id(s, &config, &run, &env, &vars);
                 let spec = RunSpec {
                     config,
                     base: c.name.clone(),
@@ -416,51 +416,6 @@ fn merged_env_vars(
         .unwrap_or_default();
     vars.extend(c.vars.clone());
     (env, vars)
-}
-
-/// Hash of everything that determines what a run does: engine, configuration and its name, the
-/// resolved workload and recipe, seed, environment and placeholder values, and for the command
-/// engine the launcher's argv template. Not the timeout, the kill grace or the metrics mapping:
-/// changing how long to wait or how to read the output does not make finished runs stale (re-read
-/// them with `lockstep run --reingest`).
-fn run_id(
-    s: &SuiteSpec,
-    config: &str,
-    run: &RunConfig,
-    env: &BTreeMap<String, String>,
-    vars: &BTreeMap<String, String>,
-) -> String {
-    let launcher = s
-        .command
-        .as_ref()
-        .map(|c| serde_json::to_string(&serde_json::json!({ "argv": c.argv })).unwrap_or_default());
-    let text =
-        serde_json::to_string(&(&s.engine, config, run, env, vars, &launcher)).unwrap_or_default();
-    format_run_id(config, run.seed, &text)
-}
-
-/// Longest configuration slug kept in a run id, so the id (slug, seed, hash) stays a valid file
-/// name however long the configuration's name is; the hash keeps truncated ids distinct.
-const MAX_SLUG: usize = 96;
-
-/// `<config slug>-s<seed>-<12 hex of sha256(identity)>`: readable, and safe as a path component
-/// whatever the configuration is called (anything but ASCII letters, digits and `-` becomes `_`).
-pub fn format_run_id(config: &str, seed: u64, identity: &str) -> String {
-    let h: [u8; 32] = Sha256::digest(identity.as_bytes()).into();
-    let hex: String = h[..6].iter().map(|b| format!("{b:02x}")).collect();
-    let slug: String = config
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    let slug = slug.trim_matches('_');
-    let slug = &slug[..slug.len().min(MAX_SLUG)];
-    format!("{slug}-s{seed}-{hex}")
 }
 
 #[cfg(test)]

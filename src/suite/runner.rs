@@ -109,6 +109,25 @@ pub fn is_finished(dir: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// The run folders in a suite's folder `root` that none of `runs` names, sorted: runs of an edited
+/// suite, or runs made before an upgrade that changed run ids. A rerun does not take them for
+/// finished runs of the suite, and `compare` ignores them, so a store holding them is reported.
+pub fn unplanned_runs(root: &Path, runs: &[RunSpec]) -> Vec<String> {
+    let planned: std::collections::BTreeSet<&str> =
+        runs.iter().map(|r| r.run_id.as_str()).collect();
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("manifest.json").is_file())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| !planned.contains(name.as_str()))
+        .collect();
+    out.sort();
+    out
+}
+
 /// An exclusive per-run lock; released on drop. The lock file holds its owner as `PID START`,
 /// START being the process start time (field 22 of `/proc/PID/stat`, clock ticks since boot), so
 /// a lock left by a killed process is taken over even when its pid now belongs to another live
