@@ -220,25 +220,114 @@ fn pairs<'a>(
         .collect()
 }
 
-/// The seed-level values of two arms on a metric: paired (same seeds, both coupled) or not.
+/// The seed-level values of two arms on a metric, paired or not.
 struct Sample {
     x: Vec<f64>,
     y: Vec<f64>,
+    /// The seeds behind `x` and `y` (the common seeds when paired).
     xs: Vec<u64>,
     ys: Vec<u64>,
-    paired: bool,
+    /// How the test pairs the arms (and so what it is called).
+    pairing: Pairing,
 }
 
-fn sample(a: &ClaimArm, b: &ClaimArm, metric: &str) -> Sample {
+/// Whether arms are paired seed by seed, and over which seeds.
+#[derive(Debug, Clone, PartialEq)]
+enum Pairing {
+    /// Welch: the arms are not coupled, or share too few seeds.
+    None,
+    /// Every arm ran the same seeds.
+    AllSeeds,
+    /// Over the seeds every arm ran: their count, and each arm's own count.
+    Common(usize, Vec<usize>),
+}
+
+impl Pairing {
+    fn paired(&self) -> bool {
+        *self != Pairing::None
+    }
+
+    /// The t test's name, e.g. "paired t over the 9 common seeds (of 12 and 9)".
+    fn test(&self, welch: &str) -> String {
+        match self {
+            Pairing::None => welch.to_string(),
+            Pairing::AllSeeds => "paired t over seeds".to_string(),
+            Pairing::Common(n, each) => {
+                let each: Vec<String> = each.iter().map(usize::to_string).collect();
+                format!(
+                    "paired t over the {n} common seeds (of {})",
+                    join_words(&each)
+                )
+            }
+        }
+    }
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_words(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [head @ .., last] => format!("{} and {last}", head.join(", ")),
+    }
+}
+
+/// The seeds every one of `arms` has a value for, ascending.
+fn common_seeds(arms: &[&[SeedValue]]) -> Vec<u64> {
+    let Some((first, rest)) = arms.split_first() else {
+        return Vec::new();
+    };
+    let mut seeds: Vec<u64> = first
+        .iter()
+        .map(|v| v.seed)
+        .filter(|s| rest.iter().all(|r| r.iter().any(|v| v.seed == *s)))
+        .collect();
+    seeds.sort_unstable();
+    seeds.dedup();
+    seeds
+}
+
+/// How arms on the built-in engine (coupled: one seed gives every configuration the same prompts
+/// and sampling stream) are paired: over the seeds they all ran, when those are enough for a
+/// verdict (sequential seeds often leave the baseline with more seeds than the others); else not.
+fn pairing_of(vals: &[&[SeedValue]], coupled: bool, min_seeds: usize) -> (Pairing, Vec<u64>) {
+    let common = common_seeds(vals);
+    if !coupled || common.len() < min_seeds.max(2) {
+        return (Pairing::None, common);
+    }
+    if vals.iter().all(|v| v.len() == common.len()) {
+        return (Pairing::AllSeeds, common);
+    }
+    let each = vals.iter().map(|v| v.len()).collect();
+    (Pairing::Common(common.len(), each), common)
+}
+
+/// The values of `vals` at `seeds`, in seed order.
+fn at_seeds(vals: &[SeedValue], seeds: &[u64]) -> Vec<f64> {
+    seeds
+        .iter()
+        .filter_map(|s| vals.iter().find(|v| v.seed == *s).map(|v| v.last))
+        .collect()
+}
+
+fn sample(a: &ClaimArm, b: &ClaimArm, metric: &str, min_seeds: usize) -> Sample {
     let (va, vb) = (a.metric(metric), b.metric(metric));
-    let xs: Vec<u64> = va.iter().map(|v| v.seed).collect();
-    let ys: Vec<u64> = vb.iter().map(|v| v.seed).collect();
+    let (pairing, common) = pairing_of(&[va, vb], a.coupled && b.coupled, min_seeds);
+    if pairing.paired() {
+        return Sample {
+            x: at_seeds(va, &common),
+            y: at_seeds(vb, &common),
+            xs: common.clone(),
+            ys: common,
+            pairing,
+        };
+    }
     Sample {
         x: va.iter().map(|v| v.last).collect(),
         y: vb.iter().map(|v| v.last).collect(),
-        paired: a.coupled && b.coupled && xs == ys && xs.len() >= 2,
-        xs,
-        ys,
+        xs: va.iter().map(|v| v.seed).collect(),
+        ys: vb.iter().map(|v| v.seed).collect(),
+        pairing,
     }
 }
 
@@ -251,16 +340,9 @@ fn diff_stats(x: &[f64], y: &[f64], paired: bool) -> (f64, f64, f64) {
     }
 }
 
-fn test_name(paired: bool, log: bool) -> String {
-    format!(
-        "{}{}",
-        if paired {
-            "paired t over seeds"
-        } else {
-            "Welch t"
-        },
-        if log { ", log scale" } else { "" }
-    )
+fn test_name(pairing: &Pairing, log: bool) -> String {
+    let log = if log { ", log scale" } else { "" };
+    format!("{}{log}", pairing.test("Welch t"))
 }
 
 fn inconclusive_row(config: &str, vs: &str, test: &str, scale: &str, reason: String) -> Row {
@@ -291,13 +373,13 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
     if let Predicate::SpikeRateHigher(site) = &c.predicate {
         return spike_row(a, b, site.as_deref(), s);
     }
-    let smp = sample(a, b, &c.metric);
+    let smp = sample(a, b, &c.metric, s.min_seeds);
     let n = smp.x.len().min(smp.y.len());
     if n < s.min_seeds {
         return inconclusive_row(
             &a.config,
             &b.config,
-            &test_name(smp.paired, false),
+            &test_name(&smp.pairing, false),
             "difference",
             format!(
                 "{} seed(s) of `{}` ({} has {}, {} has {}); at least {} per arm are needed",
@@ -321,7 +403,7 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
         return inconclusive_row(
             &a.config,
             &b.config,
-            &test_name(smp.paired, true),
+            &test_name(&smp.pairing, true),
             "fold",
             format!(
                 "`{}` has values <= 0, so no fold change exists; use expect = \"higher\" or \"lower\"",
@@ -337,8 +419,9 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
     } else {
         (smp.x.clone(), smp.y.clone())
     };
-    let (d, se, df) = diff_stats(&x, &y, smp.paired);
-    let raw = if smp.paired {
+    let paired = smp.pairing.paired();
+    let (d, se, df) = diff_stats(&x, &y, paired);
+    let raw = if paired {
         stats::paired_interval(&x, &y, s.alpha)
     } else {
         stats::welch_interval(&x, &y, s.alpha)
@@ -353,11 +436,14 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
     let (reproduced, p_against, reason) = match &c.predicate {
         Predicate::Equivalent(rule) => {
             let hib = s.higher_is_better(&c.metric);
-            let initials: Vec<f64> = b.metric(&c.metric).iter().map(|v| v.first).collect();
-            match analyze::resolve_margin(*rule, &smp.y, &initials, hib, &b.config) {
+            // A relative margin comes from every seed `vs` ran, paired or not.
+            let vb = b.metric(&c.metric);
+            let finals: Vec<f64> = vb.iter().map(|v| v.last).collect();
+            let initials: Vec<f64> = vb.iter().map(|v| v.first).collect();
+            match analyze::resolve_margin(*rule, &finals, &initials, hib, &b.config) {
                 Err(e) => (false, f64::NAN, e),
                 Ok((m, how)) => {
-                    let dec = analyze::decide(&x, &y, Some(m), hib, smp.paired, s);
+                    let dec = analyze::decide(&x, &y, Some(m), hib, paired, s);
                     let p = stats::above_p(d, se, df, m).min(stats::above_p(-d, se, df, m));
                     let reason = match rule {
                         MarginRule::Absolute(_) => dec.reason,
@@ -400,7 +486,7 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
             vs: b.config.clone(),
             seeds: smp.xs,
             vs_seeds: smp.ys,
-            test: test_name(smp.paired, log_scale),
+            test: test_name(&smp.pairing, log_scale),
             scale: if log_scale { "fold" } else { "difference" }.into(),
             interval,
             verdict: ClaimVerdict::Inconclusive,
@@ -576,18 +662,26 @@ fn trend_row(
             words,
         );
     }
-    let seeds0: Vec<u64> = vals[0].iter().map(|v| v.seed).collect();
-    let paired = picked.iter().all(|a| a.coupled)
-        && vals
-            .iter()
-            .all(|v| v.iter().map(|x| x.seed).eq(seeds0.iter().copied()));
-    let positive = vals.iter().all(|v| v.iter().all(|x| x.last > 0.0));
-    let log_scale = positive && analyze::is_kl_type(&c.metric);
-    let groups: Vec<Vec<f64>> = vals
+    let coupled = picked.iter().all(|a| a.coupled);
+    let (pairing, common) = pairing_of(&vals, coupled, s.min_seeds);
+    let paired = pairing.paired();
+    let raw_groups: Vec<Vec<f64>> = vals
         .iter()
         .map(|v| {
-            v.iter()
-                .map(|x| if log_scale { x.last.ln() } else { x.last })
+            if paired {
+                at_seeds(v, &common)
+            } else {
+                v.iter().map(|x| x.last).collect()
+            }
+        })
+        .collect();
+    let positive = raw_groups.iter().flatten().all(|x| *x > 0.0);
+    let log_scale = positive && analyze::is_kl_type(&c.metric);
+    let groups: Vec<Vec<f64>> = raw_groups
+        .into_iter()
+        .map(|g| {
+            g.into_iter()
+                .map(|x| if log_scale { x.ln() } else { x })
                 .collect()
         })
         .collect();
@@ -613,7 +707,7 @@ fn trend_row(
         stats::above_p(-slope, se, df, 0.0)
     };
     let seeds = if paired {
-        seeds0
+        common
     } else {
         picked
             .iter()
@@ -635,11 +729,7 @@ fn trend_row(
             vs_seeds: vec![],
             test: format!(
                 "{test}, {}{}",
-                if paired {
-                    "paired t over seeds"
-                } else {
-                    "Welch-Satterthwaite t"
-                },
+                pairing.test("Welch-Satterthwaite t"),
                 if log_scale { ", log scale" } else { "" }
             ),
             scale: scale.into(),
@@ -747,7 +837,11 @@ pub fn method(s: &CompareSettings) -> Vec<String> {
             "Claims (published findings): each is decided `reproduced`, `contradicted` or `inconclusive` from the same per-seed final-window values, with one-sided tests at alpha {} read off {level:.0} % intervals, and fewer than {} seeds per arm is inconclusive. `equivalent`: the comparison's TOST (paired or Welch) against the claim's margin, with the seeds the margin needs; contradicted when the interval lies wholly outside ±margin. `higher`/`lower`: the difference's interval (for KL-type metrics the log ratio's, i.e. a fold change of geometric means) wholly above or below 0; contradicted when it is wholly on the other side. `fold_within = [lo, hi]`: TOST on the log scale, the fold change's interval inside [lo, hi]; contradicted when wholly outside. `spike_rate_higher`: the exact conditional-binomial (Clopper-Pearson) interval of the spike rate ratio above 1; contradicted when the exact test says lower.",
             s.alpha, s.min_seeds
         ),
-        "Trends (`decreasing`/`increasing`): a linear contrast over the configurations' ranks in sweep order (scores centred on the middle rank), i.e. the least-squares slope of the per-configuration means per sweep step, on the log scale for KL-type metrics; paired t over seeds when every configuration ran the same seeds on the built-in engine (the contrast is taken seed by seed), else Welch-Satterthwaite. It tests a trend, not that every step goes down.".to_string(),
+        format!(
+            "Pairing: arms run on the built-in engine share each seed's prompts and sampling stream, so they are compared seed by seed (paired t) over the seeds all of them ran, when at least {} are common (with sequential seeds the baseline often ran more); the test's name gives how many seeds were paired and of how many. Otherwise, and for other engines, Welch's t over every seed of each arm.",
+            s.min_seeds.max(2)
+        ),
+        "Trends (`decreasing`/`increasing`): a linear contrast over the configurations' ranks in sweep order (scores centred on the middle rank), i.e. the least-squares slope of the per-configuration means per sweep step, on the log scale for KL-type metrics; paired as above (the contrast is taken seed by seed over the seeds every configuration ran), else Welch-Satterthwaite. It tests a trend, not that every step goes down.".to_string(),
         format!(
             "Several configurations in one claim: the claim is reproduced only when every configuration is (an intersection-union test: each at alpha, so the claim's false-reproduction rate stays at most {}); it is contradicted when Holm's step-down adjustment over its configurations' p-values against it still leaves one below alpha (family-wise error at most {}). Claims are not adjusted against each other: each claim holds its own error rate. On a night with sequential seeds the claims' tests are fixed-sample tests on the seeds the night reached. A claim changes the night's verdict only with `gate = true` (a contradicted gated claim is a regression).",
             s.alpha, s.alpha
@@ -890,6 +984,106 @@ mod tests {
             "{}",
             missing.evidence
         );
+    }
+
+    /// An arm with a value at each of `seeds`, from `value(seed)`.
+    fn arm_at(config: &str, seeds: &[u64], value: impl Fn(u64) -> f64, coupled: bool) -> ClaimArm {
+        let mut a = arm(config, &[], coupled);
+        a.seeds = seeds.to_vec();
+        let vals = seeds
+            .iter()
+            .map(|&seed| SeedValue {
+                seed,
+                last: value(seed),
+                first: value(seed),
+            })
+            .collect();
+        a.values.insert("train/train_rollout_kl".into(), vals);
+        a
+    }
+
+    /// A KL level per seed: a large shared nuisance (what one seed's prompts and sampling do to
+    /// every configuration) times a small configuration-specific noise, times `fold`.
+    fn coupled_kl(seed: u64, fold: f64, salt: u64) -> f64 {
+        let u = |k: u64| {
+            let h =
+                (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        1e-3 * fold * (2.0 * u(0)).exp() * (0.02 * u(salt + 1)).exp()
+    }
+
+    #[test]
+    fn coupled_arms_pair_on_the_seeds_they_share() {
+        let s = CompareSettings::default();
+        let base: Vec<u64> = (0..12).collect();
+        let fewer: Vec<u64> = (0..9).collect();
+        let make = |coupled: bool| {
+            vec![
+                arm_at("bf16", &base, |k| coupled_kl(k, 1.0, 1), coupled),
+                arm_at("nvfp4-dq", &fewer, |k| coupled_kl(k, 1.1, 2), coupled),
+            ]
+        };
+        let higher = claim(Predicate::Higher(true), &[], None);
+        let r = evaluate(std::slice::from_ref(&higher), &make(true), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        let row = &r.rows[0];
+        assert_eq!(
+            row.test,
+            "paired t over the 9 common seeds (of 9 and 12), log scale"
+        );
+        assert_eq!((row.seeds.len(), row.vs_seeds.len()), (9, 9));
+        assert!((1.05..1.15).contains(&row.interval.estimate), "{row:?}");
+        assert!(r.evidence.contains("9 common seeds"), "{}", r.evidence);
+        // The same values from an engine that does not couple seeds: Welch over all 12 and 9,
+        // which the shared nuisance drowns.
+        let r = evaluate(std::slice::from_ref(&higher), &make(false), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Inconclusive, "{r:?}");
+        assert_eq!(r.rows[0].test, "Welch t, log scale");
+        assert_eq!((r.rows[0].seeds.len(), r.rows[0].vs_seeds.len()), (9, 12));
+        // Fewer common seeds than a verdict needs: Welch over each arm's own seeds.
+        let apart = vec![
+            arm_at("bf16", &base, |k| coupled_kl(k, 1.0, 1), true),
+            arm_at(
+                "nvfp4-dq",
+                &[10, 11, 12, 13],
+                |k| coupled_kl(k, 1.1, 2),
+                true,
+            ),
+        ];
+        let r = evaluate(&[higher], &apart, &s).remove(0);
+        assert_eq!(r.rows[0].test, "Welch t, log scale");
+    }
+
+    #[test]
+    fn a_coupled_trend_pairs_on_the_seeds_every_configuration_ran() {
+        let s = CompareSettings::default();
+        let seeds = |n: u64| (0..n).collect::<Vec<u64>>();
+        let make = |coupled: bool| {
+            vec![
+                arm_at("a", &seeds(12), |k| coupled_kl(k, 1.0, 1), coupled),
+                arm_at("b", &seeds(9), |k| coupled_kl(k, 0.9, 2), coupled),
+                arm_at("c", &seeds(10), |k| coupled_kl(k, 0.8, 3), coupled),
+            ]
+        };
+        let trend = claim(
+            Predicate::Trend {
+                decreasing: true,
+                by: None,
+            },
+            &["a", "b", "c"],
+            None,
+        );
+        let r = evaluate(std::slice::from_ref(&trend), &make(true), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        assert_eq!(
+            r.rows[0].test,
+            "linear trend contrast on ranks, paired t over the 9 common seeds (of 12, 9 and 10), log scale"
+        );
+        assert_eq!(r.rows[0].seeds, seeds(9));
+        let r = evaluate(&[trend], &make(false), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Inconclusive, "{r:?}");
+        assert!(r.rows[0].test.contains("Welch-Satterthwaite"), "{r:?}");
     }
 
     #[test]
