@@ -223,16 +223,16 @@ fn coupled_arms_with_unequal_seeds_pair_on_the_common_ones() {
         "{rep} {con}"
     );
     assert!(rep > 0.02, "the test is not dead: {rep}");
-    // A true effect of half the seed-to-seed spread, which a shared per-seed nuisance hides from
+    // A true effect of 0.6 of the seed-to-seed spread, which a shared per-seed nuisance hides from
     // Welch: paired on the 9 common seeds it is found nearly always, unpaired rarely.
     let (paired, _) = rates(&c, 25, |r| {
-        with_extra_baseline_seeds(r, 9, 3, 0.95, 0.025, true)
+        with_extra_baseline_seeds(r, 9, 3, 0.95, 0.03, true)
     });
     let (welch, _) = rates(&c, 25, |r| {
-        with_extra_baseline_seeds(r, 9, 3, 0.95, 0.025, false)
+        with_extra_baseline_seeds(r, 9, 3, 0.95, 0.03, false)
     });
     assert!(
-        paired > 0.95 && welch < 0.6,
+        paired > 0.95 && welch < 0.5,
         "paired {paired}, Welch {welch}"
     );
 }
