@@ -4,7 +4,7 @@
 use super::spec::{ConfigSpec, SuiteError, SuiteSpec};
 use crate::engine::model::ModelConfig;
 use crate::engine::task::Task;
-use crate::engine::trainer::{ContractBreak, GrpoConfig};
+use crate::engine::trainer::{ContractBreak, GrpoConfig, MAX_POLICY_LAG};
 use crate::recipe::{BackwardMode, LayerCount, Precision, Recipe, Rule};
 use crate::suite::builtin::RunConfig;
 use serde::{Deserialize, Serialize};
@@ -258,6 +258,7 @@ fn check_workload(
             grpo.samples_per_prompt
         ));
     }
+    check_policy_lag(s, "workload.policy_lag", grpo.policy_lag)?;
     if grpo.max_response_tokens == 0 {
         return bad("workload.max_response_tokens = 0: must be at least 1".into());
     }
@@ -287,6 +288,17 @@ fn check_workload(
                 "seeds lists {seed} twice: each seed must appear once"
             ));
         }
+    }
+    Ok(())
+}
+
+/// A rollout may lag the trainer by 0 (synchronous) to [`MAX_POLICY_LAG`] steps.
+fn check_policy_lag(s: &SuiteSpec, what: &str, lag: usize) -> Result<(), SuiteError> {
+    if lag > MAX_POLICY_LAG {
+        return Err(invalid(
+            s,
+            format!("{what} = {lag}: must be in 0..={MAX_POLICY_LAG} (0 is synchronous)"),
+        ));
     }
     Ok(())
 }
@@ -323,6 +335,7 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     grpo.lr = w.lr.unwrap_or(grpo.lr);
     grpo.routing_replay = w.routing_replay.unwrap_or(grpo.routing_replay);
     grpo.eval_every = w.eval_every.unwrap_or(grpo.eval_every);
+    grpo.policy_lag = w.policy_lag.unwrap_or(0);
     check_workload(
         s,
         &model,
@@ -341,11 +354,16 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 None => ContractBreak::None,
                 Some(b) => parse_break(b).ok_or_else(|| invalid(s, format!("config `{}`: contract_break `{b}`: use none, per-tensor-nvfp4, shards:N or mxfp8-floor-scale", c.name)))?,
             };
+            let lag = c.policy_lag.unwrap_or(grpo.policy_lag);
+            check_policy_lag(s, &format!("config `{}`: policy_lag", c.name), lag)?;
             let template = RunConfig {
                 model: model.clone(),
                 task,
                 recipe,
-                grpo: grpo.clone(),
+                grpo: GrpoConfig {
+                    policy_lag: lag,
+                    ..grpo.clone()
+                },
                 warm_start: w.warm_start.clone().unwrap_or_default(),
                 contract_break: brk,
                 seed: 0,
@@ -620,6 +638,41 @@ mod tests {
                 .to_string();
             assert!(e.contains("names the run store folder"), "{name}: {e}");
         }
+    }
+
+    #[test]
+    fn policy_lag_reaches_the_run_config_and_is_range_checked() {
+        let suite = |workload: &str, config: &str| {
+            format!(
+                "name = \"t\"\nseeds = [0]\n[workload]\nsteps = 3\n{workload}\n[[configs]]\nname = \"x\"\nrecipe = \"bf16\"\n{config}\n"
+            )
+        };
+        let runs = |text: String| expand(&parse(&text, Path::new("t.toml")).unwrap());
+        let sync = runs(suite("", "")).unwrap().remove(0);
+        let zero = runs(suite("policy_lag = 0", "")).unwrap().remove(0);
+        let lag1 = runs(suite("policy_lag = 1", "")).unwrap().remove(0);
+        let over = runs(suite("policy_lag = 2", "policy_lag = 1"))
+            .unwrap()
+            .remove(0);
+        assert_eq!(sync.run.grpo.policy_lag, 0);
+        assert_eq!((lag1.run.grpo.policy_lag, over.run.grpo.policy_lag), (1, 1));
+        // Lag 0 is the synchronous run of before: same config, same id; a lag is another run.
+        assert_eq!(zero.run_id, sync.run_id);
+        assert_ne!(lag1.run_id, sync.run_id);
+        // The manifest holds the resolved config as this JSON: a lag is written, lag 0 left out.
+        let json = |r: &RunSpec| serde_json::to_value(&r.run).unwrap()["grpo"].clone();
+        assert_eq!(json(&lag1)["policy_lag"], 1);
+        assert!(json(&sync).get("policy_lag").is_none());
+        let e = runs(suite("policy_lag = 9", "")).unwrap_err().to_string();
+        assert!(
+            e.contains("workload.policy_lag = 9: must be in 0..=8"),
+            "{e}"
+        );
+        let e = runs(suite("", "policy_lag = 100")).unwrap_err().to_string();
+        assert!(
+            e.contains("config `x`: policy_lag = 100: must be in 0..=8"),
+            "{e}"
+        );
     }
 
     #[test]

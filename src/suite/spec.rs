@@ -12,12 +12,13 @@
 //! samples_per_prompt = 8
 //! max_response_tokens = 5
 //! steps = 30
+//! policy_lag = 0                  # rollouts sample from the policy this many steps old
 //! [workload.warm_start]           # optional: the supervised warm start's settings
 //! lr = 1e-3
 //! [[configs]]
 //! name = "nvfp4-dq"
 //! recipe = "nvfp4-dq"             # preset or recipe file (relative to the suite file)
-//! bf16_last = 2                   # optional overrides
+//! bf16_last = 2                   # optional overrides (also policy_lag)
 //! [sweep]                         # optional axes: every combination is run
 //! bf16_last = [2, 4, 8]
 //! [checks]                        # used by `lockstep compare`
@@ -156,6 +157,9 @@ pub struct Workload {
     pub routing_replay: Option<bool>,
     #[serde(default)]
     pub eval_every: Option<usize>,
+    /// Asynchronous RL: each rollout samples from the policy this many steps old (default 0).
+    #[serde(default)]
+    pub policy_lag: Option<usize>,
     /// The supervised warm start (`[workload.warm_start]`); every key optional. The defaults suit
     /// `tiny`; `small` needs `lr = 1e-3` (at 3e-3 it stays near 0 % on add:3).
     #[serde(default)]
@@ -186,6 +190,9 @@ pub struct ConfigSpec {
     /// none | per-tensor-nvfp4 | shards:N | mxfp8-floor-scale
     #[serde(default)]
     pub contract_break: Option<String>,
+    /// Overrides the workload's `policy_lag` for this configuration.
+    #[serde(default)]
+    pub policy_lag: Option<usize>,
     /// Environment variables for the command engine (the NVFP4 recipe is driven by them).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -233,7 +240,7 @@ const TOP_KEYS: [&str; 12] = [
     "ingest",
     "slurm",
 ];
-const OTHER_KEYS: [&str; 34] = [
+const OTHER_KEYS: [&str; 35] = [
     "model",
     "task",
     "prompts_per_step",
@@ -243,6 +250,7 @@ const OTHER_KEYS: [&str; 34] = [
     "lr",
     "routing_replay",
     "eval_every",
+    "policy_lag",
     "warm_start",
     "max_steps",
     "batch",
