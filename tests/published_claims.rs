@@ -455,6 +455,13 @@ expect = "lower"
 metric = "train/train_rollout_kl"
 configs = ["broken"]
 gate = true
+
+[[claims]]
+name = "per-token-codes"
+statement = "Per-token NVFP4 scales keep a token's codes independent of its batch."
+source = "field notes"
+expect = "batch_invariant"
+format = "nvfp4-per-token"
 "#;
 
 fn run(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
@@ -479,7 +486,7 @@ fn bad_claims_fail_suite_check_with_file_line_and_column() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    assert!(out.contains("3 claims"), "{out}");
+    assert!(out.contains("4 claims"), "{out}");
     let line_of = |text: &str, needle: &str| text[..text.find(needle).unwrap()].lines().count() + 1;
     for (from, to, says) in [
         (
@@ -493,6 +500,11 @@ fn bad_claims_fail_suite_check_with_file_line_and_column() {
             "did you mean `broken`",
         ),
         ("margin = 0.05\n", "margn = 0.05\n", "did you mean `margin`"),
+        (
+            "format = \"nvfp4-per-token\"",
+            "format = \"nvfp4-per-tokn\"",
+            "did you mean `nvfp4-per-token`",
+        ),
     ] {
         let text = SUITE.replacen(from, to, 1);
         let line = line_of(&text, to);
@@ -519,7 +531,7 @@ fn a_tiny_night_decides_its_claims_end_to_end() {
     // The gated wrong claim is contradicted, so the night fails.
     assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
     assert!(
-        stdout.contains("claims: 2 reproduced, 1 contradicted, 0 inconclusive"),
+        stdout.contains("claims: 3 reproduced, 1 contradicted, 0 inconclusive"),
         "{stdout}"
     );
     let cmp: serde_json::Value = serde_json::from_str(
@@ -543,6 +555,9 @@ fn a_tiny_night_decides_its_claims_end_to_end() {
     assert_eq!(row["seeds"].as_array().unwrap().len(), 4);
     assert!(row["interval"]["lo"].as_f64().unwrap() > 1.0, "{row}");
     assert_eq!(claim("broken-lowers-kl")["verdict"], "contradicted");
+    let codes = claim("per-token-codes");
+    assert_eq!(codes["verdict"], "reproduced", "{codes}");
+    assert_eq!(codes["rows"][0]["scale"], "tokens changed");
     let summary = std::fs::read_to_string(tmp.path().join("runs/claims/summary.md")).unwrap();
     assert!(
         summary.contains("**Findings**") && summary.contains("- contradicted `broken-lowers-kl`"),
@@ -580,7 +595,7 @@ fn the_findings_suite_passes_suite_check() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(
-        out.contains("65 runs") && out.contains("10 claims"),
+        out.contains("90 runs") && out.contains("17 claims"),
         "{out}"
     );
 }

@@ -9,7 +9,7 @@
 //! statement = "Train-rollout mismatch is higher than BF16's."   # the published words
 //! source = "Miles low-precision RL ablation, July 2026"         # where
 //! expect = "higher"          # equivalent | higher | lower | fold_within | spike_rate_higher
-//!                            # | decreasing | increasing
+//!                            # | decreasing | increasing | batch_invariant
 //! metric = "train/train_rollout_kl"        # every predicate but spike_rate_higher
 //! configs = ["mxfp8*", "nvfp4*"]           # names or globs (default: all but `vs`)
 //! vs = "bf16"                # what they are held against (default: the suite's baseline)
@@ -20,11 +20,15 @@
 //! # by = "bf16_last"         decreasing/increasing: order the configs by this sweep axis
 //! ```
 //!
+//! `expect = "batch_invariant"` with `format = "nvfp4-per-token"` (no metric, configs or vs) is
+//! decided on the quantizer alone, without runs: see [`quantizer`].
+//!
 //! [`parse`] reads and checks the table; this module decides. Every test is one-sided at the
 //! suite's alpha, so its interval is the comparison's two-sided `1 - 2·alpha` interval; see
 //! [`method`] for the tests and how several configurations of one claim are combined.
 
 pub mod parse;
+pub mod quantizer;
 
 pub use parse::{from_spec, parse};
 
@@ -52,6 +56,9 @@ pub enum Predicate {
         decreasing: bool,
         by: Option<String>,
     },
+    /// A token quantized in this activation format (a name in [`quantizer::FORMATS`]) comes out
+    /// the same alone and inside any batch.
+    BatchInvariant(String),
 }
 
 /// One `[[claims]]` entry, checked.
@@ -149,6 +156,10 @@ fn evaluate_one(c: &ClaimSpec, arms: &[ClaimArm], s: &CompareSettings) -> ClaimR
             let (row, words) = trend_row(c, arms, *decreasing, by.as_deref(), s);
             (row.into_iter().collect::<Vec<_>>(), words)
         }
+        Predicate::BatchInvariant(format) => (
+            vec![batch_invariant_row(format)],
+            format!("a token's {format} codes are the same alone and inside any batch"),
+        ),
         _ => {
             let pairs = pairs(c, arms, &vs_name, s);
             let rows: Vec<Row> = pairs.iter().map(|(a, b)| pair_row(c, a, b, s)).collect();
@@ -186,7 +197,7 @@ fn predicate_words(c: &ClaimSpec, vs: &str) -> String {
                 .map(|s| format!(" at {s}"))
                 .unwrap_or_default()
         ),
-        Predicate::Trend { .. } => String::new(),
+        Predicate::Trend { .. } | Predicate::BatchInvariant(_) => String::new(),
     }
 }
 
@@ -560,6 +571,49 @@ fn spike_row(a: &ClaimArm, b: &ClaimArm, site: Option<&str>, s: &CompareSettings
     }
 }
 
+/// A batch-invariance claim, decided by quantizing seeded random tokens alone and in batches: a
+/// single changed token contradicts it (p = 0: a counterexample, not a sample).
+fn batch_invariant_row(format: &str) -> Row {
+    let test = format!(
+        "{} random tokens of 256 quantized alone and in random batches of 2-16 (seeded)",
+        quantizer::TOKENS
+    );
+    let Some(fmt) = quantizer::format(format) else {
+        let why = format!("unknown format `{format}`");
+        return inconclusive_row(format, "", &test, "tokens changed", why);
+    };
+    let r = quantizer::batch_invariance(&fmt, quantizer::TOKENS, 0);
+    let share = r.changed as f64 / r.tokens as f64;
+    let reason = match r.first {
+        None => format!("all {} tokens identical alone and in a batch", r.tokens),
+        Some((b, at, differ)) => format!(
+            "{} of {} tokens changed with their batch (first: position {at} of {b}, {differ} of 256 values differ)",
+            r.changed, r.tokens
+        ),
+    };
+    let p_against = if r.changed > 0 { 0.0 } else { f64::NAN };
+    Row {
+        ev: ClaimEvidence {
+            config: format.to_string(),
+            vs: String::new(),
+            seeds: vec![],
+            vs_seeds: vec![],
+            test,
+            scale: "tokens changed".into(),
+            interval: Interval {
+                estimate: share,
+                lo: share,
+                hi: share,
+            },
+            verdict: ClaimVerdict::Inconclusive,
+            p_against,
+            reason,
+        },
+        reproduced: r.changed == 0,
+        p_against,
+    }
+}
+
 /// The configurations of a trend in order: as listed, or matched and ordered by a sweep axis.
 fn trend_arms<'a>(
     c: &ClaimSpec,
@@ -797,12 +851,18 @@ fn decide_claim(
                 } else {
                     format!("{} vs {}", r.ev.config, r.ev.vs)
                 };
+                // A quantizer claim runs no seeds; a counterexample needs no p-value.
+                let seeds = if r.ev.scale == "tokens changed" {
+                    String::new()
+                } else {
+                    format!(", {} seeds", r.ev.seeds.len())
+                };
+                let counted = r.ev.p_against > 0.0;
                 format!(
-                    "{who}: {} ({}, {} seeds{})",
+                    "{who}: {} ({}{seeds}{})",
                     r.ev.reason,
                     r.ev.test,
-                    r.ev.seeds.len(),
-                    if r.ev.verdict == ClaimVerdict::Contradicted {
+                    if r.ev.verdict == ClaimVerdict::Contradicted && counted {
                         format!(
                             ", against the claim at Holm-adjusted p = {:.3}",
                             r.ev.p_against
@@ -841,6 +901,7 @@ pub fn method(s: &CompareSettings) -> Vec<String> {
             "Pairing: arms run on the built-in engine share each seed's prompts and sampling stream, so they are compared seed by seed (paired t) over the seeds all of them ran, when at least {} are common (with sequential seeds the baseline often ran more); the test's name gives how many seeds were paired and of how many. Otherwise, and for other engines, Welch's t over every seed of each arm.",
             s.min_seeds.max(2)
         ),
+        "Quantizer claims (`batch_invariant`): decided on the quantizer alone, without runs: seeded random tokens (256 elements, magnitudes over six decades) are quantized alone and at a random position of random batches of 2 to 16 with the one quantizer (`formats::quantize`, row blocks along K); reproduced when every token's element codes, block scales and dequantized values are identical both ways, contradicted by the first token that differs.".to_string(),
         "Trends (`decreasing`/`increasing`): a linear contrast over the configurations' ranks in sweep order (scores centred on the middle rank), i.e. the least-squares slope of the per-configuration means per sweep step, on the log scale for KL-type metrics; paired as above (the contrast is taken seed by seed over the seeds every configuration ran), else Welch-Satterthwaite. It tests a trend, not that every step goes down.".to_string(),
         format!(
             "Several configurations in one claim: the claim is reproduced only when every configuration is (an intersection-union test: each at alpha, so the claim's false-reproduction rate stays at most {}); it is contradicted when Holm's step-down adjustment over its configurations' p-values against it still leaves one below alpha (family-wise error at most {}). Claims are not adjusted against each other: each claim holds its own error rate. On a night with sequential seeds the claims' tests are fixed-sample tests on the seeds the night reached. A claim changes the night's verdict only with `gate = true` (a contradicted gated claim is a regression).",
@@ -1084,6 +1145,36 @@ mod tests {
         let r = evaluate(&[trend], &make(false), &s).remove(0);
         assert_eq!(r.verdict, ClaimVerdict::Inconclusive, "{r:?}");
         assert!(r.rows[0].test.contains("Welch-Satterthwaite"), "{r:?}");
+    }
+
+    #[test]
+    fn batch_invariance_is_decided_on_the_quantizer_without_runs() {
+        let s = CompareSettings::default();
+        let decide = |format: &str| {
+            let mut c = claim(Predicate::BatchInvariant(format.into()), &[], None);
+            c.metric = String::new();
+            evaluate(&[c], &[], &s).remove(0)
+        };
+        let token = decide("nvfp4-per-token");
+        assert_eq!(token.verdict, ClaimVerdict::Reproduced, "{token:?}");
+        assert!(
+            token.evidence.contains("all 500 tokens identical")
+                && !token.evidence.contains("seeds,"),
+            "{}",
+            token.evidence
+        );
+        let tensor = decide("nvfp4-per-tensor");
+        assert_eq!(tensor.verdict, ClaimVerdict::Contradicted, "{tensor:?}");
+        assert!(
+            tensor.rows[0].interval.estimate > 0.5,
+            "{:?}",
+            tensor.rows[0]
+        );
+        assert!(
+            tensor.evidence.contains("tokens changed with their batch"),
+            "{}",
+            tensor.evidence
+        );
     }
 
     #[test]
