@@ -372,6 +372,7 @@ fn spec(shape: &Shape, labels: &[(String, String, BTreeMap<String, String>)]) ->
                 shared_experts_bf16: None,
                 contract_break: None,
                 policy_lag: None,
+                variants: Vec::new(),
                 env: BTreeMap::new(),
                 vars: BTreeMap::new(),
             })

@@ -303,6 +303,53 @@ fn check_policy_lag(s: &SuiteSpec, what: &str, lag: usize) -> Result<(), SuiteEr
     Ok(())
 }
 
+/// A configuration's points: every sweep combination, then each again with each of its
+/// variants' axes added.
+fn points(s: &SuiteSpec, c: &ConfigSpec) -> Result<Vec<BTreeMap<String, String>>, SuiteError> {
+    let sweep = combinations(s);
+    let mut out = sweep.clone();
+    for (i, v) in c.variants.iter().enumerate() {
+        let extra = v.axes();
+        if extra.is_empty() {
+            return Err(invalid(
+                s,
+                format!(
+                    "config `{}`: variants[{i}] changes nothing: give policy_lag or task, e.g. {{ policy_lag = 1 }}",
+                    c.name
+                ),
+            ));
+        }
+        out.extend(sweep.iter().map(|axes| {
+            let mut a = axes.clone();
+            a.extend(extra.clone());
+            a
+        }));
+    }
+    Ok(out)
+}
+
+/// The task of one point: its variant's, else the workload's.
+fn point_task(
+    s: &SuiteSpec,
+    c: &ConfigSpec,
+    axes: &BTreeMap<String, String>,
+    task: Task,
+) -> Result<Task, SuiteError> {
+    match axes.get("task") {
+        None => Ok(task),
+        Some(t) => t.parse().map_err(|e: crate::engine::task::TaskError| {
+            invalid(
+                s,
+                format!(
+                    "config `{}`: variants task: {}",
+                    c.name,
+                    crate::recipe::escape_controls(&e.to_string())
+                ),
+            )
+        }),
+    }
+}
+
 /// Expand and validate a suite (this is `lockstep suite check`).
 pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     let model = model_preset(&s.workload.model).ok_or_else(|| {
@@ -348,13 +395,26 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     }
     let mut out = Vec::new();
     for c in &s.configs {
-        for axes in combinations(s) {
+        for axes in points(s, c)? {
             let recipe = build_recipe(s, c, &axes)?;
+            let point = point_task(s, c, &axes, task)?;
+            let mut grpo = grpo.clone();
+            // Another task keeps the workload's room beyond the answer, not its length.
+            let room = grpo.max_response_tokens.saturating_sub(task.answer_len());
+            grpo.max_response_tokens = point.answer_len() + room;
+            let task = point;
+            if axes.contains_key("task") {
+                let seq = task.prompt_len().saturating_add(grpo.max_response_tokens);
+                check_workload(s, &model, &grpo, seq)?;
+            }
             let brk = match &c.contract_break {
                 None => ContractBreak::None,
                 Some(b) => parse_break(b).ok_or_else(|| invalid(s, format!("config `{}`: contract_break `{b}`: use none, per-tensor-nvfp4, shards:N or mxfp8-floor-scale", c.name)))?,
             };
-            let lag = c.policy_lag.unwrap_or(grpo.policy_lag);
+            let lag = match axes.get("policy_lag") {
+                Some(v) => v.parse().unwrap_or(usize::MAX),
+                None => c.policy_lag.unwrap_or(grpo.policy_lag),
+            };
             check_policy_lag(s, &format!("config `{}`: policy_lag", c.name), lag)?;
             let template = RunConfig {
                 model: model.clone(),
@@ -673,6 +733,60 @@ mod tests {
             e.contains("config `x`: policy_lag = 100: must be in 0..=8"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn variants_run_a_configuration_again_under_other_workload_conditions() {
+        let text = "name = \"t\"\nseeds = [0]\n[workload]\nsteps = 3\ntask = \"add:2\"\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\nvariants = [{ policy_lag = 2 }, { task = \"sort:4\" }]\n";
+        let runs = expand(&parse(text, Path::new("t.toml")).unwrap()).unwrap();
+        let names: Vec<&str> = runs.iter().map(|r| r.config.as_str()).collect();
+        assert_eq!(names, ["bf16", "bf16 [policy_lag=2]", "bf16 [task=sort:4]"]);
+        assert!(runs.iter().all(|r| r.base == "bf16"));
+        let (plain, lag, sort) = (&runs[0].run, &runs[1].run, &runs[2].run);
+        assert_eq!((plain.grpo.policy_lag, plain.task), (0, Task::Add(2)));
+        assert_eq!((lag.grpo.policy_lag, lag.task), (2, Task::Add(2)));
+        assert_eq!((sort.grpo.policy_lag, sort.task), (0, Task::Sort(4)));
+        // Another task keeps the workload's room beyond the answer (two tokens by default; here
+        // add:2's answer is 4 tokens, so 5 leaves one).
+        assert_eq!(
+            sort.grpo.max_response_tokens,
+            Task::Sort(4).answer_len() + 2
+        );
+        let one = text.replace("steps = 3", "steps = 3\nmax_response_tokens = 5");
+        let runs = expand(&parse(&one, Path::new("t.toml")).unwrap()).unwrap();
+        assert_eq!(runs[0].run.grpo.max_response_tokens, 5);
+        assert_eq!(
+            runs[2].run.grpo.max_response_tokens,
+            Task::Sort(4).answer_len() + 1
+        );
+        assert_eq!(runs[2].axes["task"], "sort:4");
+        for (variant, says) in [
+            (
+                "{ task = \"sort:1\" }",
+                "config `bf16`: variants task: unknown task `sort:1`",
+            ),
+            (
+                "{ policy_lag = 9 }",
+                "config `bf16`: policy_lag = 9: must be in 0..=8",
+            ),
+            ("{}", "variants[0] changes nothing"),
+        ] {
+            let bad = text.replace(
+                "[{ policy_lag = 2 }, { task = \"sort:4\" }]",
+                &format!("[{variant}]"),
+            );
+            let e = expand(&parse(&bad, Path::new("t.toml")).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("t.toml: ") && e.contains(says), "{e}");
+        }
+        let e = parse(
+            &text.replace("{ policy_lag = 2 }", "{ policy_lg = 2 }"),
+            Path::new("t.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("did you mean `policy_lag`"), "{e}");
     }
 
     #[test]

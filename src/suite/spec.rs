@@ -19,6 +19,7 @@
 //! name = "nvfp4-dq"
 //! recipe = "nvfp4-dq"             # preset or recipe file (relative to the suite file)
 //! bf16_last = 2                   # optional overrides (also policy_lag)
+//! variants = [{ policy_lag = 1 }, { task = "sort:4" }]   # also run as `nvfp4-dq [policy_lag=1]`...
 //! [sweep]                         # optional axes: every combination is run
 //! bf16_last = [2, 4, 8]
 //! [checks]                        # used by `lockstep compare`
@@ -193,6 +194,10 @@ pub struct ConfigSpec {
     /// Overrides the workload's `policy_lag` for this configuration.
     #[serde(default)]
     pub policy_lag: Option<usize>,
+    /// The configuration again under other workload conditions, each run as `NAME [key=value]`
+    /// and compared with the baseline's variant under the same conditions.
+    #[serde(default)]
+    pub variants: Vec<Variant>,
     /// Environment variables for the command engine (the NVFP4 recipe is driven by them).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -200,6 +205,34 @@ pub struct ConfigSpec {
     #[serde(default)]
     pub vars: BTreeMap<String, String>,
 }
+
+/// One variant of a configuration (`variants = [{ policy_lag = 1 }, { task = "sort:4" }]`): the
+/// workload keys it changes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    #[serde(default)]
+    pub policy_lag: Option<usize>,
+    #[serde(default)]
+    pub task: Option<String>,
+}
+
+impl Variant {
+    /// The variant as axes of its runs (`policy_lag`, `task`).
+    pub fn axes(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        if let Some(lag) = self.policy_lag {
+            out.insert("policy_lag".to_string(), lag.to_string());
+        }
+        if let Some(task) = &self.task {
+            out.insert("task".to_string(), task.clone());
+        }
+        out
+    }
+}
+
+/// Axes only variants set: a configuration named without them means its plain runs.
+pub const VARIANT_AXES: [&str; 2] = ["policy_lag", "task"];
 
 /// Sweep axes: each present axis multiplies the run list.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -240,7 +273,7 @@ const TOP_KEYS: [&str; 12] = [
     "ingest",
     "slurm",
 ];
-const OTHER_KEYS: [&str; 35] = [
+const OTHER_KEYS: [&str; 36] = [
     "model",
     "task",
     "prompts_per_step",
@@ -263,6 +296,7 @@ const OTHER_KEYS: [&str; 35] = [
     "backward",
     "shared_experts_bf16",
     "contract_break",
+    "variants",
     "env",
     "vars",
     "margin",

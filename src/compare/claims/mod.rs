@@ -118,16 +118,16 @@ impl ClaimArm {
     }
 }
 
-/// A configuration by full name, else by base name with the given sweep values, else the base's
-/// only sweep point (as checks resolve names).
+/// A configuration by base name with the given sweep and variant values (so a variant is held
+/// against the same variant of `vs`), else by full name, else the base's only sweep point.
 fn resolve<'a>(
     arms: &'a [ClaimArm],
     name: &str,
     axes: &BTreeMap<String, String>,
 ) -> Option<&'a ClaimArm> {
     arms.iter()
-        .find(|a| a.config == name)
-        .or_else(|| arms.iter().find(|a| a.base == name && &a.axes == axes))
+        .find(|a| a.base == name && &a.axes == axes)
+        .or_else(|| arms.iter().find(|a| a.config == name))
         .or_else(|| {
             let mut it = arms.iter().filter(|a| a.base == name);
             match (it.next(), it.next()) {
@@ -201,6 +201,23 @@ fn predicate_words(c: &ClaimSpec, vs: &str) -> String {
     }
 }
 
+/// Whether a claim's `configs` (names and globs) pick `arm`: by its full name, or by a pattern
+/// over its name or base (every sweep point of a base). A configuration's variants (other
+/// workload conditions: policy lag, task) are picked only by their full name, so a claim about
+/// `nvfp4-dq` stays a claim about its plain runs.
+fn picked(arm: &ClaimArm, names: &[String], matchers: &[globset::GlobMatcher]) -> bool {
+    if names.iter().any(|g| g == &arm.config) {
+        return true;
+    }
+    let variant = crate::suite::spec::VARIANT_AXES
+        .iter()
+        .any(|k| arm.axes.contains_key(*k));
+    !variant
+        && matchers
+            .iter()
+            .any(|m| m.is_match(&arm.config) || m.is_match(&arm.base))
+}
+
 /// The (configuration, what it is held against) pairs of a two-arm claim.
 fn pairs<'a>(
     c: &ClaimSpec,
@@ -218,10 +235,7 @@ fn pairs<'a>(
             if matchers.is_empty() {
                 a.base != s.baseline && a.base != vs && a.config != vs
             } else {
-                c.configs.iter().any(|g| g == &a.config)
-                    || matchers
-                        .iter()
-                        .any(|m| m.is_match(&a.config) || m.is_match(&a.base))
+                picked(a, &c.configs, &matchers)
             }
         })
         .filter_map(|a| {
@@ -637,12 +651,7 @@ fn trend_arms<'a>(
         .collect();
     let mut picked: Vec<(&ClaimArm, &String)> = arms
         .iter()
-        .filter(|a| {
-            c.configs.iter().any(|g| g == &a.config)
-                || matchers
-                    .iter()
-                    .any(|m| m.is_match(&a.config) || m.is_match(&a.base))
-        })
+        .filter(|a| picked(a, &c.configs, &matchers))
         .filter_map(|a| a.axes.get(axis).map(|v| (a, v)))
         .collect();
     let key = |v: &String| v.parse::<f64>().unwrap_or(f64::NAN);
@@ -1175,6 +1184,42 @@ mod tests {
             "{}",
             tensor.evidence
         );
+    }
+
+    #[test]
+    fn a_variant_is_held_against_the_baselines_variant_and_named_in_full() {
+        let s = CompareSettings::default();
+        let lagged = |a: &mut ClaimArm| {
+            a.config = format!("{} [policy_lag=1]", a.base);
+            a.axes = [("policy_lag".to_string(), "1".to_string())].into();
+        };
+        let mut bf16_lag = arm("bf16", &[1e-3, 1.2e-3, 0.9e-3, 1.1e-3], true);
+        let mut nv_lag = arm("nvfp4-dq", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true);
+        lagged(&mut bf16_lag);
+        lagged(&mut nv_lag);
+        let arms = vec![
+            arm("bf16", &[1e-4, 1.2e-4, 0.9e-4, 1.1e-4], true),
+            arm("nvfp4-dq", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true),
+            bf16_lag,
+            nv_lag,
+        ];
+        let higher = |configs: &[&str]| {
+            evaluate(&[claim(Predicate::Higher(true), configs, None)], &arms, &s).remove(0)
+        };
+        // The plain name picks the plain runs only.
+        let plain = higher(&["nvfp4-dq"]);
+        assert_eq!(plain.rows.len(), 1, "{plain:?}");
+        assert_eq!(plain.rows[0].vs, "bf16");
+        // The variant, named in full, is held against BF16's variant (about 4x, not 40x).
+        let lag = higher(&["nvfp4-dq [policy_lag=1]"]);
+        assert_eq!(lag.rows.len(), 1, "{lag:?}");
+        assert_eq!(lag.rows[0].vs, "bf16 [policy_lag=1]");
+        assert!(
+            (3.0..5.0).contains(&lag.rows[0].interval.estimate),
+            "{lag:?}"
+        );
+        // A pattern does not reach variants either.
+        assert_eq!(higher(&["nvfp4*"]).rows.len(), 1);
     }
 
     #[test]
