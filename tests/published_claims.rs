@@ -595,7 +595,7 @@ fn the_findings_suite_passes_suite_check() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(
-        out.contains("90 runs") && out.contains("17 claims"),
+        out.contains("100 runs") && out.contains("19 claims"),
         "{out}"
     );
 }
