@@ -38,6 +38,7 @@ fn slack(p: f64, sims: usize) -> f64 {
 
 fn arm(config: &str, metric: &str, vals: &[f64], coupled: bool) -> ClaimArm {
     ClaimArm {
+        weight_bytes: None,
         config: config.into(),
         base: config.into(),
         axes: BTreeMap::new(),

@@ -109,6 +109,8 @@ pub struct ClaimArm {
     pub coupled: bool,
     /// Metric → per-seed values (finite, seed order).
     pub values: BTreeMap<String, Vec<SeedValue>>,
+    /// Stored bytes of the model's matmul weights under the configuration's recipe, when known.
+    pub weight_bytes: Option<f64>,
     pub spikes: Vec<SiteSpikes>,
 }
 
@@ -491,7 +493,7 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
                 stats::above_p(d, se, df, 0.0)
             };
             let what = if log_scale { "fold" } else { "difference" };
-            (ok, p, format!("{what} {shown}"))
+            (ok, p, format!("{what} {shown}{}", weight_cost(a, b)))
         }
         Predicate::FoldWithin(lo, hi) => {
             let (llo, lhi) = (lo.ln(), hi.ln());
@@ -521,6 +523,26 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
         reproduced,
         p_against,
     }
+}
+
+/// What `a`'s precision choices cost in weight memory over `b`'s (nothing when equal or unknown),
+/// e.g. a BF16 shared expert against an NVFP4 one.
+fn weight_cost(a: &ClaimArm, b: &ClaimArm) -> String {
+    let (Some(wa), Some(wb)) = (a.weight_bytes, b.weight_bytes) else {
+        return String::new();
+    };
+    if wa == wb || wb <= 0.0 {
+        return String::new();
+    }
+    let kib = |v: f64| format!("{:.0} KiB", v / 1024.0);
+    format!(
+        "; matmul weights {} against {}: {}{}, {:+.1} % of the model's",
+        kib(wa),
+        kib(wb),
+        if wa > wb { "+" } else { "−" },
+        kib((wa - wb).abs()),
+        100.0 * (wa - wb) / wb
+    )
 }
 
 /// An estimate with its interval, as a fold (`2.1x [1.5x, 3.0x]`) or a difference.
@@ -1220,6 +1242,33 @@ mod tests {
         );
         // A pattern does not reach variants either.
         assert_eq!(higher(&["nvfp4*"]).rows.len(), 1);
+    }
+
+    #[test]
+    fn a_higher_or_lower_claim_says_what_its_precision_costs_in_weight_memory() {
+        let s = CompareSettings::default();
+        let mut shared_bf16 = arm("nvfp4-dq", &[1e-3, 1.2e-3, 0.9e-3, 1.1e-3], true);
+        let mut shared_fp4 = arm("shared-fp4", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true);
+        shared_bf16.weight_bytes = Some(1.1 * 1024.0 * 1024.0);
+        shared_fp4.weight_bytes = Some(1024.0 * 1024.0);
+        let r = evaluate(
+            &[claim(
+                Predicate::Higher(false),
+                &["nvfp4-dq"],
+                Some("shared-fp4"),
+            )],
+            &[shared_bf16, shared_fp4],
+            &s,
+        )
+        .remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        assert!(
+            r.evidence.contains(
+                "matmul weights 1126 KiB against 1024 KiB: +102 KiB, +10.0 % of the model's"
+            ),
+            "{}",
+            r.evidence
+        );
     }
 
     #[test]
