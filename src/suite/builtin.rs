@@ -234,6 +234,38 @@ mod tests {
     }
 
     #[test]
+    fn a_lagged_run_says_so_in_its_manifest_and_differs_from_step_1() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = |lag: usize| {
+            let mut cfg = config(crate::recipe::presets::preset("nvfp4-dq").unwrap());
+            cfg.model = ModelConfig::tiny();
+            cfg.task = Task::Add(2);
+            cfg.steps = 3;
+            cfg.warm_start.max_steps = 30;
+            cfg.grpo = GrpoConfig {
+                max_response_tokens: 5,
+                eval_every: 0,
+                lr: 1e-2,
+                policy_lag: lag,
+                ..GrpoConfig::default()
+            };
+            let out = tmp.path().join(format!("lag{lag}"));
+            let cache = tmp.path().join("cache");
+            let be = crate::engine::backend::CpuBackend;
+            run_one(&be, &cfg, "r", &out, Some(&cache), |_| {}).unwrap();
+            let dir = RunDir::open(&out);
+            (dir.read_manifest().unwrap(), dir.read_scalars().unwrap())
+        };
+        let ((sync_m, sync), (lag_m, lag)) = (run(0), run(1));
+        assert_eq!(lag_m.config["grpo"]["policy_lag"], 1);
+        assert!(sync_m.config["grpo"].get("policy_lag").is_none());
+        let kl = |r: &[StepRecord], step: usize| r[step].get("train/train_rollout_kl").unwrap();
+        // Step 0 samples the same weights either way; step 1 of the lagged run samples step 0's.
+        assert_eq!(kl(&sync, 0).to_bits(), kl(&lag, 0).to_bits());
+        assert_ne!(kl(&sync, 1).to_bits(), kl(&lag, 1).to_bits());
+    }
+
+    #[test]
     fn weight_bytes_count_each_sites_format() {
         let preset = |n: &str| crate::recipe::presets::preset(n).unwrap();
         let m = ModelConfig::small();
