@@ -539,7 +539,7 @@ fn weight_cost(a: &ClaimArm, b: &ClaimArm) -> String {
         "; matmul weights {} against {}: {}{}, {:+.1} % of the model's",
         kib(wa),
         kib(wb),
-        if wa > wb { "+" } else { "−" },
+        if wa > wb { "+" } else { "-" },
         kib((wa - wb).abs()),
         100.0 * (wa - wb) / wb
     )
