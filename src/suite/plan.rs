@@ -350,6 +350,37 @@ fn point_task(
     }
 }
 
+/// The task and GRPO settings of one point of a configuration: the workload's, with the
+/// configuration's `policy_lag` and its variant's task and lag applied, checked.
+fn point_workload(
+    s: &SuiteSpec,
+    c: &ConfigSpec,
+    axes: &BTreeMap<String, String>,
+    model: &ModelConfig,
+    task: Task,
+    grpo: &GrpoConfig,
+) -> Result<(Task, GrpoConfig), SuiteError> {
+    let point = point_task(s, c, axes, task)?;
+    let mut grpo = grpo.clone();
+    // Another task keeps the workload's room beyond the answer, not its length.
+    let room = grpo.max_response_tokens.saturating_sub(task.answer_len());
+    grpo.max_response_tokens = point.answer_len() + room;
+    if point != task {
+        let seq = point.prompt_len().saturating_add(grpo.max_response_tokens);
+        check_workload(s, model, &grpo, seq)?;
+    }
+    grpo.policy_lag = match axes.get("policy_lag") {
+        Some(v) => v.parse().unwrap_or(usize::MAX),
+        None => c.policy_lag.unwrap_or(grpo.policy_lag),
+    };
+    check_policy_lag(
+        s,
+        &format!("config `{}`: policy_lag", c.name),
+        grpo.policy_lag,
+    )?;
+    Ok((point, grpo))
+}
+
 /// Expand and validate a suite (this is `lockstep suite check`).
 pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     let model = model_preset(&s.workload.model).ok_or_else(|| {
@@ -397,33 +428,16 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     for c in &s.configs {
         for axes in points(s, c)? {
             let recipe = build_recipe(s, c, &axes)?;
-            let point = point_task(s, c, &axes, task)?;
-            let mut grpo = grpo.clone();
-            // Another task keeps the workload's room beyond the answer, not its length.
-            let room = grpo.max_response_tokens.saturating_sub(task.answer_len());
-            grpo.max_response_tokens = point.answer_len() + room;
-            let task = point;
-            if axes.contains_key("task") {
-                let seq = task.prompt_len().saturating_add(grpo.max_response_tokens);
-                check_workload(s, &model, &grpo, seq)?;
-            }
+            let (task, grpo) = point_workload(s, c, &axes, &model, task, &grpo)?;
             let brk = match &c.contract_break {
                 None => ContractBreak::None,
                 Some(b) => parse_break(b).ok_or_else(|| invalid(s, format!("config `{}`: contract_break `{b}`: use none, per-tensor-nvfp4, shards:N or mxfp8-floor-scale", c.name)))?,
             };
-            let lag = match axes.get("policy_lag") {
-                Some(v) => v.parse().unwrap_or(usize::MAX),
-                None => c.policy_lag.unwrap_or(grpo.policy_lag),
-            };
-            check_policy_lag(s, &format!("config `{}`: policy_lag", c.name), lag)?;
             let template = RunConfig {
                 model: model.clone(),
                 task,
                 recipe,
-                grpo: GrpoConfig {
-                    policy_lag: lag,
-                    ..grpo.clone()
-                },
+                grpo,
                 warm_start: w.warm_start.clone().unwrap_or_default(),
                 contract_break: brk,
                 seed: 0,
