@@ -7,17 +7,21 @@
 //! - a true effect is `reproduced` at about the power the seed count was chosen for;
 //! - a reversed effect is `contradicted`.
 //!
-//! Then end to end: claims in a suite file, decided by `compare_data` into compare.json's
-//! structure; bad claims refused by `lockstep suite check` with file:line:col and exit 2; and a
+//! Then end to end: claims decided by `compare_data` from simulated built-in runs (unequal seed
+//! counts paired on the common seeds, a variant held against BF16's same variant); claims in a
+//! suite file decided into compare.json's structure; bad claims refused by `lockstep suite check` with file:line:col and exit 2; and a
 //! tiny-model night whose claims come out as the engine's known effects say.
 //!
 //! Binomial slack: an observed rate may exceed the stated one by 2.33 standard errors (one-sided
 //! 99 %).
 
+use lockstep::compare::analyze::{CompareOptions, compare_data};
 use lockstep::compare::claims::{ClaimArm, ClaimSpec, Predicate, SeedValue, SiteSpikes, evaluate};
+use lockstep::compare::data::RunData;
 use lockstep::compare::settings::MarginRule;
 use lockstep::compare::stats::seeds_needed;
 use lockstep::compare::{ClaimVerdict, CompareSettings};
+use lockstep::store::RunStatus;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
@@ -236,6 +240,87 @@ fn coupled_arms_with_unequal_seeds_pair_on_the_common_ones() {
         paired > 0.95 && welch < 0.5,
         "paired {paired}, Welch {welch}"
     );
+}
+
+/// A built-in run whose final KL is `level · exp(nuisance of the seed + small noise)`.
+fn kl_run(config: &str, axes: &[(&str, &str)], seed: u64, level: f64) -> RunData {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let nuisance = normal(&mut rng); // shared by every configuration of this seed
+    let mut own = ChaCha8Rng::seed_from_u64(seed ^ config.len() as u64 ^ 0x5eed);
+    let pts = (0..10)
+        .map(|t| (t, level * (nuisance + 0.02 * normal(&mut own)).exp()))
+        .collect();
+    let axes: BTreeMap<String, String> = axes
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let name = if axes.is_empty() {
+        config.to_string()
+    } else {
+        let label: Vec<String> = axes.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        format!("{config} [{}]", label.join(", "))
+    };
+    RunData {
+        run_id: format!("{name}-s{seed}"),
+        config: name,
+        base: config.into(),
+        axes,
+        seed,
+        engine: "builtin".into(),
+        status: RunStatus::Ok,
+        metrics: [("train/train_rollout_kl".to_string(), pts)].into(),
+        layers: vec![],
+        events: vec![],
+        contract_steps: 0,
+        contract_violations: 0,
+        weight_bytes: None,
+        path: Default::default(),
+    }
+}
+
+#[test]
+fn a_night_pairs_unequal_seed_counts_and_holds_variants_against_bf16s_variant() {
+    // BF16 ran 12 seeds, as sequential seeds leave it, the others 9; a 10 % KL effect under a
+    // seed-to-seed spread of about 2.7x, which only pairing resolves.
+    let lag = [("policy_lag", "1")];
+    let mut runs = Vec::new();
+    for seed in 0..12 {
+        runs.push(kl_run("bf16", &[], seed, 1e-4));
+        runs.push(kl_run("bf16", &lag, seed, 1e-3));
+    }
+    for seed in 0..9 {
+        runs.push(kl_run("nvfp4-dq", &[], seed, 1.1e-4));
+        runs.push(kl_run("nvfp4-dq", &lag, seed, 1.1e-3));
+    }
+    let mut s = CompareSettings::default();
+    s.metrics = Some(vec!["train/train_rollout_kl".into()]);
+    let mut c = claim("train/train_rollout_kl", Predicate::Higher(true), &[]);
+    c.configs = vec!["nvfp4-dq".into()];
+    let mut lagged = c.clone();
+    lagged.name = "lagged".into();
+    lagged.configs = vec!["nvfp4-dq [policy_lag=1]".into()];
+    s.claims = vec![c, lagged];
+    let opts = CompareOptions {
+        bootstrap_reps: Some(200),
+        band_reps: Some(20),
+        ..Default::default()
+    };
+    let cmp = compare_data("sim", &runs, &s, &opts).unwrap();
+    for (claim, vs) in cmp.claims.iter().zip(["bf16", "bf16 [policy_lag=1]"]) {
+        assert_eq!(claim.verdict, ClaimVerdict::Reproduced, "{claim:?}");
+        assert_eq!(
+            claim.rows.len(),
+            1,
+            "a plain name leaves the variant out: {claim:?}"
+        );
+        let row = &claim.rows[0];
+        assert_eq!(row.vs, vs);
+        assert_eq!(
+            row.test,
+            "paired t over the 9 common seeds (of 9 and 12), log scale"
+        );
+        assert!((1.05..1.15).contains(&row.interval.estimate), "{row:?}");
+    }
 }
 
 #[test]
