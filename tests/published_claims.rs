@@ -292,14 +292,16 @@ fn a_night_pairs_unequal_seed_counts_and_holds_variants_against_bf16s_variant() 
         runs.push(kl_run("nvfp4-dq", &[], seed, 1.1e-4));
         runs.push(kl_run("nvfp4-dq", &lag, seed, 1.1e-3));
     }
-    let mut s = CompareSettings::default();
-    s.metrics = Some(vec!["train/train_rollout_kl".into()]);
     let mut c = claim("train/train_rollout_kl", Predicate::Higher(true), &[]);
     c.configs = vec!["nvfp4-dq".into()];
     let mut lagged = c.clone();
     lagged.name = "lagged".into();
     lagged.configs = vec!["nvfp4-dq [policy_lag=1]".into()];
-    s.claims = vec![c, lagged];
+    let s = CompareSettings {
+        metrics: Some(vec!["train/train_rollout_kl".into()]),
+        claims: vec![c, lagged],
+        ..Default::default()
+    };
     let opts = CompareOptions {
         bootstrap_reps: Some(200),
         band_reps: Some(20),
