@@ -18,6 +18,7 @@
 //! # fold = [0.67, 1.5]                                        fold_within
 //! # site = "*experts*"                                        spike_rate_higher (default: all)
 //! # by = "bf16_last"         decreasing/increasing: order the configs by this sweep axis
+//! # format = "nvfp4-per-token"                                batch_invariant
 //! ```
 //!
 //! `expect = "batch_invariant"` with `format = "nvfp4-per-token"` (no metric, configs or vs) is
