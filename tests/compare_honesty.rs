@@ -60,6 +60,7 @@ fn run(
         events: vec![],
         contract_steps: 0,
         contract_violations: 0,
+        weight_bytes: None,
         path: Default::default(),
     }
 }

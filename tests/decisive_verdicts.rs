@@ -263,6 +263,7 @@ fn sim_run(config: &str, engine: &str, seed: u64, sh: &Shape, rng: &mut ChaCha8R
         events: vec![],
         contract_steps: 0,
         contract_violations: 0,
+        weight_bytes: None,
         path: Default::default(),
     }
 }

@@ -8,7 +8,9 @@ use lockstep::engine::trainer::{ContractBreak, GrpoConfig};
 use lockstep::engine::warmstart::WarmStartConfig;
 use lockstep::recipe::{Precision, Site, file::load};
 use lockstep::store::RunStatus;
-use lockstep::suite::builtin::{RunConfig, default_cache, run_one, step_line};
+use lockstep::suite::builtin::{
+    RunConfig, default_cache, run_one, site_weights, step_line, stored_bytes,
+};
 use std::path::PathBuf;
 
 /// A model preset name.
@@ -169,7 +171,7 @@ pub fn recipe_cmd(cmd: &RecipeCommand) -> Result<bool> {
         print!(" {:>16}", i);
     }
     println!();
-    let (d, e, f, fs) = (cfg.d_model, cfg.n_experts, cfg.d_ff, cfg.d_ff_shared);
+    let d = cfg.d_model;
     let mut bytes: std::collections::BTreeMap<&str, (usize, f64)> = Default::default();
     for s in Site::ALL {
         print!("{:<32}", s.suffix());
@@ -181,23 +183,10 @@ pub fn recipe_cmd(cmd: &RecipeCommand) -> Result<bool> {
                 format!("{}/{}", p.precision.label(), short(p.backward.label()))
             };
             print!(" {:>16}", cell);
-            let n = match s {
-                Site::LinearQkv => 3 * d * d,
-                Site::LinearProj => d * d,
-                Site::Router => e * d,
-                Site::ExpertsFc1 => e * 2 * f * d,
-                Site::ExpertsFc2 => e * d * f,
-                Site::SharedFc1 => 2 * fs * d,
-                Site::SharedFc2 => d * fs,
-            };
-            let tensors = if matches!(s, Site::ExpertsFc1 | Site::ExpertsFc2) {
-                e
-            } else {
-                1
-            };
+            let (n, tensors) = site_weights(&cfg, s);
             let entry = bytes.entry(p.precision.label()).or_default();
             entry.0 += n;
-            entry.1 += weight_bytes(p.precision, n, tensors);
+            entry.1 += stored_bytes(p.precision, n, tensors);
         }
         println!();
     }
@@ -205,7 +194,7 @@ pub fn recipe_cmd(cmd: &RecipeCommand) -> Result<bool> {
     println!("{:<32} {:>16}", "output_layer", out.precision.label());
     let entry = bytes.entry(out.precision.label()).or_default();
     entry.0 += cfg.vocab * d;
-    entry.1 += weight_bytes(out.precision, cfg.vocab * d, 1);
+    entry.1 += stored_bytes(out.precision, cfg.vocab * d, 1);
     println!(
         "\nbackward: hp = high-precision, dq = dequantized, q = quantized. NVFP4 activations: {:?}, shards {}",
         recipe.nvfp4_activation_scale, recipe.nvfp4_shards
@@ -231,18 +220,6 @@ fn short(b: &str) -> &str {
         "high-precision" => "hp",
         "dequantized" => "dq",
         _ => "q",
-    }
-}
-
-/// Stored bytes of `n` weights in `tensors` tensors at a precision.
-fn weight_bytes(p: Precision, n: usize, tensors: usize) -> f64 {
-    let n = n as f64;
-    match p {
-        Precision::Fp32 => 4.0 * n,
-        Precision::Bf16 => 2.0 * n,
-        Precision::Mxfp8 => n + n / 32.0,
-        Precision::Nvfp4 => n / 2.0 + n / 16.0 + 4.0 * tensors as f64,
-        Precision::Fp8Block => n + 4.0 * (n / (128.0 * 128.0)).ceil().max(tensors as f64),
     }
 }
 

@@ -1429,6 +1429,7 @@ fn claim_arms(groups: &[Group<'_>], spikes: &[Spike], s: &CompareSettings) -> Ve
             axes: g.axes.clone(),
             seeds: g.runs.iter().map(|r| r.seed).collect(),
             coupled: g.runs.iter().all(|r| r.engine == COUPLING_ENGINE),
+            weight_bytes: g.runs.iter().find_map(|r| r.weight_bytes),
             values: metrics
                 .iter()
                 .map(|m| {

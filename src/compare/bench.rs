@@ -83,6 +83,7 @@ pub fn synthetic(runs: usize, steps: usize, configs: usize, sites: usize) -> Vec
                 events: Vec::new(),
                 contract_steps: steps,
                 contract_violations: 0,
+                weight_bytes: None,
                 path: Default::default(),
             });
         }

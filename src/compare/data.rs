@@ -40,6 +40,8 @@ pub struct RunData {
     /// Steps on which the contract was checked, and violations found.
     pub contract_steps: usize,
     pub contract_violations: usize,
+    /// Stored bytes of the model's matmul weights under the run's recipe (built-in runs only).
+    pub weight_bytes: Option<f64>,
     pub path: PathBuf,
 }
 
@@ -115,6 +117,9 @@ pub fn load_run(dir: &Path, wanted: Wanted<'_>) -> Result<RunData, IoError> {
         events,
         contract_steps,
         contract_violations,
+        weight_bytes: serde_json::from_value::<crate::suite::builtin::RunConfig>(m.config.clone())
+            .ok()
+            .and_then(|c| c.weight_bytes()),
         path: dir.to_path_buf(),
     })
 }

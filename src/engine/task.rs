@@ -199,6 +199,37 @@ mod tests {
     }
 
     #[test]
+    fn sorting_is_rewarded_for_the_digits_in_ascending_order_then_eos() {
+        let t = Task::Sort(5);
+        let p = t.build(&[9, 0, 4, 4, 1]);
+        assert_eq!(p.prompt.len(), t.prompt_len());
+        assert_eq!(p.answer.len(), t.answer_len());
+        assert_eq!(t.reward(&p, &[0, 1, 4, 4, 9, EOS]), 1.0);
+        assert_eq!(t.reward(&p, &[0, 1, 4, 4, 9, EOS, 7, PAD]), 1.0); // nothing counts after <eos>
+        assert_eq!(t.reward(&p, &[0, 1, 4, 9, EOS]), 0.0); // a repeated digit dropped
+        assert_eq!(t.reward(&p, &[9, 4, 4, 1, 0, EOS]), 0.0); // descending
+        assert_eq!(t.reward(&p, &[0, 1, 4, 4, 9]), 0.0); // no <eos>
+        assert_eq!(t.reward(&p, &[9, 0, 4, 4, 1, EOS]), 0.0); // copied, not sorted
+        // Every sampled problem's answer is its prompt's digits, sorted.
+        for p in Task::Sort(8).sample(Split::Train, 50, 3) {
+            let mut digits = p.prompt[1..9].to_vec();
+            digits.sort_unstable();
+            digits.push(EOS);
+            assert_eq!((p.prompt[0], p.prompt[9], &p.answer), (SORT, EQ, &digits));
+        }
+    }
+
+    #[test]
+    fn sort_sizes_outside_2_to_12_are_refused() {
+        for bad in ["sort:1", "sort:13", "sort:", "sort:x", "sort"] {
+            let e = bad.parse::<Task>().unwrap_err().to_string();
+            assert!(e.contains("sort:N (sort N digits, 2-12)"), "{bad}: {e}");
+        }
+        assert_eq!("sort:12".parse::<Task>(), Ok(Task::Sort(12)));
+        assert_eq!(Task::Sort(12).to_string(), "sort:12");
+    }
+
+    #[test]
     fn splits_are_disjoint_and_seeded() {
         for task in [Task::Add(2), Task::Sort(5)] {
             let train = task.sample(Split::Train, 500, 1);

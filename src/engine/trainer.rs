@@ -1,5 +1,6 @@
-//! Synchronous GRPO: every step exports the policy to the rollout engine, samples `P x n`
-//! responses, scores them with the task's exact-match reward, normalises advantages within each
+//! GRPO: every step exports the policy to the rollout engine, samples `P x n` responses (from
+//! that export, or with `policy_lag = k` from the one k steps older, as asynchronous RL systems
+//! do), scores them with the task's exact-match reward, normalises advantages within each
 //! prompt's group, and takes PPO-clipped policy-gradient updates on the trainer's own quantized
 //! forward. It emits a [`StepRecord`] per step and writes no files.
 //!
@@ -21,7 +22,7 @@ use crate::formats::{MxScaleRule, QuantStats, SecondScale};
 use crate::recipe::{ModelPlan, Precision, Recipe, RecipeError, SitePlan};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 /// GRPO and optimizer settings.
@@ -46,6 +47,11 @@ pub struct GrpoConfig {
     pub kl_coef: f32,
     /// The trainer reuses the experts the rollout chose for each token.
     pub routing_replay: bool,
+    /// Asynchronous RL: the rollout of step t samples from the weights exported at step t - k
+    /// (in the first k steps, the oldest export kept). 0 is synchronous. Left out of the
+    /// serialized config at 0, so synchronous runs keep their run ids.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub policy_lag: usize,
     /// Evaluate held-out greedy accuracy every this many steps (and at the first and last step).
     pub eval_every: usize,
     pub eval_prompts: usize,
@@ -72,6 +78,7 @@ impl Default for GrpoConfig {
             tis_cap: Some(2.0),
             kl_coef: 0.0,
             routing_replay: true,
+            policy_lag: 0,
             eval_every: 10,
             eval_prompts: 64,
             spike_ratio: 10.0,
@@ -79,6 +86,14 @@ impl Default for GrpoConfig {
         }
     }
 }
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// Most steps a rollout may lag the trainer by (each kept export holds a quantized copy of the
+/// model).
+pub const MAX_POLICY_LAG: usize = 8;
 
 /// Deliberate breaks of the trainer/rollout quantization contract (to see what they do to KL and
 /// reward). Each changes the rollout's plan only.
@@ -181,6 +196,10 @@ pub struct Trainer {
     decay: BTreeMap<String, f32>,
     /// Rolling grad norms per (site, layer) for spike detection.
     history: BTreeMap<(String, i64), Vec<f64>>,
+    /// The rollout's exported policies, oldest first: the last `policy_lag + 1`.
+    exported: VecDeque<PreparedModel>,
+    /// The last step's rollout, as sampled.
+    last_rollout: Option<Rollout>,
     pub step: usize,
 }
 
@@ -241,6 +260,8 @@ impl Trainer {
             kl_ref_step0: None,
             decay,
             history: BTreeMap::new(),
+            exported: VecDeque::new(),
+            last_rollout: None,
             step: 0,
         })
     }
@@ -257,9 +278,9 @@ impl Trainer {
         // 1. Live weight export: the rollout builds its own quantized view of the shipped weights
         // (the master weights as they stand, read-only: no copy is needed to ship them).
         let t0 = Instant::now();
-        let roll_prep = PreparedModel::new(&self.params, &self.rollout_plan)
-            .expect("plan checked at construction");
+        self.export();
         rec.set("perf/export_time", t0.elapsed().as_secs_f64());
+        let (newest, sampled) = self.newest_and_sampled();
 
         // 2. Rollout and, side by side, the trainer's own preparation of its weights (it
         // quantizes independently of the export: the contract check compares the two).
@@ -270,7 +291,7 @@ impl Trainer {
                 let t0 = Instant::now();
                 let ro = rollout::generate(
                     be,
-                    &roll_prep,
+                    sampled,
                     &prompts,
                     c.samples_per_prompt,
                     c.max_response_tokens,
@@ -284,7 +305,7 @@ impl Trainer {
         let train_prep = train_prep.expect("plan checked at construction");
         let bad = contract::mismatches(
             &contract::fingerprints(&train_prep),
-            &contract::fingerprints(&roll_prep),
+            &contract::fingerprints(newest),
         );
         rec.set("contract/violations", bad.len() as f64);
         for site in &bad {
@@ -344,11 +365,36 @@ impl Trainer {
 
         // 5. Held-out accuracy.
         if !diverged && c.eval_every > 0 && self.step.is_multiple_of(c.eval_every) {
-            rec.set("eval/accuracy", self.evaluate(be, &roll_prep));
+            let (newest, _) = self.newest_and_sampled();
+            rec.set("eval/accuracy", self.evaluate(be, newest));
         }
         rec.set("perf/step_time", t_step.elapsed().as_secs_f64());
+        self.last_rollout = Some(ro);
         self.step += 1;
         rec
+    }
+
+    /// Export the current weights to the rollout, keeping the last `policy_lag + 1` exports.
+    fn export(&mut self) {
+        let prep = PreparedModel::new(&self.params, &self.rollout_plan)
+            .expect("plan checked at construction");
+        self.exported.push_back(prep);
+        while self.exported.len() > self.config.policy_lag + 1 {
+            self.exported.pop_front();
+        }
+    }
+
+    /// The newest export (the current weights: what the contract check and evaluation see) and
+    /// the one this step's rollout samples from (`policy_lag` steps older, or the oldest kept).
+    fn newest_and_sampled(&self) -> (&PreparedModel, &PreparedModel) {
+        let newest = self.exported.back().expect("exported before use");
+        let oldest = self.exported.front().expect("exported before use");
+        (newest, oldest)
+    }
+
+    /// The last step's rollout: its tokens and the sampling policy's logprobs.
+    pub fn last_rollout(&self) -> Option<&Rollout> {
+        self.last_rollout.as_ref()
     }
 
     /// This step's training problems, in order: a function of the run seed and the step only, so
@@ -440,7 +486,8 @@ impl Trainer {
             .collect();
         let n_tok = mask.iter().filter(|m| **m).count().max(1) as f64;
 
-        // Train/rollout mismatch on the rollout's own samples: r = logp_train - logp_rollout.
+        // Train/rollout mismatch on the rollout's own samples: r = logp_train - logp_rollout (the
+        // sampling policy's logprobs: under `policy_lag`, those of the older export).
         let (mut abs_diff, mut k1, mut k2, mut k3) = (0.0, 0.0, 0.0, 0.0);
         for r in (0..b * t_in).filter(|r| mask[*r]) {
             let d = (lp0[r] - ro.logprobs[(r / t_in) * ro.t + r % t_in + 1]) as f64;
@@ -890,6 +937,57 @@ mod tests {
         let first = make("bf16", 7);
         assert_ne!(first.train_problems(), other.train_problems());
         assert_ne!(first.sampling_seed(), other.sampling_seed());
+    }
+
+    /// The rollout's tokens and the bits of its logprobs.
+    fn sampled(t: &Trainer) -> (Vec<u32>, Vec<u32>) {
+        let ro = t.last_rollout().expect("a step ran");
+        let bits = ro.logprobs.iter().map(|x| x.to_bits()).collect();
+        (ro.tokens.clone(), bits)
+    }
+
+    #[test]
+    fn a_lagged_rollout_samples_from_the_export_k_steps_old() {
+        let be = crate::engine::backend::CpuBackend;
+        let cfg = ModelConfig::tiny();
+        let init = Params::init(&cfg, 0).unwrap();
+        let task = Task::Add(2);
+        let make = |lag: usize| {
+            let grpo = GrpoConfig {
+                max_response_tokens: task.answer_len() + 1,
+                eval_every: 0,
+                policy_lag: lag,
+                ..Default::default()
+            };
+            let r = crate::recipe::presets::preset("nvfp4-dq").unwrap();
+            Trainer::new(init.clone(), task, r, grpo, 7, ContractBreak::None).unwrap()
+        };
+        let (mut sync, mut lagged) = (make(0), make(1));
+        // Step 0: no older export exists, so both sample from the initial weights.
+        sync.step(&be);
+        lagged.step(&be);
+        assert_eq!(sampled(&sync), sampled(&lagged));
+        // Move both policies the same way (whatever step 0's update did), so the weights exported
+        // at step 1 surely differ from the initial ones.
+        for t in [&mut sync, &mut lagged] {
+            for (_, w) in t.params.named_tensors_mut() {
+                w.iter_mut().for_each(|x| *x *= 1.5);
+            }
+        }
+        sync.step(&be);
+        lagged.step(&be);
+        // The lagged step 1 is the initial weights on step 1's prompts and sampling stream.
+        let mut stale = make(0);
+        stale.step = 1;
+        stale.step(&be);
+        assert_eq!(sampled(&lagged), sampled(&stale));
+        assert_ne!(
+            sampled(&lagged).1,
+            sampled(&sync).1,
+            "lag 0 samples the new weights"
+        );
+        // The contract check still compares the newest export with the trainer's weights.
+        assert_eq!(lagged.exported.len(), 2);
     }
 
     #[test]

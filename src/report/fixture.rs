@@ -358,6 +358,7 @@ fn spec(shape: &Shape, labels: &[(String, String, BTreeMap<String, String>)]) ->
             lr: None,
             routing_replay: None,
             eval_every: Some(10),
+            policy_lag: None,
             warm_start: None,
         },
         configs: bases
@@ -370,6 +371,8 @@ fn spec(shape: &Shape, labels: &[(String, String, BTreeMap<String, String>)]) ->
                 backward: None,
                 shared_experts_bf16: None,
                 contract_break: None,
+                policy_lag: None,
+                variants: Vec::new(),
                 env: BTreeMap::new(),
                 vars: BTreeMap::new(),
             })

@@ -5,7 +5,7 @@
 use super::spec::{ConfigSpec, SuiteError, SuiteSpec};
 use crate::engine::model::ModelConfig;
 use crate::engine::task::Task;
-use crate::engine::trainer::{ContractBreak, GrpoConfig};
+use crate::engine::trainer::{ContractBreak, GrpoConfig, MAX_POLICY_LAG};
 use crate::recipe::{BackwardMode, LayerCount, Precision, Recipe, Rule};
 use crate::suite::builtin::RunConfig;
 use serde::{Deserialize, Serialize};
@@ -258,6 +258,7 @@ fn check_workload(
             grpo.samples_per_prompt
         ));
     }
+    check_policy_lag(s, "workload.policy_lag", grpo.policy_lag)?;
     if grpo.max_response_tokens == 0 {
         return bad("workload.max_response_tokens = 0: must be at least 1".into());
     }
@@ -289,6 +290,95 @@ fn check_workload(
         }
     }
     Ok(())
+}
+
+/// A rollout may lag the trainer by 0 (synchronous) to [`MAX_POLICY_LAG`] steps.
+fn check_policy_lag(s: &SuiteSpec, what: &str, lag: usize) -> Result<(), SuiteError> {
+    if lag > MAX_POLICY_LAG {
+        return Err(invalid(
+            s,
+            format!("{what} = {lag}: must be in 0..={MAX_POLICY_LAG} (0 is synchronous)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A configuration's points: every sweep combination, then each again with each of its
+/// variants' axes added.
+fn points(s: &SuiteSpec, c: &ConfigSpec) -> Result<Vec<BTreeMap<String, String>>, SuiteError> {
+    let sweep = combinations(s);
+    let mut out = sweep.clone();
+    for (i, v) in c.variants.iter().enumerate() {
+        let extra = v.axes();
+        if extra.is_empty() {
+            return Err(invalid(
+                s,
+                format!(
+                    "config `{}`: variants[{i}] changes nothing: give policy_lag or task, e.g. {{ policy_lag = 1 }}",
+                    c.name
+                ),
+            ));
+        }
+        out.extend(sweep.iter().map(|axes| {
+            let mut a = axes.clone();
+            a.extend(extra.clone());
+            a
+        }));
+    }
+    Ok(out)
+}
+
+/// The task of one point: its variant's, else the workload's.
+fn point_task(
+    s: &SuiteSpec,
+    c: &ConfigSpec,
+    axes: &BTreeMap<String, String>,
+    task: Task,
+) -> Result<Task, SuiteError> {
+    match axes.get("task") {
+        None => Ok(task),
+        Some(t) => t.parse().map_err(|e: crate::engine::task::TaskError| {
+            invalid(
+                s,
+                format!(
+                    "config `{}`: variants task: {}",
+                    c.name,
+                    crate::recipe::escape_controls(&e.to_string())
+                ),
+            )
+        }),
+    }
+}
+
+/// The task and GRPO settings of one point of a configuration: the workload's, with the
+/// configuration's `policy_lag` and its variant's task and lag applied, checked.
+fn point_workload(
+    s: &SuiteSpec,
+    c: &ConfigSpec,
+    axes: &BTreeMap<String, String>,
+    model: &ModelConfig,
+    task: Task,
+    grpo: &GrpoConfig,
+) -> Result<(Task, GrpoConfig), SuiteError> {
+    let point = point_task(s, c, axes, task)?;
+    let mut grpo = grpo.clone();
+    // Another task keeps the workload's room beyond the answer, not its length.
+    let room = grpo.max_response_tokens.saturating_sub(task.answer_len());
+    grpo.max_response_tokens = point.answer_len() + room;
+    if point != task {
+        let seq = point.prompt_len().saturating_add(grpo.max_response_tokens);
+        check_workload(s, model, &grpo, seq)?;
+    }
+    grpo.policy_lag = match axes.get("policy_lag") {
+        Some(v) => v.parse().unwrap_or(usize::MAX),
+        None => c.policy_lag.unwrap_or(grpo.policy_lag),
+    };
+    check_policy_lag(
+        s,
+        &format!("config `{}`: policy_lag", c.name),
+        grpo.policy_lag,
+    )?;
+    Ok((point, grpo))
 }
 
 /// Expand and validate a suite (this is `lockstep suite check`).
@@ -323,6 +413,7 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     grpo.lr = w.lr.unwrap_or(grpo.lr);
     grpo.routing_replay = w.routing_replay.unwrap_or(grpo.routing_replay);
     grpo.eval_every = w.eval_every.unwrap_or(grpo.eval_every);
+    grpo.policy_lag = w.policy_lag.unwrap_or(0);
     check_workload(
         s,
         &model,
@@ -335,8 +426,9 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
     }
     let mut out = Vec::new();
     for c in &s.configs {
-        for axes in combinations(s) {
+        for axes in points(s, c)? {
             let recipe = build_recipe(s, c, &axes)?;
+            let (task, grpo) = point_workload(s, c, &axes, &model, task, &grpo)?;
             let brk = match &c.contract_break {
                 None => ContractBreak::None,
                 Some(b) => parse_break(b).ok_or_else(|| invalid(s, format!("config `{}`: contract_break `{b}`: use none, per-tensor-nvfp4, shards:N or mxfp8-floor-scale", c.name)))?,
@@ -345,7 +437,7 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 model: model.clone(),
                 task,
                 recipe,
-                grpo: grpo.clone(),
+                grpo,
                 warm_start: w.warm_start.clone().unwrap_or_default(),
                 contract_break: brk,
                 seed: 0,
@@ -575,6 +667,95 @@ mod tests {
                 .to_string();
             assert!(e.contains("names the run store folder"), "{name}: {e}");
         }
+    }
+
+    #[test]
+    fn policy_lag_reaches_the_run_config_and_is_range_checked() {
+        let suite = |workload: &str, config: &str| {
+            format!(
+                "name = \"t\"\nseeds = [0]\n[workload]\nsteps = 3\n{workload}\n[[configs]]\nname = \"x\"\nrecipe = \"bf16\"\n{config}\n"
+            )
+        };
+        let runs = |text: String| expand(&parse(&text, Path::new("t.toml")).unwrap());
+        let sync = runs(suite("", "")).unwrap().remove(0);
+        let zero = runs(suite("policy_lag = 0", "")).unwrap().remove(0);
+        let lag1 = runs(suite("policy_lag = 1", "")).unwrap().remove(0);
+        let over = runs(suite("policy_lag = 2", "policy_lag = 1"))
+            .unwrap()
+            .remove(0);
+        assert_eq!(sync.run.grpo.policy_lag, 0);
+        assert_eq!((lag1.run.grpo.policy_lag, over.run.grpo.policy_lag), (1, 1));
+        // Lag 0 is the synchronous run of before: same config, same id; a lag is another run.
+        assert_eq!(zero.run_id, sync.run_id);
+        assert_ne!(lag1.run_id, sync.run_id);
+        // The manifest holds the resolved config as this JSON: a lag is written, lag 0 left out.
+        let json = |r: &RunSpec| serde_json::to_value(&r.run).unwrap()["grpo"].clone();
+        assert_eq!(json(&lag1)["policy_lag"], 1);
+        assert!(json(&sync).get("policy_lag").is_none());
+        let e = runs(suite("policy_lag = 9", "")).unwrap_err().to_string();
+        assert!(
+            e.contains("workload.policy_lag = 9: must be in 0..=8"),
+            "{e}"
+        );
+        let e = runs(suite("", "policy_lag = 100")).unwrap_err().to_string();
+        assert!(
+            e.contains("config `x`: policy_lag = 100: must be in 0..=8"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn variants_run_a_configuration_again_under_other_workload_conditions() {
+        let text = "name = \"t\"\nseeds = [0]\n[workload]\nsteps = 3\ntask = \"add:2\"\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\nvariants = [{ policy_lag = 2 }, { task = \"sort:4\" }]\n";
+        let runs = expand(&parse(text, Path::new("t.toml")).unwrap()).unwrap();
+        let names: Vec<&str> = runs.iter().map(|r| r.config.as_str()).collect();
+        assert_eq!(names, ["bf16", "bf16 [policy_lag=2]", "bf16 [task=sort:4]"]);
+        assert!(runs.iter().all(|r| r.base == "bf16"));
+        let (plain, lag, sort) = (&runs[0].run, &runs[1].run, &runs[2].run);
+        assert_eq!((plain.grpo.policy_lag, plain.task), (0, Task::Add(2)));
+        assert_eq!((lag.grpo.policy_lag, lag.task), (2, Task::Add(2)));
+        assert_eq!((sort.grpo.policy_lag, sort.task), (0, Task::Sort(4)));
+        // Another task keeps the workload's room beyond the answer (two tokens by default; here
+        // add:2's answer is 4 tokens, so 5 leaves one).
+        assert_eq!(
+            sort.grpo.max_response_tokens,
+            Task::Sort(4).answer_len() + 2
+        );
+        let one = text.replace("steps = 3", "steps = 3\nmax_response_tokens = 5");
+        let runs = expand(&parse(&one, Path::new("t.toml")).unwrap()).unwrap();
+        assert_eq!(runs[0].run.grpo.max_response_tokens, 5);
+        assert_eq!(
+            runs[2].run.grpo.max_response_tokens,
+            Task::Sort(4).answer_len() + 1
+        );
+        assert_eq!(runs[2].axes["task"], "sort:4");
+        for (variant, says) in [
+            (
+                "{ task = \"sort:1\" }",
+                "config `bf16`: variants task: unknown task `sort:1`",
+            ),
+            (
+                "{ policy_lag = 9 }",
+                "config `bf16`: policy_lag = 9: must be in 0..=8",
+            ),
+            ("{}", "variants[0] changes nothing"),
+        ] {
+            let bad = text.replace(
+                "[{ policy_lag = 2 }, { task = \"sort:4\" }]",
+                &format!("[{variant}]"),
+            );
+            let e = expand(&parse(&bad, Path::new("t.toml")).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("t.toml: ") && e.contains(says), "{e}");
+        }
+        let e = parse(
+            &text.replace("{ policy_lag = 2 }", "{ policy_lg = 2 }"),
+            Path::new("t.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("did you mean `policy_lag`"), "{e}");
     }
 
     #[test]

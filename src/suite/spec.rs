@@ -12,12 +12,14 @@
 //! samples_per_prompt = 8
 //! max_response_tokens = 5
 //! steps = 30
+//! policy_lag = 0                  # rollouts sample from the policy this many steps old
 //! [workload.warm_start]           # optional: the supervised warm start's settings
 //! lr = 1e-3
 //! [[configs]]
 //! name = "nvfp4-dq"
 //! recipe = "nvfp4-dq"             # preset or recipe file (relative to the suite file)
-//! bf16_last = 2                   # optional overrides
+//! bf16_last = 2                   # optional overrides (also policy_lag)
+//! variants = [{ policy_lag = 1 }, { task = "sort:4" }]   # also run as `nvfp4-dq [policy_lag=1]`...
 //! [sweep]                         # optional axes: every combination is run
 //! bf16_last = [2, 4, 8]
 //! [checks]                        # used by `lockstep compare`
@@ -156,6 +158,9 @@ pub struct Workload {
     pub routing_replay: Option<bool>,
     #[serde(default)]
     pub eval_every: Option<usize>,
+    /// Asynchronous RL: each rollout samples from the policy this many steps old (default 0).
+    #[serde(default)]
+    pub policy_lag: Option<usize>,
     /// The supervised warm start (`[workload.warm_start]`); every key optional. The defaults suit
     /// `tiny`; `small` needs `lr = 1e-3` (at 3e-3 it stays near 0 % on add:3).
     #[serde(default)]
@@ -186,6 +191,13 @@ pub struct ConfigSpec {
     /// none | per-tensor-nvfp4 | shards:N | mxfp8-floor-scale
     #[serde(default)]
     pub contract_break: Option<String>,
+    /// Overrides the workload's `policy_lag` for this configuration.
+    #[serde(default)]
+    pub policy_lag: Option<usize>,
+    /// The configuration again under other workload conditions, each run as `NAME [key=value]`
+    /// and compared with the baseline's variant under the same conditions.
+    #[serde(default)]
+    pub variants: Vec<Variant>,
     /// Environment variables for the command engine (the NVFP4 recipe is driven by them).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -193,6 +205,34 @@ pub struct ConfigSpec {
     #[serde(default)]
     pub vars: BTreeMap<String, String>,
 }
+
+/// One variant of a configuration (`variants = [{ policy_lag = 1 }, { task = "sort:4" }]`): the
+/// workload keys it changes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    #[serde(default)]
+    pub policy_lag: Option<usize>,
+    #[serde(default)]
+    pub task: Option<String>,
+}
+
+impl Variant {
+    /// The variant as axes of its runs (`policy_lag`, `task`).
+    pub fn axes(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        if let Some(lag) = self.policy_lag {
+            out.insert("policy_lag".to_string(), lag.to_string());
+        }
+        if let Some(task) = &self.task {
+            out.insert("task".to_string(), task.clone());
+        }
+        out
+    }
+}
+
+/// Axes only variants set: a configuration named without them means its plain runs.
+pub const VARIANT_AXES: [&str; 2] = ["policy_lag", "task"];
 
 /// Sweep axes: each present axis multiplies the run list.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -233,7 +273,7 @@ const TOP_KEYS: [&str; 12] = [
     "ingest",
     "slurm",
 ];
-const OTHER_KEYS: [&str; 34] = [
+const OTHER_KEYS: [&str; 36] = [
     "model",
     "task",
     "prompts_per_step",
@@ -243,6 +283,7 @@ const OTHER_KEYS: [&str; 34] = [
     "lr",
     "routing_replay",
     "eval_every",
+    "policy_lag",
     "warm_start",
     "max_steps",
     "batch",
@@ -255,6 +296,7 @@ const OTHER_KEYS: [&str; 34] = [
     "backward",
     "shared_experts_bf16",
     "contract_break",
+    "variants",
     "env",
     "vars",
     "margin",

@@ -9,7 +9,7 @@
 //! statement = "Train-rollout mismatch is higher than BF16's."   # the published words
 //! source = "Miles low-precision RL ablation, July 2026"         # where
 //! expect = "higher"          # equivalent | higher | lower | fold_within | spike_rate_higher
-//!                            # | decreasing | increasing
+//!                            # | decreasing | increasing | batch_invariant
 //! metric = "train/train_rollout_kl"        # every predicate but spike_rate_higher
 //! configs = ["mxfp8*", "nvfp4*"]           # names or globs (default: all but `vs`)
 //! vs = "bf16"                # what they are held against (default: the suite's baseline)
@@ -18,13 +18,18 @@
 //! # fold = [0.67, 1.5]                                        fold_within
 //! # site = "*experts*"                                        spike_rate_higher (default: all)
 //! # by = "bf16_last"         decreasing/increasing: order the configs by this sweep axis
+//! # format = "nvfp4-per-token"                                batch_invariant
 //! ```
+//!
+//! `expect = "batch_invariant"` with `format = "nvfp4-per-token"` (no metric, configs or vs) is
+//! decided on the quantizer alone, without runs: see [`quantizer`].
 //!
 //! [`parse`] reads and checks the table; this module decides. Every test is one-sided at the
 //! suite's alpha, so its interval is the comparison's two-sided `1 - 2·alpha` interval; see
 //! [`method`] for the tests and how several configurations of one claim are combined.
 
 pub mod parse;
+pub mod quantizer;
 
 pub use parse::{from_spec, parse};
 
@@ -52,6 +57,9 @@ pub enum Predicate {
         decreasing: bool,
         by: Option<String>,
     },
+    /// A token quantized in this activation format (a name in [`quantizer::FORMATS`]) comes out
+    /// the same alone and inside any batch.
+    BatchInvariant(String),
 }
 
 /// One `[[claims]]` entry, checked.
@@ -102,6 +110,8 @@ pub struct ClaimArm {
     pub coupled: bool,
     /// Metric → per-seed values (finite, seed order).
     pub values: BTreeMap<String, Vec<SeedValue>>,
+    /// Stored bytes of the model's matmul weights under the configuration's recipe, when known.
+    pub weight_bytes: Option<f64>,
     pub spikes: Vec<SiteSpikes>,
 }
 
@@ -111,16 +121,16 @@ impl ClaimArm {
     }
 }
 
-/// A configuration by full name, else by base name with the given sweep values, else the base's
-/// only sweep point (as checks resolve names).
+/// A configuration by base name with the given sweep and variant values (so a variant is held
+/// against the same variant of `vs`), else by full name, else the base's only sweep point.
 fn resolve<'a>(
     arms: &'a [ClaimArm],
     name: &str,
     axes: &BTreeMap<String, String>,
 ) -> Option<&'a ClaimArm> {
     arms.iter()
-        .find(|a| a.config == name)
-        .or_else(|| arms.iter().find(|a| a.base == name && &a.axes == axes))
+        .find(|a| a.base == name && &a.axes == axes)
+        .or_else(|| arms.iter().find(|a| a.config == name))
         .or_else(|| {
             let mut it = arms.iter().filter(|a| a.base == name);
             match (it.next(), it.next()) {
@@ -149,6 +159,10 @@ fn evaluate_one(c: &ClaimSpec, arms: &[ClaimArm], s: &CompareSettings) -> ClaimR
             let (row, words) = trend_row(c, arms, *decreasing, by.as_deref(), s);
             (row.into_iter().collect::<Vec<_>>(), words)
         }
+        Predicate::BatchInvariant(format) => (
+            vec![batch_invariant_row(format)],
+            format!("a token's {format} codes are the same alone and inside any batch"),
+        ),
         _ => {
             let pairs = pairs(c, arms, &vs_name, s);
             let rows: Vec<Row> = pairs.iter().map(|(a, b)| pair_row(c, a, b, s)).collect();
@@ -186,8 +200,25 @@ fn predicate_words(c: &ClaimSpec, vs: &str) -> String {
                 .map(|s| format!(" at {s}"))
                 .unwrap_or_default()
         ),
-        Predicate::Trend { .. } => String::new(),
+        Predicate::Trend { .. } | Predicate::BatchInvariant(_) => String::new(),
     }
+}
+
+/// Whether a claim's `configs` (names and globs) pick `arm`: by its full name, or by a pattern
+/// over its name or base (every sweep point of a base). A configuration's variants (other
+/// workload conditions: policy lag, task) are picked only by their full name, so a claim about
+/// `nvfp4-dq` stays a claim about its plain runs.
+fn picked(arm: &ClaimArm, names: &[String], matchers: &[globset::GlobMatcher]) -> bool {
+    if names.iter().any(|g| g == &arm.config) {
+        return true;
+    }
+    let variant = crate::suite::spec::VARIANT_AXES
+        .iter()
+        .any(|k| arm.axes.contains_key(*k));
+    !variant
+        && matchers
+            .iter()
+            .any(|m| m.is_match(&arm.config) || m.is_match(&arm.base))
 }
 
 /// The (configuration, what it is held against) pairs of a two-arm claim.
@@ -207,10 +238,7 @@ fn pairs<'a>(
             if matchers.is_empty() {
                 a.base != s.baseline && a.base != vs && a.config != vs
             } else {
-                c.configs.iter().any(|g| g == &a.config)
-                    || matchers
-                        .iter()
-                        .any(|m| m.is_match(&a.config) || m.is_match(&a.base))
+                picked(a, &c.configs, &matchers)
             }
         })
         .filter_map(|a| {
@@ -220,25 +248,114 @@ fn pairs<'a>(
         .collect()
 }
 
-/// The seed-level values of two arms on a metric: paired (same seeds, both coupled) or not.
+/// The seed-level values of two arms on a metric, paired or not.
 struct Sample {
     x: Vec<f64>,
     y: Vec<f64>,
+    /// The seeds behind `x` and `y` (the common seeds when paired).
     xs: Vec<u64>,
     ys: Vec<u64>,
-    paired: bool,
+    /// How the test pairs the arms (and so what it is called).
+    pairing: Pairing,
 }
 
-fn sample(a: &ClaimArm, b: &ClaimArm, metric: &str) -> Sample {
+/// Whether arms are paired seed by seed, and over which seeds.
+#[derive(Debug, Clone, PartialEq)]
+enum Pairing {
+    /// Welch: the arms are not coupled, or share too few seeds.
+    None,
+    /// Every arm ran the same seeds.
+    AllSeeds,
+    /// Over the seeds every arm ran: their count, and each arm's own count.
+    Common(usize, Vec<usize>),
+}
+
+impl Pairing {
+    fn paired(&self) -> bool {
+        *self != Pairing::None
+    }
+
+    /// The t test's name, e.g. "paired t over the 9 common seeds (of 12 and 9)".
+    fn test(&self, welch: &str) -> String {
+        match self {
+            Pairing::None => welch.to_string(),
+            Pairing::AllSeeds => "paired t over seeds".to_string(),
+            Pairing::Common(n, each) => {
+                let each: Vec<String> = each.iter().map(usize::to_string).collect();
+                format!(
+                    "paired t over the {n} common seeds (of {})",
+                    join_words(&each)
+                )
+            }
+        }
+    }
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_words(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [head @ .., last] => format!("{} and {last}", head.join(", ")),
+    }
+}
+
+/// The seeds every one of `arms` has a value for, ascending.
+fn common_seeds(arms: &[&[SeedValue]]) -> Vec<u64> {
+    let Some((first, rest)) = arms.split_first() else {
+        return Vec::new();
+    };
+    let mut seeds: Vec<u64> = first
+        .iter()
+        .map(|v| v.seed)
+        .filter(|s| rest.iter().all(|r| r.iter().any(|v| v.seed == *s)))
+        .collect();
+    seeds.sort_unstable();
+    seeds.dedup();
+    seeds
+}
+
+/// How arms on the built-in engine (coupled: one seed gives every configuration the same prompts
+/// and sampling stream) are paired: over the seeds they all ran, when those are enough for a
+/// verdict (sequential seeds often leave the baseline with more seeds than the others); else not.
+fn pairing_of(vals: &[&[SeedValue]], coupled: bool, min_seeds: usize) -> (Pairing, Vec<u64>) {
+    let common = common_seeds(vals);
+    if !coupled || common.len() < min_seeds.max(2) {
+        return (Pairing::None, common);
+    }
+    if vals.iter().all(|v| v.len() == common.len()) {
+        return (Pairing::AllSeeds, common);
+    }
+    let each = vals.iter().map(|v| v.len()).collect();
+    (Pairing::Common(common.len(), each), common)
+}
+
+/// The values of `vals` at `seeds`, in seed order.
+fn at_seeds(vals: &[SeedValue], seeds: &[u64]) -> Vec<f64> {
+    seeds
+        .iter()
+        .filter_map(|s| vals.iter().find(|v| v.seed == *s).map(|v| v.last))
+        .collect()
+}
+
+fn sample(a: &ClaimArm, b: &ClaimArm, metric: &str, min_seeds: usize) -> Sample {
     let (va, vb) = (a.metric(metric), b.metric(metric));
-    let xs: Vec<u64> = va.iter().map(|v| v.seed).collect();
-    let ys: Vec<u64> = vb.iter().map(|v| v.seed).collect();
+    let (pairing, common) = pairing_of(&[va, vb], a.coupled && b.coupled, min_seeds);
+    if pairing.paired() {
+        return Sample {
+            x: at_seeds(va, &common),
+            y: at_seeds(vb, &common),
+            xs: common.clone(),
+            ys: common,
+            pairing,
+        };
+    }
     Sample {
         x: va.iter().map(|v| v.last).collect(),
         y: vb.iter().map(|v| v.last).collect(),
-        paired: a.coupled && b.coupled && xs == ys && xs.len() >= 2,
-        xs,
-        ys,
+        xs: va.iter().map(|v| v.seed).collect(),
+        ys: vb.iter().map(|v| v.seed).collect(),
+        pairing,
     }
 }
 
@@ -251,16 +368,9 @@ fn diff_stats(x: &[f64], y: &[f64], paired: bool) -> (f64, f64, f64) {
     }
 }
 
-fn test_name(paired: bool, log: bool) -> String {
-    format!(
-        "{}{}",
-        if paired {
-            "paired t over seeds"
-        } else {
-            "Welch t"
-        },
-        if log { ", log scale" } else { "" }
-    )
+fn test_name(pairing: &Pairing, log: bool) -> String {
+    let log = if log { ", log scale" } else { "" };
+    format!("{}{log}", pairing.test("Welch t"))
 }
 
 fn inconclusive_row(config: &str, vs: &str, test: &str, scale: &str, reason: String) -> Row {
@@ -291,13 +401,13 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
     if let Predicate::SpikeRateHigher(site) = &c.predicate {
         return spike_row(a, b, site.as_deref(), s);
     }
-    let smp = sample(a, b, &c.metric);
+    let smp = sample(a, b, &c.metric, s.min_seeds);
     let n = smp.x.len().min(smp.y.len());
     if n < s.min_seeds {
         return inconclusive_row(
             &a.config,
             &b.config,
-            &test_name(smp.paired, false),
+            &test_name(&smp.pairing, false),
             "difference",
             format!(
                 "{} seed(s) of `{}` ({} has {}, {} has {}); at least {} per arm are needed",
@@ -321,7 +431,7 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
         return inconclusive_row(
             &a.config,
             &b.config,
-            &test_name(smp.paired, true),
+            &test_name(&smp.pairing, true),
             "fold",
             format!(
                 "`{}` has values <= 0, so no fold change exists; use expect = \"higher\" or \"lower\"",
@@ -337,8 +447,9 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
     } else {
         (smp.x.clone(), smp.y.clone())
     };
-    let (d, se, df) = diff_stats(&x, &y, smp.paired);
-    let raw = if smp.paired {
+    let paired = smp.pairing.paired();
+    let (d, se, df) = diff_stats(&x, &y, paired);
+    let raw = if paired {
         stats::paired_interval(&x, &y, s.alpha)
     } else {
         stats::welch_interval(&x, &y, s.alpha)
@@ -353,11 +464,14 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
     let (reproduced, p_against, reason) = match &c.predicate {
         Predicate::Equivalent(rule) => {
             let hib = s.higher_is_better(&c.metric);
-            let initials: Vec<f64> = b.metric(&c.metric).iter().map(|v| v.first).collect();
-            match analyze::resolve_margin(*rule, &smp.y, &initials, hib, &b.config) {
+            // A relative margin comes from every seed `vs` ran, paired or not.
+            let vb = b.metric(&c.metric);
+            let finals: Vec<f64> = vb.iter().map(|v| v.last).collect();
+            let initials: Vec<f64> = vb.iter().map(|v| v.first).collect();
+            match analyze::resolve_margin(*rule, &finals, &initials, hib, &b.config) {
                 Err(e) => (false, f64::NAN, e),
                 Ok((m, how)) => {
-                    let dec = analyze::decide(&x, &y, Some(m), hib, smp.paired, s);
+                    let dec = analyze::decide(&x, &y, Some(m), hib, paired, s);
                     let p = stats::above_p(d, se, df, m).min(stats::above_p(-d, se, df, m));
                     let reason = match rule {
                         MarginRule::Absolute(_) => dec.reason,
@@ -380,7 +494,7 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
                 stats::above_p(d, se, df, 0.0)
             };
             let what = if log_scale { "fold" } else { "difference" };
-            (ok, p, format!("{what} {shown}"))
+            (ok, p, format!("{what} {shown}{}", weight_cost(a, b)))
         }
         Predicate::FoldWithin(lo, hi) => {
             let (llo, lhi) = (lo.ln(), hi.ln());
@@ -400,7 +514,7 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
             vs: b.config.clone(),
             seeds: smp.xs,
             vs_seeds: smp.ys,
-            test: test_name(smp.paired, log_scale),
+            test: test_name(&smp.pairing, log_scale),
             scale: if log_scale { "fold" } else { "difference" }.into(),
             interval,
             verdict: ClaimVerdict::Inconclusive,
@@ -410,6 +524,26 @@ fn pair_row(c: &ClaimSpec, a: &ClaimArm, b: &ClaimArm, s: &CompareSettings) -> R
         reproduced,
         p_against,
     }
+}
+
+/// What `a`'s precision choices cost in weight memory over `b`'s (nothing when equal or unknown),
+/// e.g. a BF16 shared expert against an NVFP4 one.
+fn weight_cost(a: &ClaimArm, b: &ClaimArm) -> String {
+    let (Some(wa), Some(wb)) = (a.weight_bytes, b.weight_bytes) else {
+        return String::new();
+    };
+    if wa == wb || wb <= 0.0 {
+        return String::new();
+    }
+    let kib = |v: f64| format!("{:.0} KiB", v / 1024.0);
+    format!(
+        "; matmul weights {} against {}: {}{}, {:+.1} % of the model's",
+        kib(wa),
+        kib(wb),
+        if wa > wb { "+" } else { "-" },
+        kib((wa - wb).abs()),
+        100.0 * (wa - wb) / wb
+    )
 }
 
 /// An estimate with its interval, as a fold (`2.1x [1.5x, 3.0x]`) or a difference.
@@ -474,6 +608,49 @@ fn spike_row(a: &ClaimArm, b: &ClaimArm, site: Option<&str>, s: &CompareSettings
     }
 }
 
+/// A batch-invariance claim, decided by quantizing seeded random tokens alone and in batches: a
+/// single changed token contradicts it (p = 0: a counterexample, not a sample).
+fn batch_invariant_row(format: &str) -> Row {
+    let test = format!(
+        "{} random tokens of 256 quantized alone and in random batches of 2-16 (seeded)",
+        quantizer::TOKENS
+    );
+    let Some(fmt) = quantizer::format(format) else {
+        let why = format!("unknown format `{format}`");
+        return inconclusive_row(format, "", &test, "tokens changed", why);
+    };
+    let r = quantizer::batch_invariance(&fmt, quantizer::TOKENS, 0);
+    let share = r.changed as f64 / r.tokens as f64;
+    let reason = match r.first {
+        None => format!("all {} tokens identical alone and in a batch", r.tokens),
+        Some((b, at, differ)) => format!(
+            "{} of {} tokens changed with their batch (first: position {at} of {b}, {differ} of 256 values differ)",
+            r.changed, r.tokens
+        ),
+    };
+    let p_against = if r.changed > 0 { 0.0 } else { f64::NAN };
+    Row {
+        ev: ClaimEvidence {
+            config: format.to_string(),
+            vs: String::new(),
+            seeds: vec![],
+            vs_seeds: vec![],
+            test,
+            scale: "tokens changed".into(),
+            interval: Interval {
+                estimate: share,
+                lo: share,
+                hi: share,
+            },
+            verdict: ClaimVerdict::Inconclusive,
+            p_against,
+            reason,
+        },
+        reproduced: r.changed == 0,
+        p_against,
+    }
+}
+
 /// The configurations of a trend in order: as listed, or matched and ordered by a sweep axis.
 fn trend_arms<'a>(
     c: &ClaimSpec,
@@ -497,12 +674,7 @@ fn trend_arms<'a>(
         .collect();
     let mut picked: Vec<(&ClaimArm, &String)> = arms
         .iter()
-        .filter(|a| {
-            c.configs.iter().any(|g| g == &a.config)
-                || matchers
-                    .iter()
-                    .any(|m| m.is_match(&a.config) || m.is_match(&a.base))
-        })
+        .filter(|a| picked(a, &c.configs, &matchers))
         .filter_map(|a| a.axes.get(axis).map(|v| (a, v)))
         .collect();
     let key = |v: &String| v.parse::<f64>().unwrap_or(f64::NAN);
@@ -576,18 +748,26 @@ fn trend_row(
             words,
         );
     }
-    let seeds0: Vec<u64> = vals[0].iter().map(|v| v.seed).collect();
-    let paired = picked.iter().all(|a| a.coupled)
-        && vals
-            .iter()
-            .all(|v| v.iter().map(|x| x.seed).eq(seeds0.iter().copied()));
-    let positive = vals.iter().all(|v| v.iter().all(|x| x.last > 0.0));
-    let log_scale = positive && analyze::is_kl_type(&c.metric);
-    let groups: Vec<Vec<f64>> = vals
+    let coupled = picked.iter().all(|a| a.coupled);
+    let (pairing, common) = pairing_of(&vals, coupled, s.min_seeds);
+    let paired = pairing.paired();
+    let raw_groups: Vec<Vec<f64>> = vals
         .iter()
         .map(|v| {
-            v.iter()
-                .map(|x| if log_scale { x.last.ln() } else { x.last })
+            if paired {
+                at_seeds(v, &common)
+            } else {
+                v.iter().map(|x| x.last).collect()
+            }
+        })
+        .collect();
+    let positive = raw_groups.iter().flatten().all(|x| *x > 0.0);
+    let log_scale = positive && analyze::is_kl_type(&c.metric);
+    let groups: Vec<Vec<f64>> = raw_groups
+        .into_iter()
+        .map(|g| {
+            g.into_iter()
+                .map(|x| if log_scale { x.ln() } else { x })
                 .collect()
         })
         .collect();
@@ -613,7 +793,7 @@ fn trend_row(
         stats::above_p(-slope, se, df, 0.0)
     };
     let seeds = if paired {
-        seeds0
+        common
     } else {
         picked
             .iter()
@@ -635,11 +815,7 @@ fn trend_row(
             vs_seeds: vec![],
             test: format!(
                 "{test}, {}{}",
-                if paired {
-                    "paired t over seeds"
-                } else {
-                    "Welch-Satterthwaite t"
-                },
+                pairing.test("Welch-Satterthwaite t"),
                 if log_scale { ", log scale" } else { "" }
             ),
             scale: scale.into(),
@@ -707,12 +883,18 @@ fn decide_claim(
                 } else {
                     format!("{} vs {}", r.ev.config, r.ev.vs)
                 };
+                // A quantizer claim runs no seeds; a counterexample needs no p-value.
+                let seeds = if r.ev.scale == "tokens changed" {
+                    String::new()
+                } else {
+                    format!(", {} seeds", r.ev.seeds.len())
+                };
+                let counted = r.ev.p_against > 0.0;
                 format!(
-                    "{who}: {} ({}, {} seeds{})",
+                    "{who}: {} ({}{seeds}{})",
                     r.ev.reason,
                     r.ev.test,
-                    r.ev.seeds.len(),
-                    if r.ev.verdict == ClaimVerdict::Contradicted {
+                    if r.ev.verdict == ClaimVerdict::Contradicted && counted {
                         format!(
                             ", against the claim at Holm-adjusted p = {:.3}",
                             r.ev.p_against
@@ -747,7 +929,12 @@ pub fn method(s: &CompareSettings) -> Vec<String> {
             "Claims (published findings): each is decided `reproduced`, `contradicted` or `inconclusive` from the same per-seed final-window values, with one-sided tests at alpha {} read off {level:.0} % intervals, and fewer than {} seeds per arm is inconclusive. `equivalent`: the comparison's TOST (paired or Welch) against the claim's margin, with the seeds the margin needs; contradicted when the interval lies wholly outside ±margin. `higher`/`lower`: the difference's interval (for KL-type metrics the log ratio's, i.e. a fold change of geometric means) wholly above or below 0; contradicted when it is wholly on the other side. `fold_within = [lo, hi]`: TOST on the log scale, the fold change's interval inside [lo, hi]; contradicted when wholly outside. `spike_rate_higher`: the exact conditional-binomial (Clopper-Pearson) interval of the spike rate ratio above 1; contradicted when the exact test says lower.",
             s.alpha, s.min_seeds
         ),
-        "Trends (`decreasing`/`increasing`): a linear contrast over the configurations' ranks in sweep order (scores centred on the middle rank), i.e. the least-squares slope of the per-configuration means per sweep step, on the log scale for KL-type metrics; paired t over seeds when every configuration ran the same seeds on the built-in engine (the contrast is taken seed by seed), else Welch-Satterthwaite. It tests a trend, not that every step goes down.".to_string(),
+        format!(
+            "Pairing: arms run on the built-in engine share each seed's prompts and sampling stream, so they are compared seed by seed (paired t) over the seeds all of them ran, when at least {} are common (with sequential seeds the baseline often ran more); the test's name gives how many seeds were paired and of how many. Otherwise, and for other engines, Welch's t over every seed of each arm.",
+            s.min_seeds.max(2)
+        ),
+        "Quantizer claims (`batch_invariant`): decided on the quantizer alone, without runs: seeded random tokens (256 elements, magnitudes over six decades) are quantized alone and at a random position of random batches of 2 to 16 with the one quantizer (`formats::quantize`, row blocks along K); reproduced when every token's element codes, block scales and dequantized values are identical both ways, contradicted by the first token that differs.".to_string(),
+        "Trends (`decreasing`/`increasing`): a linear contrast over the configurations' ranks in sweep order (scores centred on the middle rank), i.e. the least-squares slope of the per-configuration means per sweep step, on the log scale for KL-type metrics; paired as above (the contrast is taken seed by seed over the seeds every configuration ran), else Welch-Satterthwaite. It tests a trend, not that every step goes down.".to_string(),
         format!(
             "Several configurations in one claim: the claim is reproduced only when every configuration is (an intersection-union test: each at alpha, so the claim's false-reproduction rate stays at most {}); it is contradicted when Holm's step-down adjustment over its configurations' p-values against it still leaves one below alpha (family-wise error at most {}). Claims are not adjusted against each other: each claim holds its own error rate. On a night with sequential seeds the claims' tests are fixed-sample tests on the seeds the night reached. A claim changes the night's verdict only with `gate = true` (a contradicted gated claim is a regression).",
             s.alpha, s.alpha
@@ -889,6 +1076,199 @@ mod tests {
             missing.evidence.contains("no runs of `zz`"),
             "{}",
             missing.evidence
+        );
+    }
+
+    /// An arm with a value at each of `seeds`, from `value(seed)`.
+    fn arm_at(config: &str, seeds: &[u64], value: impl Fn(u64) -> f64, coupled: bool) -> ClaimArm {
+        let mut a = arm(config, &[], coupled);
+        a.seeds = seeds.to_vec();
+        let vals = seeds
+            .iter()
+            .map(|&seed| SeedValue {
+                seed,
+                last: value(seed),
+                first: value(seed),
+            })
+            .collect();
+        a.values.insert("train/train_rollout_kl".into(), vals);
+        a
+    }
+
+    /// A KL level per seed: a large shared nuisance (what one seed's prompts and sampling do to
+    /// every configuration) times a small configuration-specific noise, times `fold`.
+    fn coupled_kl(seed: u64, fold: f64, salt: u64) -> f64 {
+        let u = |k: u64| {
+            let h =
+                (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ k).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            (h >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        1e-3 * fold * (2.0 * u(0)).exp() * (0.02 * u(salt + 1)).exp()
+    }
+
+    #[test]
+    fn coupled_arms_pair_on_the_seeds_they_share() {
+        let s = CompareSettings::default();
+        let base: Vec<u64> = (0..12).collect();
+        let fewer: Vec<u64> = (0..9).collect();
+        let make = |coupled: bool| {
+            vec![
+                arm_at("bf16", &base, |k| coupled_kl(k, 1.0, 1), coupled),
+                arm_at("nvfp4-dq", &fewer, |k| coupled_kl(k, 1.1, 2), coupled),
+            ]
+        };
+        let higher = claim(Predicate::Higher(true), &[], None);
+        let r = evaluate(std::slice::from_ref(&higher), &make(true), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        let row = &r.rows[0];
+        assert_eq!(
+            row.test,
+            "paired t over the 9 common seeds (of 9 and 12), log scale"
+        );
+        assert_eq!((row.seeds.len(), row.vs_seeds.len()), (9, 9));
+        assert!((1.05..1.15).contains(&row.interval.estimate), "{row:?}");
+        assert!(r.evidence.contains("9 common seeds"), "{}", r.evidence);
+        // The same values from an engine that does not couple seeds: Welch over all 12 and 9,
+        // which the shared nuisance drowns.
+        let r = evaluate(std::slice::from_ref(&higher), &make(false), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Inconclusive, "{r:?}");
+        assert_eq!(r.rows[0].test, "Welch t, log scale");
+        assert_eq!((r.rows[0].seeds.len(), r.rows[0].vs_seeds.len()), (9, 12));
+        // Fewer common seeds than a verdict needs: Welch over each arm's own seeds.
+        let apart = vec![
+            arm_at("bf16", &base, |k| coupled_kl(k, 1.0, 1), true),
+            arm_at(
+                "nvfp4-dq",
+                &[10, 11, 12, 13],
+                |k| coupled_kl(k, 1.1, 2),
+                true,
+            ),
+        ];
+        let r = evaluate(&[higher], &apart, &s).remove(0);
+        assert_eq!(r.rows[0].test, "Welch t, log scale");
+    }
+
+    #[test]
+    fn a_coupled_trend_pairs_on_the_seeds_every_configuration_ran() {
+        let s = CompareSettings::default();
+        let seeds = |n: u64| (0..n).collect::<Vec<u64>>();
+        let make = |coupled: bool| {
+            vec![
+                arm_at("a", &seeds(12), |k| coupled_kl(k, 1.0, 1), coupled),
+                arm_at("b", &seeds(9), |k| coupled_kl(k, 0.9, 2), coupled),
+                arm_at("c", &seeds(10), |k| coupled_kl(k, 0.8, 3), coupled),
+            ]
+        };
+        let trend = claim(
+            Predicate::Trend {
+                decreasing: true,
+                by: None,
+            },
+            &["a", "b", "c"],
+            None,
+        );
+        let r = evaluate(std::slice::from_ref(&trend), &make(true), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        assert_eq!(
+            r.rows[0].test,
+            "linear trend contrast on ranks, paired t over the 9 common seeds (of 12, 9 and 10), log scale"
+        );
+        assert_eq!(r.rows[0].seeds, seeds(9));
+        let r = evaluate(&[trend], &make(false), &s).remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Inconclusive, "{r:?}");
+        assert!(r.rows[0].test.contains("Welch-Satterthwaite"), "{r:?}");
+    }
+
+    #[test]
+    fn batch_invariance_is_decided_on_the_quantizer_without_runs() {
+        let s = CompareSettings::default();
+        let decide = |format: &str| {
+            let mut c = claim(Predicate::BatchInvariant(format.into()), &[], None);
+            c.metric = String::new();
+            evaluate(&[c], &[], &s).remove(0)
+        };
+        let token = decide("nvfp4-per-token");
+        assert_eq!(token.verdict, ClaimVerdict::Reproduced, "{token:?}");
+        assert!(
+            token.evidence.contains("all 500 tokens identical")
+                && !token.evidence.contains("seeds,"),
+            "{}",
+            token.evidence
+        );
+        let tensor = decide("nvfp4-per-tensor");
+        assert_eq!(tensor.verdict, ClaimVerdict::Contradicted, "{tensor:?}");
+        assert!(
+            tensor.rows[0].interval.estimate > 0.5,
+            "{:?}",
+            tensor.rows[0]
+        );
+        assert!(
+            tensor.evidence.contains("tokens changed with their batch"),
+            "{}",
+            tensor.evidence
+        );
+    }
+
+    #[test]
+    fn a_variant_is_held_against_the_baselines_variant_and_named_in_full() {
+        let s = CompareSettings::default();
+        let lagged = |a: &mut ClaimArm| {
+            a.config = format!("{} [policy_lag=1]", a.base);
+            a.axes = [("policy_lag".to_string(), "1".to_string())].into();
+        };
+        let mut bf16_lag = arm("bf16", &[1e-3, 1.2e-3, 0.9e-3, 1.1e-3], true);
+        let mut nv_lag = arm("nvfp4-dq", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true);
+        lagged(&mut bf16_lag);
+        lagged(&mut nv_lag);
+        let arms = vec![
+            arm("bf16", &[1e-4, 1.2e-4, 0.9e-4, 1.1e-4], true),
+            arm("nvfp4-dq", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true),
+            bf16_lag,
+            nv_lag,
+        ];
+        let higher = |configs: &[&str]| {
+            evaluate(&[claim(Predicate::Higher(true), configs, None)], &arms, &s).remove(0)
+        };
+        // The plain name picks the plain runs only.
+        let plain = higher(&["nvfp4-dq"]);
+        assert_eq!(plain.rows.len(), 1, "{plain:?}");
+        assert_eq!(plain.rows[0].vs, "bf16");
+        // The variant, named in full, is held against BF16's variant (about 4x, not 40x).
+        let lag = higher(&["nvfp4-dq [policy_lag=1]"]);
+        assert_eq!(lag.rows.len(), 1, "{lag:?}");
+        assert_eq!(lag.rows[0].vs, "bf16 [policy_lag=1]");
+        assert!(
+            (3.0..5.0).contains(&lag.rows[0].interval.estimate),
+            "{lag:?}"
+        );
+        // A pattern does not reach variants either.
+        assert_eq!(higher(&["nvfp4*"]).rows.len(), 1);
+    }
+
+    #[test]
+    fn a_higher_or_lower_claim_says_what_its_precision_costs_in_weight_memory() {
+        let s = CompareSettings::default();
+        let mut shared_bf16 = arm("nvfp4-dq", &[1e-3, 1.2e-3, 0.9e-3, 1.1e-3], true);
+        let mut shared_fp4 = arm("shared-fp4", &[4e-3, 4.4e-3, 3.7e-3, 4.3e-3], true);
+        shared_bf16.weight_bytes = Some(1.1 * 1024.0 * 1024.0);
+        shared_fp4.weight_bytes = Some(1024.0 * 1024.0);
+        let r = evaluate(
+            &[claim(
+                Predicate::Higher(false),
+                &["nvfp4-dq"],
+                Some("shared-fp4"),
+            )],
+            &[shared_bf16, shared_fp4],
+            &s,
+        )
+        .remove(0);
+        assert_eq!(r.verdict, ClaimVerdict::Reproduced, "{r:?}");
+        assert!(
+            r.evidence.contains(
+                "matmul weights 1126 KiB against 1024 KiB: +102 KiB, +10.0 % of the model's"
+            ),
+            "{}",
+            r.evidence
         );
     }
 

@@ -22,6 +22,7 @@ struct ClaimToml {
     fold: Option<Spanned<Vec<f64>>>,
     site: Option<Spanned<String>>,
     by: Option<Spanned<String>>,
+    format: Option<Spanned<String>>,
     gate: Option<bool>,
 }
 
@@ -32,7 +33,7 @@ struct ClaimsFile {
     claims: Vec<Spanned<ClaimToml>>,
 }
 
-const KEYS: [&str; 12] = [
+const KEYS: [&str; 13] = [
     "name",
     "statement",
     "source",
@@ -44,10 +45,11 @@ const KEYS: [&str; 12] = [
     "fold",
     "site",
     "by",
+    "format",
     "gate",
 ];
 
-const PREDICATES: [&str; 7] = [
+const PREDICATES: [&str; 8] = [
     "equivalent",
     "higher",
     "lower",
@@ -55,6 +57,7 @@ const PREDICATES: [&str; 7] = [
     "spike_rate_higher",
     "decreasing",
     "increasing",
+    "batch_invariant",
 ];
 
 /// Sweep axes a trend may be ordered by.
@@ -239,6 +242,14 @@ fn check_one(
         c.by.as_ref().map(|m| m.span().start),
         &["decreasing", "increasing"],
     )?;
+    only(
+        "format",
+        c.format.as_ref().map(|m| m.span().start),
+        &["batch_invariant"],
+    )?;
+    if expect == "batch_invariant" {
+        return batch_invariant(c, name, expect_at);
+    }
     let trend = matches!(expect, "decreasing" | "increasing");
     if let (true, Some(v)) = (trend, &c.vs) {
         return Err((
@@ -379,6 +390,62 @@ fn check_one(
     })
 }
 
+/// A quantizer claim: a known `format`, and none of the keys that name runs.
+fn batch_invariant(
+    c: &ClaimToml,
+    name: String,
+    expect_at: usize,
+) -> Result<ClaimSpec, (usize, String)> {
+    let run_keys = [
+        ("metric", c.metric.as_ref().map(|v| v.span().start)),
+        ("configs", c.configs.as_ref().map(|v| v.span().start)),
+        ("vs", c.vs.as_ref().map(|v| v.span().start)),
+    ];
+    if let Some((key, Some(at))) = run_keys.iter().find(|(_, at)| at.is_some()) {
+        return Err((
+            *at,
+            format!(
+                "expect = \"batch_invariant\" is decided on the quantizer alone, without runs; remove `{key}`"
+            ),
+        ));
+    }
+    let formats = super::quantizer::FORMATS;
+    let Some(f) = &c.format else {
+        return Err((
+            expect_at,
+            format!(
+                "expect = \"batch_invariant\" needs the activation format, e.g. format = \"nvfp4-per-token\" (one of {})",
+                formats.join(", ")
+            ),
+        ));
+    };
+    let format = f.get_ref().trim();
+    if super::quantizer::format(format).is_none() {
+        let hint = crate::recipe::presets::suggest(format, &formats)
+            .map(|s| format!(" (did you mean `{s}`?)"))
+            .unwrap_or_default();
+        return Err((
+            f.span().start,
+            format!(
+                "format = \"{}\"{hint}: use one of {}",
+                crate::recipe::shorten(format),
+                formats.join(", ")
+            ),
+        ));
+    }
+    Ok(ClaimSpec {
+        name,
+        statement: c.statement.get_ref().trim().to_string(),
+        source: c.source.get_ref().trim().to_string(),
+        expect: "batch_invariant".into(),
+        metric: String::new(),
+        configs: Vec::new(),
+        vs: None,
+        predicate: Predicate::BatchInvariant(format.to_string()),
+        gate: c.gate.unwrap_or(false),
+    })
+}
+
 fn is_glob(s: &str) -> bool {
     s.contains(['*', '?', '[', '{']) && !s.contains(" [") // a sweep point's name, `nvfp4 [bf16_last=2]`
 }
@@ -454,6 +521,7 @@ mod tests {
             "expect = \"spike_rate_higher\"\nconfigs = [\"nvfp4-hp\"]\nvs = \"nvfp4-dq\"\nsite = \"*experts*\"\ngate = true\n",
             "expect = \"decreasing\"\nmetric = \"train/train_rollout_kl\"\nconfigs = [\"nvfp4-dq\"]\nby = \"bf16_last\"\n",
             "expect = \"increasing\"\nmetric = \"rollout/raw_reward\"\nconfigs = [\"nvfp4-hp\", \"nvfp4-dq\"]\n",
+            "expect = \"batch_invariant\"\nformat = \"nvfp4-per-token\"\n",
         ];
         let all: String = text
             .iter()
@@ -461,7 +529,11 @@ mod tests {
             .map(|(i, t)| HEAD.replace("\"c\"", &format!("\"c{i}\"")) + t)
             .collect();
         let c = parse_claims(&all).unwrap();
-        assert_eq!(c.len(), 7);
+        assert_eq!(c.len(), 8);
+        assert_eq!(
+            c[7].predicate,
+            Predicate::BatchInvariant("nvfp4-per-token".into())
+        );
         assert_eq!(
             c[0].predicate,
             Predicate::Equivalent(MarginRule::OfGain(0.2))
@@ -537,6 +609,26 @@ mod tests {
                 "expect = \"higher\"\nmetric = \"m\"\nvs = \"nvfp4*\"\n",
                 ":22:6:",
                 "is a pattern",
+            ),
+            (
+                "expect = \"batch_invariant\"\nformat = \"nvfp4-per-tokn\"\n",
+                ":21:10:",
+                "did you mean `nvfp4-per-token`",
+            ),
+            (
+                "expect = \"batch_invariant\"\n",
+                ":20:10:",
+                "needs the activation format",
+            ),
+            (
+                "expect = \"batch_invariant\"\nformat = \"mxfp8\"\nmetric = \"m\"\n",
+                ":22:10:",
+                "without runs; remove `metric`",
+            ),
+            (
+                "expect = \"higher\"\nmetric = \"m\"\nformat = \"mxfp8\"\n",
+                ":22:10:",
+                "only read with expect = \"batch_invariant\"",
             ),
         ];
         for (body, at, says) in cases {
