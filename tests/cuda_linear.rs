@@ -12,7 +12,6 @@
 mod common;
 
 use common::{max_abs, max_rel, same_bits, uniform};
-use lockstep::engine::backend::CpuBackend;
 use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::linear::CudaLinear;
 use lockstep::engine::linear;
@@ -75,9 +74,9 @@ fn device_linear_forward_and_backward_match_the_cpu_layer() {
             let dw0 = uniform(&mut rng, m * k, 0.1);
             let pw = linear::prepare_weight(&plan, &w, m, k);
             let mut y = vec![0.0f32; n * m];
-            let cache = linear::forward(&CpuBackend, &plan, &x, n, &pw, &mut y);
+            let cache = linear::forward(&plan, &x, n, &pw, &mut y);
             let (mut dx, mut dw) = (vec![0.0f32; n * k], dw0.clone());
-            linear::backward(&CpuBackend, &plan, &cache, &pw, &dy, Some(&mut dx), &mut dw);
+            linear::backward(&plan, &cache, &pw, &dy, Some(&mut dx), &mut dw);
 
             let dev_w = lin.upload(&pw).unwrap();
             let (gy, gcache) = lin

@@ -8,7 +8,6 @@
 mod common;
 
 use common::{agreement, bits, plan};
-use lockstep::engine::backend::cpu::CpuBackend;
 use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::layout::Layout;
@@ -59,7 +58,7 @@ fn resident_forward_matches_the_cpu_forward() {
         let params = Params::init(&cfg, 11).unwrap();
         let prep = PreparedModel::new(&params, &plan(name, cfg.n_layers)).unwrap();
         let (tokens, layout) = trainer_batch(cfg.vocab, (8, 8, 7, 15), 5, true);
-        let (cpu_logits, _, cpu_routing) = forward_rows(&CpuBackend, &prep, &tokens, &layout, None);
+        let (cpu_logits, _, cpu_routing) = forward_rows(&prep, &tokens, &layout, None);
         let dm = rf.upload_model(&prep).unwrap();
         let free = pass::infer(rf, &dm, &tokens, &layout, None).unwrap();
         let again = pass::infer(rf, &dm, &tokens, &layout, None).unwrap();

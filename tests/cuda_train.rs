@@ -72,11 +72,10 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
         let params = Params::init(&cfg, 11).unwrap();
         let prep = PreparedModel::new(&params, &plan(name, cfg.n_layers)).unwrap();
         let (tokens, layout) = trainer_batch(cfg.vocab, (8, 8, 7, 15), 5, true);
-        let (cpu_logits, cpu_cache, cpu_routing) =
-            forward_rows(&CpuBackend, &prep, &tokens, &layout, None);
+        let (cpu_logits, cpu_cache, cpu_routing) = forward_rows(&prep, &tokens, &layout, None);
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let dlogits = common::uniform(&mut rng, cpu_logits.len(), 1e-2);
-        let cpu_grads = backward(&CpuBackend, &prep, &cpu_cache, &dlogits);
+        let cpu_grads = backward(&prep, &cpu_cache, &dlogits);
 
         let m = tr.upload_model(&prep).unwrap();
         let (logits, cache, _) =

@@ -12,7 +12,6 @@
 mod common;
 
 use common::{bits, plan};
-use lockstep::engine::backend::cpu::CpuBackend;
 use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::device::Ops;
@@ -152,7 +151,7 @@ fn the_backward_is_the_forwards_gradient_on_every_device() {
     let (p, toks, layout, r) = gradient_case();
     let plan = plan("fp32", p.config.n_layers);
     let (preps, moves) = perturbed(&p, &plan);
-    let cpu = CpuOps::new(&CpuBackend);
+    let cpu = CpuOps::new();
     check_gradients(
         &cpu,
         |pm| pm.host_weights(),
@@ -200,12 +199,7 @@ fn inference_and_training_forwards_agree_and_repeat_bit_for_bit_on_every_device(
     let (toks, layout) = trainer_batch(p.config.vocab, (3, 4, 3, 7), 1, true);
     for name in ["fp32", "nvfp4-dq", "mxfp8"] {
         let prep = PreparedModel::new(&p, &plan(name, p.config.n_layers)).unwrap();
-        check_bit_identities(
-            &CpuOps::new(&CpuBackend),
-            &prep.host_weights(),
-            &toks,
-            &layout,
-        );
+        check_bit_identities(&CpuOps::new(), &prep.host_weights(), &toks, &layout);
         if let Some(g) = gpu("inference_and_training_forwards_agree_and_repeat_bit_for_bit") {
             check_bit_identities(g, &g.upload_model(&prep).unwrap(), &toks, &layout);
         }
@@ -244,7 +238,7 @@ fn decoding_matches_the_full_forward_on_every_device() {
     let (b, t) = (3, 7);
     let toks = tokens(&mut rng, b * t, p.config.vocab);
     let prep = PreparedModel::new(&p, &plan("bf16", p.config.n_layers)).unwrap();
-    let cpu = decode_vs_forward(&CpuOps::new(&CpuBackend), &prep.host_weights(), &toks, b, t);
+    let cpu = decode_vs_forward(&CpuOps::new(), &prep.host_weights(), &toks, b, t);
     eprintln!("cpu: decode vs forward {cpu:.3e}");
     assert!(
         cpu < 2e-2,

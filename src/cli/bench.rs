@@ -97,14 +97,10 @@ pub fn quantize_cpu(size: usize, min_time: f64) -> Result<bool> {
     Ok(true)
 }
 
-/// Median GRPO step time and its phases on one device. On a GPU, four backends are timed side
-/// by side in the same run: one that copies every GEMM operand on every call, one that keeps the
-/// prepared weights resident, one that also runs the forward-only passes on the GPU (the
-/// rollout's decoding, `cuda::decoder`, and the BF16 reference forward, `cuda::resident`), and
-/// the default, which also runs the trainer's policy forward and backward there
-/// (`cuda::train`), and the default again with cudarc's cross-stream event tracking on (off by
-/// default), with the GEMM path's counters per step; then this host's CPU at the same shape and
-/// the CPU/GPU step-time ratios, all in one run.
+/// Median GRPO step time and its phases on one device. On a GPU, the CUDA backend is timed with
+/// cudarc's cross-stream event tracking off (its default here) and on, with its model-upload and
+/// training-forward counters per step; then this host's CPU at the same shape and the CPU/GPU
+/// step-time ratios, all in one run.
 pub fn step(args: &StepArgs) -> Result<bool> {
     let device: Device = args.device.parse()?;
     let model = super::engine::model_preset(&args.model)?;
@@ -112,43 +108,13 @@ pub fn step(args: &StepArgs) -> Result<bool> {
     // On a GPU, the backends are all opened first, so a missing GPU is the one-line error alone.
     let cuda_err = |err| lockstep::engine::backend::DeviceError::Cuda { device, err };
     let gpu = match device {
-        Device::Cuda(ordinal) => {
-            let budget = cuda::gemm::RESIDENT_BUDGET;
-            [
-                // (label, resident budget, device model, device trainer, event tracking)
-                ("operands copied every call", 0, false, false, false),
-                ("weights resident", budget, false, false, false),
-                (
-                    "+ decode, reference forward on GPU",
-                    budget,
-                    true,
-                    false,
-                    false,
-                ),
-                (
-                    "+ trainer forward/backward on GPU",
-                    budget,
-                    true,
-                    true,
-                    false,
-                ),
-                (
-                    "  the same, cudarc event tracking on",
-                    budget,
-                    true,
-                    true,
-                    true,
-                ),
-            ]
-        }
+        Device::Cuda(ordinal) => [
+            ("cudarc event tracking off", false),
+            ("cudarc event tracking on", true),
+        ]
         .into_iter()
-        .map(|(label, budget, device_model, device_train, tracking)| {
-            cuda::CudaBackend::with_event_tracking(ordinal, budget, tracking).map(|be| {
-                let be = be
-                    .with_device_model(device_model)
-                    .with_device_trainer(device_train);
-                (label, be)
-            })
+        .map(|(label, tracking)| {
+            cuda::CudaBackend::with_event_tracking(ordinal, tracking).map(|be| (label, be))
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(cuda_err)?,
@@ -211,15 +177,8 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         gpu_steps.push((label, ms(&times, "perf/step_time")));
         let last = per_step.last().copied().unwrap_or_default();
         println!(
-            "  {:<42} {} GEMM calls, {:.1} MB to the device, {:.1} MB back, weights {} found \
-             resident / {} copied in; {} models uploaded in {:.1} ms; trainer forward {:.1} ms \
-             (last step)",
+            "  {:<42} {} models uploaded in {:.1} ms; trainer forward {:.1} ms (last step)",
             "",
-            last.calls,
-            last.bytes_to_device as f64 / 1e6,
-            last.bytes_to_host as f64 / 1e6,
-            last.resident_hits,
-            last.resident_uploads,
             last.model_uploads,
             last.model_upload_ns as f64 / 1e6,
             last.train_forward_ns as f64 / 1e6
@@ -299,7 +258,7 @@ pub fn forward(args: &ForwardArgs) -> Result<bool> {
         let plan = lockstep::recipe::file::load(name)?.resolve(cfg.n_layers)?;
         let prep = PreparedModel::new(&params, &plan)?;
         let cpu = median_secs::<anyhow::Error>(args.reps, || {
-            forward_rows(&CpuBackend, &prep, &rows, &layout, None);
+            forward_rows(&prep, &rows, &layout, None);
             Ok(())
         })?;
         let Some(rf) = &resident else {

@@ -65,7 +65,7 @@ pub struct RunOneArgs {
     /// Warm-start cache folder (default: $LOCKSTEP_CACHE or runs/cache).
     #[arg(long)]
     pub cache: Option<PathBuf>,
-    /// Where the GEMMs run: cpu, cuda or cuda:N.
+    /// Where the engine runs: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: String,
 }

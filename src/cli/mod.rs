@@ -92,7 +92,9 @@ pub enum BenchCommand {
     },
     /// Time building a report for a synthetic nightly-sized suite (target: under 10 s).
     Report(report::BenchReportArgs),
-    /// Engine GRPO step time (median of --steps after one warm-up) on a device.
+    /// Engine GRPO step time (median of --steps after one warm-up) on a device; with --device
+    /// cuda, the CUDA backend with cudarc's event tracking off and on, then this host's CPU at the
+    /// same shape and the CPU/GPU step-time ratios.
     Step(bench::StepArgs),
     /// The policy forward at the benchmark shape on this host's CPU and, with --device cuda, the
     /// device-resident forward next to it.

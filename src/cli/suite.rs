@@ -123,7 +123,7 @@ pub struct RunArgs {
     /// metrics mapping and judge it again, launching nothing.
     #[arg(long, conflicts_with = "force")]
     pub reingest: bool,
-    /// Where the GEMMs run: cpu; cuda (spread over every visible GPU, workers take them in
+    /// Where the engine runs: cpu; cuda (spread over every visible GPU, workers take them in
     /// turn); cuda:N; or a list, cuda:0,cuda:2.
     #[arg(long, default_value = "cpu")]
     pub device: String,

@@ -15,7 +15,7 @@
 //! BF16 model holds (weights are `bf16(master)`), so the rollout, which receives BF16 weights,
 //! quantizes the same tensor to the same bytes. FP32 sites (gradient checks) never round.
 
-use super::backend::{Backend, MatRef};
+use super::backend::cpu::{MatRef, gemm};
 use crate::formats::bf16::round_bf16;
 use crate::formats::{
     Axis, QuantFormat, QuantStats, QuantizedTensor, Scales, fake_quantize, quantize,
@@ -30,14 +30,13 @@ pub struct PreparedWeight {
     pub out_dim: usize,
     pub in_dim: usize,
     /// Forward operand (quantized then dequantized to FP32). Private, like `w_bwd`: both are
-    /// immutable once prepared, which is what lets a GPU backend keep them resident under `key`.
+    /// immutable once prepared, which is what `key` relies on.
     w_fwd: Vec<f32>,
     /// Operand of the dgrad GEMM (`dx = dy · W`), chosen by the backward mode; `None` where it
     /// equals `w_fwd` bit for bit (FP32 and BF16 sites, and most dequantized ones), so it is
     /// neither stored nor copied to a device twice.
     w_bwd: Option<Vec<f32>>,
-    /// Unique per prepared weight (`key` names `w_fwd`, `key + 1` names a distinct `w_bwd`):
-    /// see [`MatRef::key`].
+    /// Unique per preparation (see [`PreparedWeight::key`]).
     key: u64,
     /// SHA-256 over the weight's codes, scales and second-level scales (FP32 values for FP32 sites).
     pub digest: [u8; 32],
@@ -63,22 +62,17 @@ impl PreparedWeight {
         self.key
     }
     fn fwd_operand(&self) -> MatRef<'_> {
-        MatRef::new(&self.w_fwd, self.out_dim, self.in_dim).keyed(self.key)
+        MatRef::new(&self.w_fwd, self.out_dim, self.in_dim)
     }
     fn bwd_operand(&self) -> MatRef<'_> {
-        let key = if self.bwd_is_fwd() {
-            self.key
-        } else {
-            self.key + 1
-        };
-        MatRef::new(self.w_bwd(), self.out_dim, self.in_dim).keyed(key)
+        MatRef::new(self.w_bwd(), self.out_dim, self.in_dim)
     }
 }
 
-/// A fresh pair of content keys for a prepared weight (process-wide, never reused).
+/// A fresh content key for a prepared weight (process-wide, never reused).
 fn next_weight_key() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    NEXT.fetch_add(2, std::sync::atomic::Ordering::Relaxed)
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// What the forward keeps for the backward.
@@ -192,7 +186,6 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
 
 /// `y[n, m] = x[n, k] · Wᵀ`; returns the cache the backward needs.
 pub fn forward(
-    be: &dyn Backend,
     plan: &SitePlan,
     x: &[f32],
     n: usize,
@@ -202,7 +195,7 @@ pub fn forward(
     let k = w.in_dim;
     assert_eq!(x.len(), n * k);
     let Some(fmt) = plan.activation_format() else {
-        be.gemm(MatRef::new(x, n, k), w.fwd_operand().t(), y, false);
+        gemm(MatRef::new(x, n, k), w.fwd_operand().t(), y, false);
         return LinearCache {
             x_bwd: x.to_vec(),
             n,
@@ -221,7 +214,7 @@ pub fn forward(
         fake_quantize(src, n, k, &fmt, Axis::Row, &mut x_q)
             .expect("site shape checked by check_site")
     };
-    be.gemm(MatRef::new(&x_q, n, k), w.fwd_operand().t(), y, false);
+    gemm(MatRef::new(&x_q, n, k), w.fwd_operand().t(), y, false);
     let x_bwd = match plan.backward {
         _ if bf16_site => x_q, // already the BF16 operand, whatever the backward mode
         BackwardMode::HighPrecision => x_hp,
@@ -234,7 +227,6 @@ pub fn forward(
 
 /// Backward: `dx = dy · W` (written to `dx` when given) and `dW += dyᵀ · x` (accumulated).
 pub fn backward(
-    be: &dyn Backend,
     plan: &SitePlan,
     cache: &LinearCache,
     w: &PreparedWeight,
@@ -275,9 +267,9 @@ pub fn backward(
             }
         };
     if let Some(dx) = dx {
-        be.gemm(MatRef::new(&dy_d, n, m), w.bwd_operand(), dx, false);
+        gemm(MatRef::new(&dy_d, n, m), w.bwd_operand(), dx, false);
     }
-    be.gemm(
+    gemm(
         MatRef::new(&dy_w, n, m).t(),
         MatRef::new(&cache.x_bwd, n, k),
         dw,
@@ -305,7 +297,6 @@ fn fake_quantize_col_padded_t(x: &[f32], r: usize, c: usize, fmt: &QuantFormat) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::backend::CpuBackend;
 
     fn data(n: usize, seed: f32) -> Vec<f32> {
         (0..n)
@@ -327,7 +318,7 @@ mod tests {
         let (x, w) = (data(n * k, 0.0), data(m * k, 1.0));
         let p = prepare_weight(&SitePlan::FP32, &w, m, k);
         let mut y = vec![0.0; n * m];
-        let c = forward(&CpuBackend, &SitePlan::FP32, &x, n, &p, &mut y);
+        let c = forward(&SitePlan::FP32, &x, n, &p, &mut y);
         for i in 0..n {
             for j in 0..m {
                 let want: f32 = (0..k).map(|t| x[i * k + t] * w[j * k + t]).sum();
@@ -336,15 +327,7 @@ mod tests {
         }
         let dy = data(n * m, 2.0);
         let (mut dx, mut dw) = (vec![0.0; n * k], vec![0.0; m * k]);
-        backward(
-            &CpuBackend,
-            &SitePlan::FP32,
-            &c,
-            &p,
-            &dy,
-            Some(&mut dx),
-            &mut dw,
-        );
+        backward(&SitePlan::FP32, &c, &p, &dy, Some(&mut dx), &mut dw);
         let want_dx: f32 = (0..m).map(|j| dy[j] * w[j * k]).sum();
         let want_dw: f32 = (0..n).map(|i| dy[i * m] * x[i * k]).sum();
         assert!((dx[0] - want_dx).abs() < 1e-4 && (dw[0] - want_dw).abs() < 1e-4);
@@ -357,7 +340,7 @@ mod tests {
         let fwd_q = |p: &SitePlan| {
             let pw = prepare_weight(p, &w, m, k);
             let mut y = vec![0.0; n * m];
-            let c = forward(&CpuBackend, p, &x, n, &pw, &mut y);
+            let c = forward(p, &x, n, &pw, &mut y);
             (pw, c)
         };
         for prec in [Precision::Mxfp8, Precision::Nvfp4] {
@@ -421,24 +404,16 @@ mod tests {
             let dy = data(n * m, 3.0);
             let pf = prepare_weight(&SitePlan::FP32, &w, m, k);
             let mut y = vec![0.0; n * m];
-            let cf = forward(&CpuBackend, &SitePlan::FP32, &x, n, &pf, &mut y);
+            let cf = forward(&SitePlan::FP32, &x, n, &pf, &mut y);
             let (mut dx_f, mut dw_f) = (vec![0.0; n * k], vec![0.0; m * k]);
-            backward(
-                &CpuBackend,
-                &SitePlan::FP32,
-                &cf,
-                &pf,
-                &dy,
-                Some(&mut dx_f),
-                &mut dw_f,
-            );
+            backward(&SitePlan::FP32, &cf, &pf, &dy, Some(&mut dx_f), &mut dw_f);
             for (p, pw, c) in [
                 (hp, &pw_hp, &c_hp),
                 (dq, &pw_dq, &c_dq),
                 (qz, &pw_qz, &c_qz),
             ] {
                 let (mut dx, mut dw) = (vec![0.0; n * k], vec![0.0; m * k]);
-                backward(&CpuBackend, &p, c, pw, &dy, Some(&mut dx), &mut dw);
+                backward(&p, c, pw, &dy, Some(&mut dx), &mut dw);
                 let rel = |a: &[f32], b: &[f32]| {
                     let num: f32 = a.iter().zip(b).map(|(u, v)| (u - v) * (u - v)).sum();
                     (num / b.iter().map(|v| v * v).sum::<f32>()).sqrt()
@@ -467,7 +442,7 @@ mod tests {
         let pw = prepare_weight(&SitePlan::BF16, &w, m, k);
         assert_eq!(pw.w_fwd, bf16_vec(&w));
         let mut y = vec![0.0; n * m];
-        let c = forward(&CpuBackend, &SitePlan::BF16, &x, n, &pw, &mut y);
+        let c = forward(&SitePlan::BF16, &x, n, &pw, &mut y);
         assert_eq!(c.x_bwd, bf16_vec(&x));
     }
 

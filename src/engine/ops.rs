@@ -103,10 +103,10 @@ pub fn rmsnorm_backward(
 // Causal multi-head self-attention over B sequences of equal length T.
 // qkv [N, 3D]: Q in columns 0..D, K in D..2D, V in 2D..3D; head h uses columns h·Dh..(h+1)·Dh of each.
 //
-// Why not the Backend GEMM here: at the benchmark shape (T = 16, Dh = 32) each (sequence, head)
-// product is 16×32×16, and matrixmultiply spent its time packing (13-27 ms per layer forward at
-// B = 256 on 2 cores, against 3-4 ms for these loops). The loops below use one `dot`/`axpy` pair shared with the decoder's
-// [`attention_step`], so the incremental decoder does the same arithmetic in the same order.
+// Why not the CPU GEMM (`backend::cpu::gemm`) here: at the benchmark shape (T = 16, Dh = 32)
+// each (sequence, head) product is 16×32×16, and matrixmultiply spent its time packing (13-27 ms
+// per layer forward at B = 256 on 2 cores, against 3-4 ms for these loops). The loops below use
+// one `dot`/`axpy` pair shared with the decoder's [`attention_step`], so the incremental decoder does the same arithmetic in the same order.
 
 /// Dot product with 8 independent partial sums (so it vectorizes) combined in a fixed order: the same
 /// inputs give the same bits everywhere it is used.

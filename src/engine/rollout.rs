@@ -50,9 +50,8 @@ impl Rollout {
     }
 }
 
-/// What [`generate`] needs from a model: one new position of every sequence at a time. The host
-/// decoder is [`model::decode_step`] over a [`KvCache`]; a backend may bring its own
-/// ([`Backend::decoder`]: on a GPU the device-resident one, cache on the device).
+/// What [`generate`] needs from a model: one new position of every sequence at a time, from
+/// [`Backend::decoder`] ([`HostDecoder`] on the CPU; on a GPU, cache and model on the device).
 pub trait Decoder {
     /// Logits `[B, V]` and the routing of one new position of each of the B sequences.
     fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing);
@@ -74,16 +73,25 @@ pub trait Decoder {
     }
 }
 
-/// [`model::decode_step`] with the backend's GEMMs and a host KV cache.
-struct HostDecoder<'a> {
-    be: &'a dyn Backend,
+/// The CPU's decoder: [`model::decode_step`] over a host KV cache.
+pub struct HostDecoder<'a> {
     prep: &'a PreparedModel,
     cache: KvCache,
 }
 
+impl<'a> HostDecoder<'a> {
+    /// An empty cache for `seqs` sequences of up to `positions` positions.
+    pub fn new(prep: &'a PreparedModel, seqs: usize, positions: usize) -> Self {
+        HostDecoder {
+            prep,
+            cache: KvCache::with_capacity(&prep.config, seqs, positions),
+        }
+    }
+}
+
 impl Decoder for HostDecoder<'_> {
     fn step(&mut self, tokens: &[u32]) -> (Vec<f32>, Routing) {
-        model::decode_step(self.be, self.prep, &mut self.cache, tokens, None)
+        model::decode_step(self.prep, &mut self.cache, tokens, None)
     }
 
     fn repeat_each(&mut self, samples: usize) {
@@ -91,20 +99,15 @@ impl Decoder for HostDecoder<'_> {
     }
 }
 
-/// The backend's own decoder for `prep`, or the host's.
+/// The backend's decoder for `prep`; a device that fails to make one panics with its name.
 fn decoder<'a>(
     be: &'a dyn Backend,
     prep: &'a PreparedModel,
     seqs: usize,
     positions: usize,
 ) -> Box<dyn Decoder + 'a> {
-    be.decoder(prep, seqs, positions).unwrap_or_else(|| {
-        Box::new(HostDecoder {
-            be,
-            prep,
-            cache: KvCache::with_capacity(&prep.config, seqs, positions),
-        })
-    })
+    be.decoder(prep, seqs, positions)
+        .unwrap_or_else(|e| panic!("{}: decoder failed: {e}", be.name()))
 }
 
 /// Log-softmax of one row of logits at `temperature` (> 0), in place into `out`.
@@ -320,8 +323,7 @@ mod tests {
             "a different seed should sample differently"
         );
         // The rollout's logprobs equal the full forward's (up to the BF16 KV cache).
-        let (logits, _, routing) =
-            model::forward(&CpuBackend, &prep, &a.tokens_inputs(), a.b, a.t - 1, None);
+        let (logits, _, routing) = model::forward(&prep, &a.tokens_inputs(), a.b, a.t - 1, None);
         let v = cfg.vocab;
         let mut row = vec![0.0; v];
         for s in 0..a.b {

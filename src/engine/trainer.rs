@@ -14,7 +14,7 @@ use super::backend::Backend;
 use super::contract;
 use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
-use super::model::{self, HostPass, ModelConfig, Params, PreparedModel, Routing, TrainPass};
+use super::model::{self, ModelConfig, Params, PreparedModel, Routing, TrainPass};
 use super::optim::AdamW;
 use super::rollout::{self, Rollout};
 use super::task::{Split, Task};
@@ -465,14 +465,12 @@ impl Trainer {
         // Old policy logprobs (and the first minibatch's forward, reused below), and the BF16
         // reference's logits for the KL metric: two independent forwards, run side by side so each
         // fills the other's serial stretches (same bits as one after the other). The reference
-        // needs no cache, so a backend with a device-resident forward runs it there.
-        let reference = || match be.forward_logits(&self.reference, &rows, &layout, replay) {
-            Some(logits) => layout.unpack(&logits, v),
-            None => {
-                let (logits, _, _) =
-                    model::forward_rows(be, &self.reference, &rows, &layout, replay);
-                layout.unpack(&logits, v)
-            }
+        // needs no cache, so it is the backend's cheaper `forward_logits`.
+        let reference = || {
+            let logits = be
+                .forward_logits(&self.reference, &rows, &layout, replay)
+                .unwrap_or_else(|e| panic!("{}: reference forward failed: {e}", be.name()));
+            layout.unpack(&logits, v)
         };
         let t_fwd = Instant::now();
         let ((logits0, cache0), ref_logits) = rayon::join(
@@ -734,8 +732,7 @@ impl Trainer {
 }
 
 /// The trainer's policy forward over `layout`'s rows: logits of every sequence position, [B·T, V]
-/// sequence-major, and the pass that holds the forward's cache for the backward: the backend's own
-/// (a device-resident forward and backward) or the host's.
+/// sequence-major, and the backend's pass that holds the forward's cache for the backward.
 fn policy_forward<'a>(
     be: &'a dyn Backend,
     prep: &'a PreparedModel,
@@ -745,7 +742,7 @@ fn policy_forward<'a>(
 ) -> (Vec<f32>, Box<dyn TrainPass + 'a>) {
     let pass = be
         .train_forward(prep, rows, layout, replay)
-        .unwrap_or_else(|| Box::new(HostPass::forward(be, prep, rows, layout, replay)));
+        .unwrap_or_else(|e| panic!("{}: training forward failed: {e}", be.name()));
     let v = prep.config.vocab;
     (layout.unpack(pass.logits(), v), pass)
 }

@@ -7,6 +7,7 @@
 
 use super::backend::Backend;
 use super::checkpoint;
+use super::layout::Layout;
 use super::model::{self, ModelConfig, Params, PreparedModel};
 use super::optim::AdamW;
 use super::task::{Split, Task};
@@ -148,7 +149,8 @@ pub fn warm_start(
     ))
 }
 
-/// Supervised cross-entropy on the answer tokens, in BF16, until the target accuracy.
+/// Supervised cross-entropy on the answer tokens, in BF16, until the target accuracy; each step
+/// is the backend's training forward and its backward (on a GPU, on the device).
 fn train(
     be: &dyn Backend,
     cfg: &ModelConfig,
@@ -187,10 +189,13 @@ fn train(
             .flat_map(|s| seqs[s * t..(s + 1) * t - 1].to_vec())
             .collect();
         let prep = PreparedModel::new(&params, &plan)?;
-        let (logits, cache, _) = model::forward(be, &prep, &inputs, b, t - 1, None);
+        let layout = Layout::plain(b, t - 1);
+        let pass = be
+            .train_forward(&prep, &inputs, &layout, None)
+            .unwrap_or_else(|e| panic!("{}: warm start forward failed: {e}", be.name()));
         let n = b * (t - 1);
         let mut logp = vec![0.0f32; n * v];
-        super::ops::log_softmax_forward(&mut logp, &logits, n, v);
+        super::ops::log_softmax_forward(&mut logp, pass.logits(), n, v);
         let count = (b * al) as f32;
         let mut dlogp = vec![0.0f32; n * v];
         for s in 0..b {
@@ -201,7 +206,7 @@ fn train(
         }
         let mut dlogits = vec![0.0f32; n * v];
         super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp, n, v);
-        let grads = model::backward(be, &prep, &cache, &dlogits);
+        let grads = pass.backward(&dlogits);
         let norm = grads
             .named_tensors()
             .iter()

@@ -382,6 +382,12 @@ mod tests {
         assert!(suite_dir(Path::new("runs"), "../etc").is_err());
     }
 
+    use crate::engine::backend::CpuBackend;
+    use crate::engine::device::OpError;
+    use crate::engine::layout::Layout;
+    use crate::engine::model::{PreparedModel, Routing, TrainPass};
+    use crate::engine::rollout::Decoder;
+
     /// The CPU backend under another name, standing in for one GPU of several.
     struct Named(&'static str);
 
@@ -389,14 +395,31 @@ mod tests {
         fn name(&self) -> String {
             self.0.to_string()
         }
-        fn gemm(
+        fn decoder<'a>(
+            &'a self,
+            prep: &'a PreparedModel,
+            seqs: usize,
+            positions: usize,
+        ) -> Result<Box<dyn Decoder + 'a>, OpError> {
+            CpuBackend.decoder(prep, seqs, positions)
+        }
+        fn forward_logits(
             &self,
-            a: crate::engine::backend::MatRef<'_>,
-            b: crate::engine::backend::MatRef<'_>,
-            c: &mut [f32],
-            accumulate: bool,
-        ) {
-            crate::engine::backend::CpuBackend.gemm(a, b, c, accumulate)
+            prep: &PreparedModel,
+            tokens: &[u32],
+            layout: &Layout,
+            replay: Option<&Routing>,
+        ) -> Result<Vec<f32>, OpError> {
+            CpuBackend.forward_logits(prep, tokens, layout, replay)
+        }
+        fn train_forward<'a>(
+            &'a self,
+            prep: &'a PreparedModel,
+            tokens: &[u32],
+            layout: &Layout,
+            replay: Option<&Routing>,
+        ) -> Result<Box<dyn TrainPass + 'a>, OpError> {
+            CpuBackend.train_forward(prep, tokens, layout, replay)
         }
     }
 

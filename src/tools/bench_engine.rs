@@ -5,49 +5,18 @@
 //! vocab 32), 32 prompts x 8 samples, at most 8 response tokens, 3-digit addition, from a seeded
 //! random initialisation: a warm start would cost a minute and end responses earlier, and the
 //! trainer skips the rows past a response's end, so random initialisation (almost every response
-//! runs to the 8-token limit) is the slower case. FLOPs are the GEMM FLOPs the backend actually ran (2·m·n·k per call), counted by a
-//! wrapper; attention score/value products and element-wise ops are not counted, so the GFLOP/s
+//! runs to the 8-token limit) is the slower case. FLOPs are the GEMM FLOPs the CPU actually ran
+//! (2·m·n·k per call, counted by `backend::cpu::gemm`); attention score/value products and element-wise ops are not counted, so the GFLOP/s
 //! figures are a lower bound.
 
-use crate::engine::backend::{Backend, CpuBackend, MatRef};
+use crate::engine::backend::CpuBackend;
+use crate::engine::backend::cpu::{MatRef, gemm, gemm_flops};
 use crate::engine::model::{ModelConfig, Params, PreparedModel};
 use crate::engine::rollout;
 use crate::engine::task::{Split, Task};
 use crate::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
 use crate::recipe::{ModelPlan, presets};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-
-/// A backend that counts the GEMM FLOPs it forwards to another.
-pub struct CountingBackend<'a> {
-    inner: &'a dyn Backend,
-    flops: AtomicU64,
-}
-
-impl<'a> CountingBackend<'a> {
-    pub fn new(inner: &'a dyn Backend) -> Self {
-        CountingBackend {
-            inner,
-            flops: AtomicU64::new(0),
-        }
-    }
-    /// FLOPs counted so far, and reset the counter.
-    pub fn take(&self) -> u64 {
-        self.flops.swap(0, Ordering::Relaxed)
-    }
-}
-
-impl Backend for CountingBackend<'_> {
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-    fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool) {
-        let ((m, k), (_, n)) = (a.shape(), b.shape());
-        self.flops
-            .fetch_add(2 * (m * n * k) as u64, Ordering::Relaxed);
-        self.inner.gemm(a, b, c, accumulate);
-    }
-}
 
 /// What one recipe's steps measured (medians over the timed steps).
 #[derive(Debug, Clone)]
@@ -84,13 +53,13 @@ pub fn bench_grpo() -> GrpoConfig {
     }
 }
 
-/// Rate of the backend's GEMM on an `n`-cube, in GFLOP/s (median of repetitions).
-pub fn gemm_rate(be: &dyn Backend, n: usize, min_time: Duration) -> f64 {
+/// Rate of the CPU GEMM on an `n`-cube, in GFLOP/s (median of repetitions).
+pub fn gemm_rate(n: usize, min_time: Duration) -> f64 {
     let a: Vec<f32> = (0..n * n).map(|i| ((i % 17) as f32) * 0.1 - 0.8).collect();
     let b: Vec<f32> = (0..n * n).map(|i| ((i % 13) as f32) * 0.1 - 0.6).collect();
     let mut c = vec![0.0f32; n * n];
     let s = super::bench::time_median(3, min_time, || {
-        be.gemm(MatRef::new(&a, n, n), MatRef::new(&b, n, n), &mut c, false)
+        gemm(MatRef::new(&a, n, n), MatRef::new(&b, n, n), &mut c, false)
     });
     2.0 * (n * n * n) as f64 / s / 1e9
 }
@@ -106,8 +75,7 @@ pub fn engine_bench(
     let task = Task::Add(3);
     let grpo = bench_grpo();
     let params = Params::init(&cfg, 7)?;
-    let counting = CountingBackend::new(&CpuBackend);
-    let rollout_flops = rollout_gemm_flops(&counting, &params, task, &grpo)?;
+    let rollout_flops = rollout_gemm_flops(&params, task, &grpo)?;
     let mut rows = Vec::new();
     for name in recipes {
         let recipe = presets::preset(name)?;
@@ -119,12 +87,12 @@ pub fn engine_bench(
             0,
             ContractBreak::None,
         )?;
-        trainer.step(&counting);
+        trainer.step(&CpuBackend);
         let mut recs = Vec::new();
         for _ in 0..steps.max(1) {
-            counting.take();
-            let r = trainer.step(&counting);
-            recs.push((r, counting.take()));
+            let before = gemm_flops();
+            let r = trainer.step(&CpuBackend);
+            recs.push((r, gemm_flops() - before));
         }
         let med = |key: &str| median(recs.iter().map(|(r, _)| r.get(key).unwrap_or(f64::NAN)));
         let train_flops = median(
@@ -145,7 +113,7 @@ pub fn engine_bench(
     Ok(EngineBench {
         threads: rayon::current_num_threads(),
         gemm_n,
-        gemm_gflops: gemm_rate(&CpuBackend, gemm_n, min_time),
+        gemm_gflops: gemm_rate(gemm_n, min_time),
         rows,
     })
 }
@@ -153,12 +121,7 @@ pub fn engine_bench(
 /// GEMM FLOPs of one rollout at the benchmark shape (BF16 plan; formats do not change GEMM shapes),
 /// measured on a separate rollout from the same weights. Responses stop at `<eos>`, so when the
 /// step's rollout stops at a different length this is approximate (untrained weights rarely emit it).
-fn rollout_gemm_flops(
-    be: &CountingBackend<'_>,
-    params: &Params,
-    task: Task,
-    grpo: &GrpoConfig,
-) -> anyhow::Result<u64> {
+fn rollout_gemm_flops(params: &Params, task: Task, grpo: &GrpoConfig) -> anyhow::Result<u64> {
     let plan = ModelPlan::uniform(params.config.n_layers, crate::recipe::SitePlan::BF16);
     let prep = PreparedModel::new(params, &plan)?;
     let prompts: Vec<Vec<u32>> = task
@@ -166,9 +129,9 @@ fn rollout_gemm_flops(
         .into_iter()
         .map(|p| p.prompt)
         .collect();
-    be.take();
+    let before = gemm_flops();
     rollout::generate(
-        be,
+        &CpuBackend,
         &prep,
         &prompts,
         grpo.samples_per_prompt,
@@ -176,7 +139,7 @@ fn rollout_gemm_flops(
         grpo.temperature,
         1,
     );
-    Ok(be.take())
+    Ok(gemm_flops() - before)
 }
 
 fn median(it: impl Iterator<Item = f64>) -> f64 {

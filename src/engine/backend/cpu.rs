@@ -1,12 +1,21 @@
-//! CPU reference backend: `matrixmultiply`'s SGEMM (packing + SIMD micro-kernels, well kept, no
-//! BLAS system dependency). Large products are split over row blocks of the output and run on
-//! rayon's pool (which the model's other parallel loops share, so nothing is oversubscribed); an
-//! output element's sum does not depend on which rows it is computed with, so results are
-//! identical whatever the thread count — lockstep's determinism rule (tested).
+//! The CPU backend: the host passes ([`HostDecoder`], [`HostPass`], [`model::forward_rows`]),
+//! and the GEMM every host matmul runs through.
+//!
+//! The GEMM is `matrixmultiply`'s SGEMM (packing + SIMD micro-kernels, well kept, no BLAS system
+//! dependency). Large products are split over row blocks of the output and run on rayon's pool
+//! (which the model's other parallel loops share, so nothing is oversubscribed); an output
+//! element's sum does not depend on which rows it is computed with, so results are identical
+//! whatever the thread count — lockstep's determinism rule (tested).
 
-use super::{Backend, MatRef};
+use super::Backend;
+use crate::engine::device::OpError;
+use crate::engine::layout::Layout;
+use crate::engine::model::{self, HostPass, PreparedModel, Routing, TrainPass};
+use crate::engine::rollout::{Decoder, HostDecoder};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The engine on this host's CPU.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend;
 
@@ -15,62 +24,152 @@ impl Backend for CpuBackend {
         "cpu".to_string()
     }
 
-    fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool) {
-        let (m, k, n) = super::gemm_dims(a, b, c.len());
-        if m == 0 || n == 0 {
-            return;
+    fn decoder<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn Decoder + 'a>, OpError> {
+        Ok(Box::new(HostDecoder::new(prep, seqs, positions)))
+    }
+
+    fn forward_logits(
+        &self,
+        prep: &PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<Vec<f32>, OpError> {
+        Ok(model::forward_rows(prep, tokens, layout, replay).0)
+    }
+
+    fn train_forward<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<Box<dyn TrainPass + 'a>, OpError> {
+        Ok(Box::new(HostPass::forward(prep, tokens, layout, replay)))
+    }
+}
+
+/// Row-major matrix operand: `data` holds `rows x cols` values; `trans` says to use its transpose.
+#[derive(Clone, Copy)]
+pub struct MatRef<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub trans: bool,
+}
+
+impl<'a> MatRef<'a> {
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        debug_assert_eq!(data.len(), rows * cols);
+        MatRef {
+            data,
+            rows,
+            cols,
+            trans: false,
         }
-        if k == 0 {
-            if !accumulate {
-                c.fill(0.0);
-            }
-            return;
+    }
+    /// The same storage read as its transpose.
+    pub fn t(self) -> Self {
+        MatRef {
+            trans: !self.trans,
+            ..self
         }
-        // Strides of the logical (transposed or not) row-major operands.
-        let (rsa, csa) = if a.trans {
-            (1, a.cols as isize)
+    }
+    /// Logical (rows, cols) after the optional transpose.
+    pub fn shape(&self) -> (usize, usize) {
+        if self.trans {
+            (self.cols, self.rows)
         } else {
-            (a.cols as isize, 1)
-        };
-        let (rsb, csb) = if b.trans {
-            (1, b.cols as isize)
-        } else {
-            (b.cols as isize, 1)
-        };
-        let beta = if accumulate { 1.0 } else { 0.0 };
-        let rows = rows_per_task(m, k, n, rayon::current_num_threads());
-        let a_ptr = SendPtr(a.data.as_ptr());
-        let run = |(i, c_rows): (usize, &mut [f32])| {
-            let r0 = i * rows;
-            let mr = c_rows.len() / n;
-            // SAFETY: matrixmultiply's sgemm is an unsafe fn over raw pointers. The shape asserts
-            // above guarantee every index of the full product is inside the three slices; this task
-            // computes rows r0..r0+mr of it (A's rows start at r0·rsa, inside A since r0+mr <= m)
-            // into its own disjoint chunk of C.
-            unsafe {
-                matrixmultiply::sgemm(
-                    mr,
-                    k,
-                    n,
-                    1.0,
-                    a_ptr.get().offset(r0 as isize * rsa),
-                    rsa,
-                    csa,
-                    b.data.as_ptr(),
-                    rsb,
-                    csb,
-                    beta,
-                    c_rows.as_mut_ptr(),
-                    n as isize,
-                    1,
-                );
-            }
-        };
-        if rows >= m {
-            run((0, c));
-        } else {
-            c.par_chunks_mut(rows * n).enumerate().for_each(run);
+            (self.rows, self.cols)
         }
+    }
+}
+
+/// FLOPs (2·m·k·n per product) [`gemm`] has run in this process, for `lockstep bench engine`.
+static FLOPS: AtomicU64 = AtomicU64::new(0);
+
+/// The FLOPs [`gemm`] has run in this process so far.
+pub fn gemm_flops() -> u64 {
+    FLOPS.load(Ordering::Relaxed)
+}
+
+/// `c = a · b` (or `c += a · b` when `accumulate`), FP32 accumulation, split only over rows of
+/// `c` (never over the inner dimension), so the result does not depend on the thread count.
+///
+/// # Panics
+/// When the operands' shapes do not fit each other or `c`.
+pub fn gemm(a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool) {
+    let (m, k) = a.shape();
+    let (kb, n) = b.shape();
+    assert_eq!(
+        k, kb,
+        "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}"
+    );
+    assert_eq!(
+        c.len(),
+        m * n,
+        "gemm output has {} values, expected {m}x{n}",
+        c.len()
+    );
+    FLOPS.fetch_add(2 * (m * k * n) as u64, Ordering::Relaxed);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    // Strides of the logical (transposed or not) row-major operands.
+    let (rsa, csa) = if a.trans {
+        (1, a.cols as isize)
+    } else {
+        (a.cols as isize, 1)
+    };
+    let (rsb, csb) = if b.trans {
+        (1, b.cols as isize)
+    } else {
+        (b.cols as isize, 1)
+    };
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    let rows = rows_per_task(m, k, n, rayon::current_num_threads());
+    let a_ptr = SendPtr(a.data.as_ptr());
+    let run = |(i, c_rows): (usize, &mut [f32])| {
+        let r0 = i * rows;
+        let mr = c_rows.len() / n;
+        // SAFETY: matrixmultiply's sgemm is an unsafe fn over raw pointers. The shape asserts
+        // above guarantee every index of the full product is inside the three slices; this task
+        // computes rows r0..r0+mr of it (A's rows start at r0·rsa, inside A since r0+mr <= m)
+        // into its own disjoint chunk of C.
+        unsafe {
+            matrixmultiply::sgemm(
+                mr,
+                k,
+                n,
+                1.0,
+                a_ptr.get().offset(r0 as isize * rsa),
+                rsa,
+                csa,
+                b.data.as_ptr(),
+                rsb,
+                csb,
+                beta,
+                c_rows.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    };
+    if rows >= m {
+        run((0, c));
+    } else {
+        c.par_chunks_mut(rows * n).enumerate().for_each(run);
     }
 }
 
@@ -167,7 +266,7 @@ mod tests {
                     .build()
                     .unwrap();
                 let mut c = vec![0.5f32; m * n];
-                pool.install(|| CpuBackend.gemm(ar, br, &mut c, true));
+                pool.install(|| gemm(ar, br, &mut c, true));
                 c.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
             let one = on(1);
@@ -184,13 +283,13 @@ mod tests {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             let (ar, br) = operands(&a, &b, (m, k, n), ta, tb);
             let mut c = vec![1.0f32; m * n];
-            CpuBackend.gemm(ar, br, &mut c, false);
+            gemm(ar, br, &mut c, false);
             let want = naive(ar, br);
             for (x, y) in c.iter().zip(&want) {
                 assert!((x - y).abs() < 1e-5, "{ta} {tb}: {x} vs {y}");
             }
             let mut acc = vec![1.0f32; m * n];
-            CpuBackend.gemm(ar, br, &mut acc, true);
+            gemm(ar, br, &mut acc, true);
             for (x, y) in acc.iter().zip(&want) {
                 assert!((x - (y + 1.0)).abs() < 1e-5);
             }

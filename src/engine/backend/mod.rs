@@ -1,8 +1,6 @@
-//! The small backend interface the model runs on. The CPU backend is the reference; a CUDA backend
-//! implements the same trait, so model and trainer code never name a device.
-//!
-//! Only dense GEMM lives here for now: it is where all the FLOPs are. Element-wise ops are plain
-//! functions in `engine::ops`, written once for the CPU reference.
+//! The engine on a device: the passes the rollout and the trainer run ([`Backend`]). The CPU
+//! backend runs the host passes; the CUDA backend runs the same model (`model::pass`) over its
+//! device op set. Trainer and rollout code never name a device.
 //!
 //! [`Device`] is what `--device` parses to (`cpu`, `cuda`, `cuda:N`) and [`open`] turns it into a
 //! backend; without a usable GPU, `cuda` is a one-line error, never a panic.
@@ -12,7 +10,12 @@ pub mod cuda;
 
 pub use cpu::CpuBackend;
 
-/// Where the engine's GEMMs run.
+use crate::engine::device::OpError;
+use crate::engine::layout::Layout;
+use crate::engine::model::{PreparedModel, Routing, TrainPass};
+use crate::engine::rollout::Decoder;
+
+/// Where the engine runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Device {
     #[default]
@@ -87,116 +90,40 @@ pub fn open(device: Device) -> Result<Box<dyn Backend>, DeviceError> {
     }
 }
 
-/// Row-major matrix operand: `data` holds `rows x cols` values; `trans` says to use its transpose.
-#[derive(Clone, Copy)]
-pub struct MatRef<'a> {
-    pub data: &'a [f32],
-    pub rows: usize,
-    pub cols: usize,
-    pub trans: bool,
-    /// A content key: every operand passed with the same key holds the same values (a prepared
-    /// weight, immutable for its lifetime), so a backend may keep a device copy under it instead of
-    /// copying the operand on every call. `None` for activations.
-    pub key: Option<u64>,
-}
-
-impl<'a> MatRef<'a> {
-    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
-        debug_assert_eq!(data.len(), rows * cols);
-        MatRef {
-            data,
-            rows,
-            cols,
-            trans: false,
-            key: None,
-        }
-    }
-    /// The same operand, tagged with a content key (see [`MatRef::key`]).
-    pub fn keyed(self, key: u64) -> Self {
-        MatRef {
-            key: Some(key),
-            ..self
-        }
-    }
-    /// The same storage read as its transpose.
-    pub fn t(self) -> Self {
-        MatRef {
-            trans: !self.trans,
-            ..self
-        }
-    }
-    /// Logical (rows, cols) after the optional transpose.
-    pub fn shape(&self) -> (usize, usize) {
-        if self.trans {
-            (self.cols, self.rows)
-        } else {
-            (self.rows, self.cols)
-        }
-    }
-}
-
-/// `(m, k, n)` of `c[m×n] = a[m×k] · b[k×n]`, checking that the operands fit; every backend's
-/// `gemm` starts here so they refuse the same mismatches with the same message.
-pub fn gemm_dims(a: MatRef<'_>, b: MatRef<'_>, c_len: usize) -> (usize, usize, usize) {
-    let (m, k) = a.shape();
-    let (kb, n) = b.shape();
-    assert_eq!(
-        k, kb,
-        "gemm inner dimensions differ: a is {m}x{k}, b is {kb}x{n}"
-    );
-    assert_eq!(
-        c_len,
-        m * n,
-        "gemm output has {c_len} values, expected {m}x{n}"
-    );
-    (m, k, n)
-}
-
-/// Compute devices. Every method takes explicit shapes and FP32 buffers; operands have already been
-/// quantized-dequantized by `engine::linear`, so a backend only ever does FP32-accumulated math.
+/// The passes of the engine on one device. Each is the same model (`model::pass`) on that
+/// device's op set, so devices agree to their GEMM summation order; a device failure is an
+/// [`OpError`], which callers that cannot return it turn into a panic naming the device
+/// (`suite::builtin::run_one` records it as a failed run).
 pub trait Backend: Send + Sync {
     /// Human-readable device name for manifests and progress lines (e.g. `cpu`, `cuda:0`).
     fn name(&self) -> String;
-    /// `c = a · b` (or `c += a · b` when `accumulate`), FP32 accumulation. The result must not depend on
-    /// the number of threads (split only over rows/columns of `c`, never over the inner dimension).
-    fn gemm(&self, a: MatRef<'_>, b: MatRef<'_>, c: &mut [f32], accumulate: bool);
 
-    /// A decoder that runs `prep` on this backend's device, for `seqs` sequences of up to
-    /// `positions` positions (the rollout and the evaluation). `None`, the default: they decode
-    /// on the host ([`crate::engine::model::decode_step`]) with this backend's `gemm`.
+    /// A decoder of `prep` on this device, for `seqs` sequences of up to `positions` positions
+    /// (the rollout and the evaluation).
     fn decoder<'a>(
         &'a self,
-        _prep: &'a crate::engine::model::PreparedModel,
-        _seqs: usize,
-        _positions: usize,
-    ) -> Option<Box<dyn crate::engine::rollout::Decoder + 'a>> {
-        None
-    }
+        prep: &'a PreparedModel,
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn Decoder + 'a>, OpError>;
 
-    /// The logits `[rows, V]` of [`crate::engine::model::forward_rows`] computed on this
-    /// backend's device, for a forward whose cache nobody needs (the trainer's BF16 reference).
-    /// `None`, the default: the host computes it with this backend's `gemm`.
+    /// The logits `[rows, V]` of [`crate::engine::model::forward_rows`], for a forward whose
+    /// cache nobody needs (the trainer's BF16 reference).
     fn forward_logits(
         &self,
-        _prep: &crate::engine::model::PreparedModel,
-        _tokens: &[u32],
-        _layout: &crate::engine::layout::Layout,
-        _replay: Option<&crate::engine::model::Routing>,
-    ) -> Option<Vec<f32>> {
-        None
-    }
+        prep: &PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<Vec<f32>, OpError>;
 
-    /// The trainer's policy forward, keeping what its backward needs, run by the backend (a
-    /// device-resident forward and backward); `None`, the default, runs `model::HostPass` (the
-    /// host model with this backend's GEMMs). Same rows, logits and gradients as the host pass up
-    /// to the backend's GEMM summation order.
+    /// A training forward over `layout`'s rows that keeps what its backward needs (the
+    /// trainer's policy pass and the warm start's supervised steps).
     fn train_forward<'a>(
         &'a self,
-        _prep: &'a crate::engine::model::PreparedModel,
-        _tokens: &[u32],
-        _layout: &crate::engine::layout::Layout,
-        _replay: Option<&crate::engine::model::Routing>,
-    ) -> Option<Box<dyn crate::engine::model::TrainPass + 'a>> {
-        None
-    }
+        prep: &'a PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<Box<dyn TrainPass + 'a>, OpError>;
 }

@@ -1,11 +1,10 @@
 //! The reference device: host vectors, `engine::ops` for the element-wise ops, `engine::linear`
-//! for every matmul site, GEMMs through a [`Backend`]. Each routed expert's tokens are packed
+//! for every matmul site (GEMMs by `backend::cpu::gemm`). Each routed expert's tokens are packed
 //! tightly (expert 0's first) and each expert's linear layers run on their own rows, in
 //! parallel over experts; sums over experts go in expert order, so results do not depend on
 //! the thread count.
 
 use super::{OpError, OpResult, Ops, SiteCounts};
-use crate::engine::backend::Backend;
 use crate::engine::layout::Layout;
 use crate::engine::linear::{self, LinearCache, PreparedWeight};
 use crate::engine::model::KvCache;
@@ -14,15 +13,13 @@ use crate::formats::QuantStats;
 use crate::recipe::SitePlan;
 use rayon::prelude::*;
 
-/// Host tensors whose matmuls run on `be`; parameters and prepared weights are borrowed for `'a`.
-#[derive(Clone, Copy)]
-pub struct CpuOps<'a> {
-    pub be: &'a dyn Backend,
-}
+/// Host tensors; parameters and prepared weights are borrowed for `'a`.
+#[derive(Clone, Copy, Default)]
+pub struct CpuOps<'a>(std::marker::PhantomData<&'a ()>);
 
-impl<'a> CpuOps<'a> {
-    pub fn new(be: &'a dyn Backend) -> Self {
-        CpuOps { be }
+impl CpuOps<'_> {
+    pub fn new() -> Self {
+        CpuOps(std::marker::PhantomData)
     }
 }
 
@@ -273,7 +270,7 @@ impl<'a> Ops for CpuOps<'a> {
     ) -> OpResult<(Vec<f32>, LinearCache)> {
         shape("linear input", x.len(), n * w.in_dim)?;
         let mut y = vec![0.0f32; n * w.out_dim];
-        let c = linear::forward(self.be, plan, x, n, w, &mut y);
+        let c = linear::forward(plan, x, n, w, &mut y);
         Ok((y, c))
     }
 
@@ -286,7 +283,7 @@ impl<'a> Ops for CpuOps<'a> {
         dx: Option<&mut Vec<f32>>,
         dw: &mut Vec<f32>,
     ) -> OpResult<()> {
-        linear::backward(self.be, plan, c, w, dy, dx.map(|v| &mut v[..]), dw);
+        linear::backward(plan, c, w, dy, dx.map(|v| &mut v[..]), dw);
         Ok(())
     }
 
@@ -305,7 +302,7 @@ impl<'a> Ops for CpuOps<'a> {
             .enumerate()
             .map(|(e, ye)| {
                 let n = disp.slots[e].len();
-                linear::forward(self.be, plan, &x[disp.range(e, k)], n, &w[e], ye)
+                linear::forward(plan, &x[disp.range(e, k)], n, &w[e], ye)
             })
             .collect();
         Ok((y, caches))
@@ -341,7 +338,7 @@ impl<'a> Ops for CpuOps<'a> {
             .zip(dys)
             .enumerate()
             .for_each(|(e, ((dwe, dxe), dye))| {
-                linear::backward(self.be, plan, &c[e], &w[e], dye, Some(dxe), dwe)
+                linear::backward(plan, &c[e], &w[e], dye, Some(dxe), dwe)
             });
         Ok(())
     }

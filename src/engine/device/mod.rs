@@ -3,8 +3,8 @@
 //! incremental decode are written once against [`Ops`]; a device brings storage and kernels.
 //!
 //! [`cpu::CpuOps`] is the reference: host vectors, element-wise ops from `engine::ops`, every
-//! GEMM through a [`Backend`](super::backend::Backend) and every quantization through
-//! `engine::linear` (the one quantizer), in the fixed orders that make the CPU engine
+//! GEMM by `backend::cpu::gemm` and every quantization through `engine::linear` (the one
+//! quantizer), in the fixed orders that make the CPU engine
 //! deterministic at any thread count.
 //!
 //! Tensors come in kinds, each an associated type, because devices store them differently:

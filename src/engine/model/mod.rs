@@ -19,7 +19,6 @@
 
 pub mod pass;
 
-use super::backend::{Backend, CpuBackend};
 use super::device::cpu::CpuOps;
 use super::layout::Layout;
 use super::linear::{self, PreparedWeight};
@@ -811,8 +810,8 @@ pub fn quant_sites(n_layers: usize) -> Vec<String> {
 }
 
 /// The trainer's policy forward, wherever it ran: its logits, its activation counts, and the
-/// backward that goes with it. [`HostPass`] is `forward_rows` + `backward`;
-/// `Backend::train_forward` lets a backend run both on a device instead.
+/// backward that goes with it ([`crate::engine::backend::Backend::train_forward`]). [`HostPass`]
+/// is the host's: `forward_rows` + `backward`.
 pub trait TrainPass: Send {
     /// Logits `[rows, V]` in the layout's row order.
     fn logits(&self) -> &[f32];
@@ -824,7 +823,6 @@ pub trait TrainPass: Send {
 
 /// [`TrainPass`] on the host: [`forward_rows`] kept, [`backward`] on demand.
 pub struct HostPass<'a> {
-    be: &'a dyn Backend,
     prep: &'a PreparedModel,
     logits: Vec<f32>,
     cache: ForwardCache<'a>,
@@ -833,15 +831,13 @@ pub struct HostPass<'a> {
 impl<'a> HostPass<'a> {
     /// [`forward_rows`] (no routing record: the trainer does not read it).
     pub fn forward(
-        be: &'a dyn Backend,
         prep: &'a PreparedModel,
         tokens: &[u32],
         layout: &Layout,
         replay: Option<&Routing>,
     ) -> Self {
-        let (logits, cache, _) = forward_rows(be, prep, tokens, layout, replay);
+        let (logits, cache, _) = forward_rows(prep, tokens, layout, replay);
         HostPass {
-            be,
             prep,
             logits,
             cache,
@@ -857,7 +853,7 @@ impl TrainPass for HostPass<'_> {
         self.cache.quant_stats()
     }
     fn backward(&self, dlogits: &[f32]) -> Params {
-        backward(self.be, self.prep, &self.cache, dlogits)
+        backward(self.prep, &self.cache, dlogits)
     }
 }
 
@@ -872,7 +868,7 @@ impl ForwardCache<'_> {
     /// the recipe names sites (`decoder.layers.{i}.mlp.experts.linear_fc1`, ..., `output_layer`); the
     /// routed experts of a layer are merged into their site.
     pub fn quant_stats(&self) -> Vec<(String, QuantStats)> {
-        let stats = pass::quant_stats(&CpuOps::new(&CpuBackend), self).expect("host counts");
+        let stats = pass::quant_stats(&CpuOps::new(), self).expect("host counts");
         quant_sites(self.n_layers())
             .into_iter()
             .zip(stats)
@@ -919,14 +915,13 @@ impl PreparedModel {
 /// On inputs [`check_inputs`] rejects (wrong token count, id outside the vocabulary, T > max_seq, a
 /// replay record that does not fit). Call it first where the inputs come from outside.
 pub fn forward<'a>(
-    be: &'a dyn Backend,
     prep: &'a PreparedModel,
     tokens: &[u32],
     b: usize,
     t: usize,
     replay: Option<&Routing>,
 ) -> (Vec<f32>, ForwardCache<'a>, Routing) {
-    forward_rows(be, prep, tokens, &Layout::plain(b, t), replay)
+    forward_rows(prep, tokens, &Layout::plain(b, t), replay)
 }
 
 /// [`forward`] over the rows of `layout` (`tokens`, logits, routing and replay all in layout row
@@ -935,31 +930,19 @@ pub fn forward<'a>(
 /// # Panics
 /// As [`forward`], on inputs [`check_layout_inputs`] rejects.
 pub fn forward_rows<'a>(
-    be: &'a dyn Backend,
     prep: &'a PreparedModel,
     tokens: &[u32],
     layout: &Layout,
     replay: Option<&Routing>,
 ) -> (Vec<f32>, ForwardCache<'a>, Routing) {
-    pass::forward(
-        &CpuOps::new(be),
-        &prep.host_weights(),
-        tokens,
-        layout,
-        replay,
-    )
-    .unwrap_or_else(|err| panic!("model::forward: {err}"))
+    pass::forward(&CpuOps::new(), &prep.host_weights(), tokens, layout, replay)
+        .unwrap_or_else(|err| panic!("model::forward: {err}"))
 }
 
 /// Gradients of the loss w.r.t. the FP32 master weights, given dL/dlogits [N, V] (in the row order
 /// of the forward that produced `cache`, on the same `prep`).
-pub fn backward<'a>(
-    be: &'a dyn Backend,
-    prep: &'a PreparedModel,
-    cache: &ForwardCache<'a>,
-    dlogits: &[f32],
-) -> Params {
-    pass::backward(&CpuOps::new(be), &prep.host_weights(), cache, dlogits)
+pub fn backward<'a>(prep: &'a PreparedModel, cache: &ForwardCache<'a>, dlogits: &[f32]) -> Params {
+    pass::backward(&CpuOps::new(), &prep.host_weights(), cache, dlogits)
         .unwrap_or_else(|err| panic!("model::backward: {err}"))
 }
 
@@ -1156,7 +1139,6 @@ pub fn check_step(
 /// # Panics
 /// On inputs [`check_step`] rejects (wrong batch, full cache, bad ids, unfit replay record).
 pub fn decode_step(
-    be: &dyn Backend,
     prep: &PreparedModel,
     cache: &mut KvCache,
     tokens: &[u32],
@@ -1166,7 +1148,7 @@ pub fn decode_step(
         panic!("model::decode_step: {err}");
     }
     pass::decode(
-        &CpuOps::new(be),
+        &CpuOps::new(),
         &prep.host_weights(),
         cache,
         tokens,
@@ -1179,7 +1161,6 @@ pub fn decode_step(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::backend::CpuBackend;
 
     fn small_test_config() -> ModelConfig {
         ModelConfig {
@@ -1362,7 +1343,7 @@ mod tests {
         layout: &Layout,
         r: &[f32],
     ) -> (f64, Routing) {
-        let (logits, _, routing) = forward_rows(&CpuBackend, prep, tokens, layout, None);
+        let (logits, _, routing) = forward_rows(prep, tokens, layout, None);
         (
             logits
                 .iter()
@@ -1411,8 +1392,8 @@ mod tests {
             .collect();
         let plan = fp32_plan(&cfg);
         let prep = PreparedModel::new(&params, &plan).unwrap();
-        let (_, cache, base_routing) = forward_rows(&CpuBackend, &prep, &tokens, layout, None);
-        let grads = backward(&CpuBackend, &prep, &cache, &r);
+        let (_, cache, base_routing) = forward_rows(&prep, &tokens, layout, None);
+        let grads = backward(&prep, &cache, &r);
         let grads = grads.named_tensors();
         let eps = 5e-3f32;
         let (mut checked, mut skipped) = (0usize, 0usize);
@@ -1513,9 +1494,8 @@ mod tests {
         ];
         for (recipe, plan, tol) in cases {
             let prep = PreparedModel::new(&params, &plan).unwrap();
-            let (full, full_cache, _) = forward(&CpuBackend, &prep, &tokens, b, t, None);
-            let (rows, row_cache, _) =
-                forward_rows(&CpuBackend, &prep, &layout.pack(&tokens, 1), &layout, None);
+            let (full, full_cache, _) = forward(&prep, &tokens, b, t, None);
+            let (rows, row_cache, _) = forward_rows(&prep, &layout.pack(&tokens, 1), &layout, None);
             let v = cfg.vocab;
             for (s, p) in (0..b).flat_map(|s| (0..used[s]).map(move |p| (s, p))) {
                 let r = layout.row(s, p).expect("kept position");
@@ -1536,8 +1516,8 @@ mod tests {
                     }
                 })
                 .collect();
-            let g_full = backward(&CpuBackend, &prep, &full_cache, &r);
-            let g_rows = backward(&CpuBackend, &prep, &row_cache, &layout.fold(&r, cfg.vocab));
+            let g_full = backward(&prep, &full_cache, &r);
+            let g_rows = backward(&prep, &row_cache, &layout.fold(&r, cfg.vocab));
             for ((name, a), (_, b)) in g_full.named_tensors().iter().zip(g_rows.named_tensors()) {
                 let (mut err, mut norm) = (0.0f64, 0.0f64);
                 for (&x, &y) in a.iter().zip(b) {
@@ -1561,14 +1541,14 @@ mod tests {
         let params = Params::init(&cfg, 4).unwrap();
         let prep = PreparedModel::new(&params, &fp32_plan(&cfg)).unwrap();
         let tokens = random_tokens(&mut rng, b * t, cfg.vocab);
-        let (full, _, full_routing) = forward(&CpuBackend, &prep, &tokens, b, t, None);
+        let (full, _, full_routing) = forward(&prep, &tokens, b, t, None);
         let decode = |round: bool| {
             let mut cache = KvCache::new(&cfg, b);
             cache.round_bf16 = round;
             let (mut logits, mut steps) = (vec![0.0f32; b * t * cfg.vocab], Vec::new());
             for ti in 0..t {
                 let step_tokens: Vec<u32> = (0..b).map(|bi| tokens[bi * t + ti]).collect();
-                let (l, r) = decode_step(&CpuBackend, &prep, &mut cache, &step_tokens, None);
+                let (l, r) = decode_step(&prep, &mut cache, &step_tokens, None);
                 for bi in 0..b {
                     logits[(bi * t + ti) * cfg.vocab..][..cfg.vocab]
                         .copy_from_slice(&l[bi * cfg.vocab..][..cfg.vocab]);
@@ -1621,8 +1601,8 @@ mod tests {
             };
             let prep =
                 PreparedModel::new(&params, &ModelPlan::uniform(cfg.n_layers, site)).unwrap();
-            let (logits, cache, routing) = forward(&CpuBackend, &prep, &tokens, b, t, None);
-            let g = backward(&CpuBackend, &prep, &cache, &vec![0.01; logits.len()]);
+            let (logits, cache, routing) = forward(&prep, &tokens, b, t, None);
+            let g = backward(&prep, &cache, &vec![0.01; logits.len()]);
             assert!(
                 g.named_tensors()
                     .iter()
@@ -1633,7 +1613,7 @@ mod tests {
             let (mut max_diff, mut steps) = (0.0f32, Vec::new());
             for ti in 0..t {
                 let step: Vec<u32> = (0..b).map(|bi| tokens[bi * t + ti]).collect();
-                let (l, r) = decode_step(&CpuBackend, &prep, &mut kv, &step, None);
+                let (l, r) = decode_step(&prep, &mut kv, &step, None);
                 for bi in 0..b {
                     let full = &logits[(bi * t + ti) * cfg.vocab..][..cfg.vocab];
                     let got = &l[bi * cfg.vocab..][..cfg.vocab];
@@ -1661,9 +1641,9 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let prep = PreparedModel::new(&Params::init(&cfg, 9).unwrap(), &fp32_plan(&cfg)).unwrap();
         let tokens = random_tokens(&mut rng, b * t, cfg.vocab);
-        let (logits, _, routing) = forward(&CpuBackend, &prep, &tokens, b, t, None);
+        let (logits, _, routing) = forward(&prep, &tokens, b, t, None);
         // Replaying the forward's own choice reproduces it bit for bit.
-        let (again, _, r2) = forward(&CpuBackend, &prep, &tokens, b, t, Some(&routing));
+        let (again, _, r2) = forward(&prep, &tokens, b, t, Some(&routing));
         assert_eq!((again, r2), (logits.clone(), routing.clone()));
         // A different record is obeyed and changes the output.
         let forced = Routing {
@@ -1671,7 +1651,7 @@ mod tests {
             n_tokens: b * t,
             layers: vec![[3u32, 1].repeat(b * t); cfg.n_layers],
         };
-        let (other, _, r3) = forward(&CpuBackend, &prep, &tokens, b, t, Some(&forced));
+        let (other, _, r3) = forward(&prep, &tokens, b, t, Some(&forced));
         assert_eq!(r3, forced);
         assert_ne!(other, logits);
         // Decoding with replay obeys too.
@@ -1681,7 +1661,7 @@ mod tests {
             n_tokens: b,
             layers: vec![vec![2, 0, 1, 3]; cfg.n_layers],
         };
-        let (_, r4) = decode_step(&CpuBackend, &prep, &mut cache, &[1, 2], Some(&step));
+        let (_, r4) = decode_step(&prep, &mut cache, &[1, 2], Some(&step));
         assert_eq!(r4, step);
     }
 
@@ -1689,7 +1669,7 @@ mod tests {
     fn quant_stats_name_every_site_once() {
         let cfg = ModelConfig::tiny();
         let prep = PreparedModel::new(&Params::init(&cfg, 1).unwrap(), &fp32_plan(&cfg)).unwrap();
-        let (_, cache, _) = forward(&CpuBackend, &prep, &[1, 2, 3, 4], 2, 2, None);
+        let (_, cache, _) = forward(&prep, &[1, 2, 3, 4], 2, 2, None);
         let stats = cache.quant_stats();
         assert_eq!(stats.len(), 7 * cfg.n_layers + 1);
         assert_eq!(stats[3].0, "decoder.layers.0.mlp.experts.linear_fc1");
@@ -1710,11 +1690,11 @@ mod tests {
             let prep =
                 PreparedModel::new(&Params::init(&cfg, 2).unwrap(), &fp32_plan(&cfg)).unwrap();
             let tokens = random_tokens(&mut rng, b * t, cfg.vocab);
-            let (logits, cache, _) = forward(&CpuBackend, &prep, &tokens, b, t, None);
+            let (logits, cache, _) = forward(&prep, &tokens, b, t, None);
             let dl: Vec<f32> = (0..logits.len())
                 .map(|_| rng.random::<f32>() - 0.5)
                 .collect();
-            let g = backward(&CpuBackend, &prep, &cache, &dl);
+            let g = backward(&prep, &cache, &dl);
             let grads = g
                 .named_tensors()
                 .iter()
@@ -1748,12 +1728,12 @@ mod tests {
             let mut kv = KvCache::new(cfg, b);
             for ti in 0..t {
                 let step: Vec<u32> = (0..b).map(|bi| tokens[bi * t + ti]).collect();
-                decode_step(&CpuBackend, &prep, &mut kv, &step, None);
+                decode_step(&prep, &mut kv, &step, None);
             }
             let t2 = std::time::Instant::now();
-            let (logits, cache, _) = forward(&CpuBackend, &prep, &tokens, b, t, None);
+            let (logits, cache, _) = forward(&prep, &tokens, b, t, None);
             let t3 = std::time::Instant::now();
-            let g = backward(&CpuBackend, &prep, &cache, &dl);
+            let g = backward(&prep, &cache, &dl);
             let t4 = std::time::Instant::now();
             assert!(logits.iter().chain(&g.output_layer).all(|x| x.is_finite()));
             eprintln!(

@@ -65,7 +65,7 @@ impl<'a> ResidentDecoder<'a> {
     }
 
     /// GPU failures cannot be returned through the trait: they panic with the device, which
-    /// `suite::builtin::run_one` turns into a `failed` run with that message (as `gemm` does).
+    /// `suite::builtin::run_one` turns into a `failed` run with that message.
     fn fail(&self, what: &str, e: OpError) -> ! {
         panic!(
             "cuda:{}: resident {what} failed: {e}",

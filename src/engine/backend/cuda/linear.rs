@@ -121,7 +121,7 @@ impl CudaLinear {
     pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
         let q = Arc::new(CudaQuantizer::new(dev)?);
         let stream = q.stream().clone();
-        let blas = super::gemm::pedantic_blas(&stream)?;
+        let blas = super::backend::pedantic_blas(&stream)?;
         Ok(CudaLinear {
             fq: CudaFakeQuantizer::new(q)?,
             staging: Staging::new(&stream),

@@ -5,19 +5,19 @@
 //!
 //! - [`quant`]: the quantizers as NVRTC kernels (`quant.cu`), compiled with the spec's exact FP32
 //!   arithmetic and tested byte for byte against `crate::formats` (the one quantizer);
-//! - [`gemm`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) with cuBLAS SGEMM;
-//! - [`resident`]: the policy forward and the decoder with weights and activations on the GPU
-//!   ([`ops`], [`fake_quant`]); [`decoder`]: the rollout's decoder on it;
+//! - [`backend`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) on a GPU: the model's
+//!   passes over [`device_ops::GpuOps`] (kernels of [`ops`], [`backward`], [`moe`], the linear
+//!   layer of [`linear`]); [`decoder`]: the rollout's decoder, [`train`]: the training pass;
 //! - [`bench`]: device timings (quantizer bandwidth vs a device-to-device copy).
 //!
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
+pub mod backend;
 pub mod backward;
 pub mod bench;
 pub mod decoder;
 pub mod device_ops;
 pub mod fake_quant;
-pub mod gemm;
 pub mod linear;
 pub mod moe;
 pub mod ops;
@@ -25,7 +25,7 @@ pub mod quant;
 pub mod staging;
 pub mod train;
 
-pub use gemm::CudaBackend;
+pub use backend::CudaBackend;
 pub use quant::{CudaQuantizer, DeviceQuantized};
 
 use cudarc::driver::{CudaContext, DriverError};

@@ -61,7 +61,7 @@ impl<'a> ResidentPass<'a> {
     }
 
     /// GPU failures cannot be returned through the trait: they panic with the device, which
-    /// `suite::builtin::run_one` turns into a `failed` run with that message (as `gemm` does).
+    /// `suite::builtin::run_one` turns into a `failed` run with that message.
     fn fail(&self, what: &str, e: OpError) -> ! {
         panic!(
             "cuda:{}: resident trainer {what} failed: {e}",

@@ -1,0 +1,253 @@
+//! [`CudaBackend`]: the engine's [`Backend`] on one GPU: the model's passes (`model::pass`)
+//! over [`GpuOps`]. The rollout and the evaluation decode there ([`ResidentDecoder`]), the
+//! trainer's policy forward and backward and the warm start's steps run there
+//! ([`ResidentPass`]), and so does the trainer's BF16 reference forward (`forward_logits`);
+//! weight preparation, the loss and AdamW stay on the host.
+//!
+//! Concurrent callers (the suite runner's workers) each take an op set — a stream, its cuBLAS
+//! handle and compiled kernels — from a pool, so they never share a handle or a stream. cuBLAS is
+//! deterministic for a given shape, handle configuration and GPU, so the same seed gives the same
+//! metrics run to run.
+
+use super::decoder::ResidentDecoder;
+use super::device_ops::GpuOps;
+use super::train::ResidentPass;
+use super::{CudaDevice, CudaError};
+use crate::engine::backend::Backend;
+use crate::engine::device::OpError;
+use crate::engine::layout::Layout;
+use crate::engine::model::pass::{self, Weights};
+use crate::engine::model::{PreparedModel, Routing, TrainPass};
+use crate::engine::rollout::Decoder;
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::cublasMath_t;
+use cudarc::driver::CudaStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What the device passes have done since the backend opened (or since
+/// [`CudaBackend::take_counters`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PassCounters {
+    /// Whole prepared models copied to the device (decoder, trainer, reference forward) and the
+    /// host's wall time for them, ns: packing and queuing the staged copy (the decoder's and
+    /// trainer's do not wait for the copy itself; the reference's does).
+    pub model_uploads: u64,
+    pub model_upload_ns: u64,
+    /// Wall time of the training forwards, ns (from the queued upload on, so waiting for its
+    /// copy is included).
+    pub train_forward_ns: u64,
+}
+
+#[derive(Default)]
+struct AtomicCounters {
+    model_uploads: AtomicU64,
+    model_upload_ns: AtomicU64,
+    train_forward_ns: AtomicU64,
+}
+
+impl AtomicCounters {
+    fn take(&self) -> PassCounters {
+        let t = |f: &AtomicU64| f.swap(0, Ordering::Relaxed);
+        PassCounters {
+            model_uploads: t(&self.model_uploads),
+            model_upload_ns: t(&self.model_upload_ns),
+            train_forward_ns: t(&self.train_forward_ns),
+        }
+    }
+}
+
+fn bump(field: &AtomicU64, v: u64) {
+    field.fetch_add(v, Ordering::Relaxed);
+}
+
+/// A cuBLAS handle on `stream` in `CUBLAS_PEDANTIC_MATH`: FP32 operands and accumulation, no
+/// TF32 or other reduced-precision path, whatever `NVIDIA_TF32_OVERRIDE` says. Every cuBLAS
+/// handle of the engine is made here.
+pub(crate) fn pedantic_blas(stream: &Arc<CudaStream>) -> Result<CudaBlas, CudaError> {
+    let blas = CudaBlas::new(stream.clone())?;
+    // SAFETY: the handle is valid (just created) and owned by the caller from here on; setting
+    // its math mode is a plain configuration call with no memory access.
+    let st = unsafe {
+        cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_PEDANTIC_MATH)
+    };
+    st.result()?;
+    Ok(blas)
+}
+
+/// Costly device objects (an op set with its compiled kernels), each used by one caller at a
+/// time and handed back for the next: as many get built as callers ever overlap.
+struct Pool<T>(Mutex<Vec<T>>);
+
+impl<T> Pool<T> {
+    /// One from the pool, or a new one from `make`.
+    fn take(&self, make: impl FnOnce() -> Result<T, CudaError>) -> Result<T, CudaError> {
+        let popped = self.0.lock().ok().and_then(|mut v| v.pop());
+        match popped {
+            Some(t) => Ok(t),
+            None => make(),
+        }
+    }
+
+    fn give(&self, t: T) {
+        if let Ok(mut v) = self.0.lock() {
+            v.push(t);
+        }
+    }
+}
+
+/// The engine on one GPU.
+pub struct CudaBackend {
+    dev: Arc<CudaDevice>,
+    counters: AtomicCounters,
+    /// Op sets (kernels, stream, cuBLAS handle) of finished passes, one per concurrent caller
+    /// at most, so compiling them is paid once per worker.
+    ops: Pool<GpuOps>,
+    /// The models `forward_logits` uploaded, by [`PreparedModel::key`], newest last: the
+    /// trainer's BF16 reference does not change during a run, so it is uploaded once per run
+    /// instead of once per step (one per concurrent run, up to [`UPLOADED_MODELS`]).
+    uploaded: Mutex<Vec<(u64, Arc<Weights<GpuOps>>)>>,
+}
+
+/// Models kept by `forward_logits` (each a few tens of MB at the shipped sizes).
+const UPLOADED_MODELS: usize = 8;
+
+impl CudaBackend {
+    /// Open `cuda:ordinal` and build a first op set there (so a GPU whose cuBLAS or NVRTC does
+    /// not start is an error here, not in the first pass).
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Self::with_event_tracking(ordinal, false)
+    }
+
+    /// As [`CudaBackend::new`], choosing whether cudarc tracks every buffer's uses across
+    /// streams with events (its default; `false` here: `lockstep bench step` times both).
+    ///
+    /// Tracking costs two events per allocation and an event record or wait per buffer argument
+    /// of every launch and copy, which a decode step's few hundred small launches feel. It is
+    /// not needed here: every buffer of this backend is made and used on one op set's stream,
+    /// except `forward_logits`' uploaded models, which are shared only after a host wait on the
+    /// uploading stream, are read-only after that, and are freed only when their last user
+    /// (which ends its call with a synchronizing copy back) drops them.
+    pub fn with_event_tracking(ordinal: usize, tracking: bool) -> Result<Self, CudaError> {
+        let dev = CudaDevice::open(ordinal)?;
+        if !tracking {
+            // SAFETY: set before this context makes any buffer; the cross-stream uses above
+            // are synchronized by host waits.
+            unsafe { dev.context().disable_event_tracking() };
+        }
+        let first = GpuOps::new(&dev)?;
+        Ok(CudaBackend {
+            dev,
+            counters: AtomicCounters::default(),
+            ops: Pool(Mutex::new(vec![first])),
+            uploaded: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// An op set from the pool, or a new one.
+    pub(super) fn take_ops(&self) -> Result<GpuOps, CudaError> {
+        self.ops.take(|| GpuOps::new(&self.dev))
+    }
+
+    pub(super) fn give_ops(&self, o: GpuOps) {
+        self.ops.give(o);
+    }
+
+    /// Count a whole-model upload that started at `since` and is queued (the host's part: packing
+    /// the page-locked buffer and queuing the copies; `forward_logits` also waits for the copy).
+    pub(super) fn note_model_upload(&self, since: std::time::Instant) {
+        bump(&self.counters.model_uploads, 1);
+        bump(
+            &self.counters.model_upload_ns,
+            since.elapsed().as_nanos() as u64,
+        );
+    }
+
+    /// Count a training forward that started at `since` and has finished.
+    pub(super) fn note_train_forward(&self, since: std::time::Instant) {
+        bump(
+            &self.counters.train_forward_ns,
+            since.elapsed().as_nanos() as u64,
+        );
+    }
+
+    /// The counters since the last call, reset to zero.
+    pub fn take_counters(&self) -> PassCounters {
+        self.counters.take()
+    }
+
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.dev
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        format!("cuda:{}", self.dev.ordinal())
+    }
+
+    fn decoder<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn Decoder + 'a>, OpError> {
+        Ok(Box::new(ResidentDecoder::new(self, prep, seqs, positions)?))
+    }
+
+    /// `prep` uploaded (or found uploaded), the rows run, the logits back.
+    fn forward_logits(
+        &self,
+        prep: &PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<Vec<f32>, OpError> {
+        // An uploaded copy is only published after a forward on the uploading stream has
+        // returned its logits (a synchronizing copy), so any other stream reads it complete.
+        let run = |f: &GpuOps| -> Result<_, OpError> {
+            let key = prep.key();
+            let held = self.uploaded.lock().ok().and_then(|v| {
+                v.iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, m)| Arc::clone(m))
+            });
+            let m = match held {
+                Some(m) => m,
+                None => {
+                    let t0 = std::time::Instant::now();
+                    let m = f.upload_model(prep)?;
+                    f.stream().synchronize().map_err(CudaError::from)?;
+                    self.note_model_upload(t0);
+                    Arc::new(m)
+                }
+            };
+            let out = pass::infer(f, &m, tokens, layout, replay)?;
+            if let Ok(mut v) = self.uploaded.lock()
+                && !v.iter().any(|(k, _)| *k == key)
+            {
+                if v.len() >= UPLOADED_MODELS {
+                    v.remove(0);
+                }
+                v.push((key, m));
+            }
+            Ok(out)
+        };
+        let f = self.take_ops()?;
+        let out = run(&f);
+        self.give_ops(f);
+        Ok(out?.0)
+    }
+
+    fn train_forward<'a>(
+        &'a self,
+        prep: &'a PreparedModel,
+        tokens: &[u32],
+        layout: &Layout,
+        replay: Option<&Routing>,
+    ) -> Result<Box<dyn TrainPass + 'a>, OpError> {
+        Ok(Box::new(ResidentPass::new(
+            self, prep, tokens, layout, replay,
+        )?))
+    }
+}
