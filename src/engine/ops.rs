@@ -511,51 +511,6 @@ pub fn log_softmax_backward(dlogits: &mut [f32], dlogp: &[f32], logp: &[f32], n:
         });
 }
 
-/// losses [N] (written) = −logp[target] per row; logp from [`log_softmax_forward`].
-pub fn cross_entropy_forward(
-    losses: &mut [f32],
-    logp: &[f32],
-    targets: &[u32],
-    n: usize,
-    v: usize,
-) {
-    assert_eq!(
-        (losses.len(), logp.len(), targets.len()),
-        (n, n * v, n),
-        "cross_entropy"
-    );
-    for ((l, row), &tg) in losses.iter_mut().zip(logp.chunks(v)).zip(targets) {
-        *l = -row[tg as usize];
-    }
-}
-
-/// dlogits [N, V] +=, from dlosses [N]: dloss · (softmax − onehot(target)).
-pub fn cross_entropy_backward(
-    dlogits: &mut [f32],
-    dlosses: &[f32],
-    logp: &[f32],
-    targets: &[u32],
-    n: usize,
-    v: usize,
-) {
-    assert_eq!(
-        (dlogits.len(), dlosses.len(), targets.len()),
-        (n * v, n, n),
-        "cross_entropy backward"
-    );
-    dlogits
-        .par_chunks_mut(v)
-        .zip(logp.par_chunks(v))
-        .zip(dlosses.par_iter().zip(targets.par_iter()))
-        .with_min_len(ROWS_PER_TASK)
-        .for_each(|((dl, lp), (&dloss, &tg))| {
-            for (j, (d, &l)) in dl.iter_mut().zip(lp).enumerate() {
-                let onehot = if j == tg as usize { 1.0 } else { 0.0 };
-                *d += dloss * (l.exp() - onehot);
-            }
-        });
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Embeddings: token row plus learned position row. Row n sits at position `pos(n)`.
 
@@ -870,15 +825,10 @@ mod tests {
     }
 
     #[test]
-    fn log_softmax_and_cross_entropy_gradients_match_finite_differences() {
+    fn log_softmax_gradients_match_finite_differences() {
         let (n, v) = (3, 7);
         let mut rng = ChaCha8Rng::seed_from_u64(6);
-        let (mut logits, r, dl) = (
-            randn(&mut rng, n * v, 3.0),
-            randn(&mut rng, n * v, 1.0),
-            randn(&mut rng, n, 1.0),
-        );
-        let targets = [2u32, 0, 6];
+        let (logits, r) = (randn(&mut rng, n * v, 3.0), randn(&mut rng, n * v, 1.0));
         let fwd = |l: &[f32]| {
             let mut lp = vec![0.0; n * v];
             log_softmax_forward(&mut lp, l, n, v);
@@ -895,17 +845,6 @@ mod tests {
             1e-2,
             |l| dot64(&fwd(l), &r),
         );
-        let ce = |l: &[f32]| {
-            let mut losses = vec![0.0; n];
-            cross_entropy_forward(&mut losses, &fwd(l), &targets, n, v);
-            losses
-        };
-        assert!((ce(&logits)[1] + lp[v]).abs() < 1e-6);
-        let mut dce = vec![0.0; n * v];
-        cross_entropy_backward(&mut dce, &dl, &lp, &targets, n, v);
-        check_grad("cross_entropy dlogits", &mut logits, &dce, 1e-2, |l| {
-            dot64(&ce(l), &dl)
-        });
     }
 
     #[test]

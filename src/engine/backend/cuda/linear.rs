@@ -17,9 +17,9 @@
 use super::fake_quant::CudaFakeQuantizer;
 use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
-use crate::engine::linear::PreparedWeight;
+use crate::engine::linear::{self, Blocks, PreparedWeight, SiteKernels, SiteQuant, SiteWeight};
 use crate::formats::{QuantFormat, SecondScale};
-use crate::recipe::{BackwardMode, Precision, SitePlan};
+use crate::recipe::SitePlan;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -94,21 +94,6 @@ pub struct DeviceLinearCache {
     pub n: usize,
 }
 
-/// A stored matrix operand of [`CudaLinear::gemm`]: the buffer and whether it holds the
-/// transpose of the operand (row-major).
-type Operand<'a> = (&'a CudaSlice<f32>, bool);
-
-/// Which of the CPU's quantizations of `engine::linear` to apply.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Quant {
-    /// Blocks along rows (the forward's activations).
-    Rows,
-    /// Blocks along rows, the columns zero-padded to the block multiple (dgrad's dy).
-    RowsPadded,
-    /// Blocks along columns, the rows (tokens) zero-padded (the `Quantized` wgrad operands).
-    ColsPadded,
-}
-
 /// The linear layer's kernels (the fake quantizer), cuBLAS handle and stream on one GPU.
 pub struct CudaLinear {
     stream: Arc<CudaStream>,
@@ -157,8 +142,80 @@ impl CudaLinear {
         Ok(DeviceWeight::from_parts(ws, w_fwd, w_bwd))
     }
 
-    fn zeros(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
-        Ok(self.stream.alloc_zeros(n.max(1))?)
+    /// The weight's operands as the policy of `engine::linear` reads them.
+    fn site<'a>(&self, w: &'a DeviceWeight) -> SiteWeight<'a, CudaSlice<f32>> {
+        SiteWeight {
+            fwd: &w.w_fwd,
+            bwd: w.w_bwd.as_ref().unwrap_or(&w.w_fwd),
+            out_dim: w.out_dim,
+            in_dim: w.in_dim,
+            batch: w.batch,
+        }
+    }
+
+    /// `linear::forward` on the device: `y[n, m] = x[n, k] · Wᵀ` with the input quantized per
+    /// the site's activation format, and the wgrad operand the backward mode asks for. With a
+    /// stacked weight, `x` is `batch` blocks of `n` rows and `y` likewise.
+    pub fn forward(
+        &self,
+        plan: &SitePlan,
+        x: &CudaSlice<f32>,
+        n: usize,
+        w: &DeviceWeight,
+    ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
+        self.forward_counted(plan, x, n, w, None)
+    }
+
+    /// [`Self::forward`] that adds the activation quantization's counts to `acc` (3 values:
+    /// `LinearCache::stats`).
+    pub fn forward_counted(
+        &self,
+        plan: &SitePlan,
+        x: &CudaSlice<f32>,
+        n: usize,
+        w: &DeviceWeight,
+        acc: Option<&mut CudaSlice<u64>>,
+    ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
+        let mut y = self.output(w.batch * n * w.out_dim)?;
+        let x_bwd = linear::forward_on(self, plan, x, n, &self.site(w), &mut y, acc)?;
+        Ok((y, DeviceLinearCache { x_bwd, n }))
+    }
+
+    /// [`Self::forward`] without what a backward needs (an inference pass: decode, the
+    /// reference forward): the same quantization and GEMM, the output only.
+    pub fn apply(
+        &self,
+        plan: &SitePlan,
+        x: &CudaSlice<f32>,
+        n: usize,
+        w: &DeviceWeight,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let mut y = self.output(w.batch * n * w.out_dim)?;
+        linear::apply_on(self, plan, x, n, &self.site(w), &mut y)?;
+        Ok(y)
+    }
+
+    /// `linear::backward` on the device: `dx = dy · W` (when `dx` is given, written) and
+    /// `dW += dyᵀ · x` (accumulated), dy quantized as the plan's backward mode says; per block
+    /// of a stacked weight.
+    pub fn backward(
+        &self,
+        plan: &SitePlan,
+        cache: &DeviceLinearCache,
+        w: &DeviceWeight,
+        dy: &CudaSlice<f32>,
+        dx: Option<&mut CudaSlice<f32>>,
+        dw: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let (n, m) = (cache.n, w.out_dim);
+        if dy.len() < w.batch * n * m {
+            return Err(CudaError::Shape(format!(
+                "linear backward: dy holds {} floats, needs {} x {m}",
+                dy.len(),
+                w.batch * n
+            )));
+        }
+        linear::backward_on(self, plan, &cache.x_bwd, n, &self.site(w), dy, dx, dw)
     }
 
     /// A buffer of `n` floats for the op it is passed to to write in full
@@ -167,14 +224,93 @@ impl CudaLinear {
         super::output_buffer(&self.stream, n)
     }
 
-    /// Row-major `c[r, cc] = a[r, inner] · b[inner, cc]` (`+= ` when `accumulate`), FP32, for
-    /// `batch` (a, b, c) triples stored back to back. Each operand is stored as itself or, when
-    /// its flag says so, as its transpose. cuBLAS is column-major, where a row-major buffer reads
-    /// as its transpose: `cᵀ = bᵀ · aᵀ`.
+    /// One quantization of a single block, or of several stacked blocks where that is the
+    /// same thing.
+    fn quantize_one(
+        &self,
+        kind: SiteQuant,
+        x: &CudaSlice<f32>,
+        (rows, cols): (usize, usize),
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+        acc: Option<&mut CudaSlice<u64>>,
+    ) -> Result<(), CudaError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        match kind {
+            SiteQuant::Rows => self
+                .fq
+                .fake_quantize_rows_counted(x, rows, cols, fmt, out, acc),
+            SiteQuant::RowsPadded => self.fq.fake_quantize_rows_padded(x, rows, cols, fmt, out),
+            SiteQuant::ColsPadded => self.fq.fake_quantize_cols_padded(x, rows, cols, fmt, out),
+        }
+    }
+}
+
+/// The device's kernels under the linear layer's precision policy (`engine::linear`): the
+/// fake quantizer and cuBLAS on this layer's stream.
+impl SiteKernels for CudaLinear {
+    type Buf = CudaSlice<f32>;
+    type Owned = CudaSlice<f32>;
+    type Counts = CudaSlice<u64>;
+    type Error = CudaError;
+
+    fn copy(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.output(len)?;
+        if len > 0 {
+            self.stream
+                .memcpy_dtod(&x.slice(..len), &mut out.slice_mut(..len))?;
+        }
+        Ok(out)
+    }
+
+    fn round_bf16(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.output(len)?;
+        self.fq.round_bf16(x, &mut out, len)?;
+        Ok(out)
+    }
+
+    /// Blocks are quantized together where that is the same thing (row-local formats; columns
+    /// when `rows` divides into blocks), one by one otherwise (a per-tensor NVFP4 scale, a
+    /// column block that would straddle two experts).
+    fn quantize(
+        &self,
+        kind: SiteQuant,
+        x: &CudaSlice<f32>,
+        Blocks { rows, cols, batch }: Blocks,
+        fmt: &QuantFormat,
+        mut acc: Option<&mut CudaSlice<u64>>,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let len = batch * rows * cols;
+        // The padded row path writes through a transpose; zeroed, as it always was.
+        let mut out = match kind {
+            SiteQuant::RowsPadded => self.stream.alloc_zeros(len.max(1))?,
+            _ => self.output(len)?,
+        };
+        let per_tensor = matches!(
+            fmt,
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                ..
+            }
+        );
+        let aligned = kind != SiteQuant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
+        if batch == 1 || (!per_tensor && aligned) {
+            self.quantize_one(kind, x, (rows * batch, cols), fmt, &mut out, acc)?;
+        } else {
+            self.fq.per_block(x, &mut out, (batch, rows * cols), |blk, q| {
+                self.quantize_one(kind, blk, (rows, cols), fmt, q, acc.as_deref_mut())
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// cuBLAS is column-major, where a row-major buffer reads as its transpose: `cᵀ = bᵀ · aᵀ`.
     fn gemm(
         &self,
-        a: Operand<'_>,
-        b: Operand<'_>,
+        (a_buf, a_t): (&CudaSlice<f32>, bool),
+        (b_buf, b_t): (&CudaSlice<f32>, bool),
         c: &mut CudaSlice<f32>,
         (r, inner, cc): (usize, usize, usize),
         batch: usize,
@@ -188,7 +324,6 @@ impl CudaLinear {
                 CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit"))
             })
         };
-        let ((a_buf, a_t), (b_buf, b_t)) = (a, b);
         let (a_len, b_len, c_len) = (r * inner, inner * cc, r * cc);
         if a_buf.len() < batch * a_len || b_buf.len() < batch * b_len || c.len() < batch * c_len {
             return Err(CudaError::Shape(format!(
@@ -244,251 +379,7 @@ impl CudaLinear {
         Ok(())
     }
 
-    /// One of `engine::linear`'s quantizations of `batch` blocks of `[rows, cols]` stored back
-    /// to back, each block as the CPU quantizes one expert's tensor. Blocks are quantized
-    /// together where that is the same thing (row-local formats; columns when `rows` divides into
-    /// blocks), one by one otherwise (a per-tensor NVFP4 scale, a column block that would
-    /// straddle two experts). `acc` (only with `Quant::Rows`) collects the counts.
-    #[allow(clippy::too_many_arguments)]
-    fn quantize(
-        &self,
-        kind: Quant,
-        x: &CudaSlice<f32>,
-        (rows, cols, batch): (usize, usize, usize),
-        fmt: &QuantFormat,
-        out: &mut CudaSlice<f32>,
-        mut acc: Option<&mut CudaSlice<u64>>,
-    ) -> Result<(), CudaError> {
-        let per_tensor = matches!(
-            fmt,
-            QuantFormat::Nvfp4 {
-                second: SecondScale::PerTensor,
-                ..
-            }
-        );
-        let aligned = kind != Quant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
-        if batch == 1 || (!per_tensor && aligned) {
-            return self.quantize_one(kind, x, rows * batch, cols, fmt, out, acc);
-        }
-        self.fq.per_block(x, out, (batch, rows * cols), |blk, q| {
-            self.quantize_one(kind, blk, rows, cols, fmt, q, acc.as_deref_mut())
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn quantize_one(
-        &self,
-        kind: Quant,
-        x: &CudaSlice<f32>,
-        rows: usize,
-        cols: usize,
-        fmt: &QuantFormat,
-        out: &mut CudaSlice<f32>,
-        acc: Option<&mut CudaSlice<u64>>,
-    ) -> Result<(), CudaError> {
-        if rows == 0 {
-            return Ok(());
-        }
-        match kind {
-            Quant::Rows => self
-                .fq
-                .fake_quantize_rows_counted(x, rows, cols, fmt, out, acc),
-            Quant::RowsPadded => self.fq.fake_quantize_rows_padded(x, rows, cols, fmt, out),
-            Quant::ColsPadded => self.fq.fake_quantize_cols_padded(x, rows, cols, fmt, out),
-        }
-    }
-
-    /// `linear::forward`: `y[n, m] = x[n, k] · Wᵀ` with the input quantized per the site's
-    /// activation format, and the wgrad operand the backward mode asks for. With a stacked
-    /// weight, `x` is `batch` blocks of `n` rows and `y` likewise.
-    pub fn forward(
-        &self,
-        plan: &SitePlan,
-        x: &CudaSlice<f32>,
-        n: usize,
-        w: &DeviceWeight,
-    ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
-        self.forward_counted(plan, x, n, w, None)
-    }
-
-    /// [`Self::forward`] that adds the activation quantization's counts to `acc` (3 values:
-    /// `LinearCache::stats`).
-    pub fn forward_counted(
-        &self,
-        plan: &SitePlan,
-        x: &CudaSlice<f32>,
-        n: usize,
-        w: &DeviceWeight,
-        acc: Option<&mut CudaSlice<u64>>,
-    ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
-        let (k, m, batch) = (w.in_dim, w.out_dim, w.batch);
-        let rows = batch * n;
-        let mut y = self.output(rows * m)?;
-        let Some(fmt) = plan.activation_format() else {
-            self.gemm(
-                (x, false),
-                (&w.w_fwd, true),
-                &mut y,
-                (n, k, m),
-                batch,
-                false,
-            )?;
-            let mut x_bwd = self.output(rows * k)?;
-            if rows > 0 {
-                self.stream
-                    .memcpy_dtod(&x.slice(..rows * k), &mut x_bwd.slice_mut(..rows * k))?;
-            }
-            return Ok((y, DeviceLinearCache { x_bwd, n }));
-        };
-        // As on the CPU: a BF16 site's operand is its BF16 rounding, counted against the FP32
-        // input; other formats quantize the BF16 values.
-        let bf16_site = matches!(fmt, QuantFormat::Bf16);
-        let x_hp = if bf16_site {
-            None
-        } else {
-            let mut r = self.output(rows * k)?;
-            self.fq.round_bf16(x, &mut r, rows * k)?;
-            Some(r)
-        };
-        let mut x_q = self.output(rows * k)?;
-        let src = x_hp.as_ref().unwrap_or(x);
-        self.quantize(Quant::Rows, src, (n, k, batch), &fmt, &mut x_q, acc)?;
-        self.gemm(
-            (&x_q, false),
-            (&w.w_fwd, true),
-            &mut y,
-            (n, k, m),
-            batch,
-            false,
-        )?;
-        let Some(x_hp) = x_hp else {
-            // Already the BF16 operand, whatever the backward mode.
-            return Ok((y, DeviceLinearCache { x_bwd: x_q, n }));
-        };
-        let x_bwd = match plan.backward {
-            BackwardMode::HighPrecision => x_hp,
-            BackwardMode::Dequantized => {
-                let mut r = self.output(rows * k)?;
-                self.fq.round_bf16(&x_q, &mut r, rows * k)?;
-                r
-            }
-            BackwardMode::Quantized if n == 0 => x_hp,
-            BackwardMode::Quantized => {
-                let mut q = self.output(rows * k)?;
-                self.quantize(Quant::ColsPadded, &x_hp, (n, k, batch), &fmt, &mut q, None)?;
-                q
-            }
-        };
-        Ok((y, DeviceLinearCache { x_bwd, n }))
-    }
-
-    /// [`Self::forward`] without what a backward needs (an inference pass: decode, the
-    /// reference forward): the same quantization and GEMM, the output only.
-    pub fn apply(
-        &self,
-        plan: &SitePlan,
-        x: &CudaSlice<f32>,
-        n: usize,
-        w: &DeviceWeight,
-    ) -> Result<CudaSlice<f32>, CudaError> {
-        let (k, m, batch) = (w.in_dim, w.out_dim, w.batch);
-        let rows = batch * n;
-        let mut y = self.output(rows * m)?;
-        let x_q = match plan.activation_format() {
-            None => None,
-            Some(fmt) => {
-                let x_hp = if matches!(fmt, QuantFormat::Bf16) {
-                    None
-                } else {
-                    let mut r = self.output(rows * k)?;
-                    self.fq.round_bf16(x, &mut r, rows * k)?;
-                    Some(r)
-                };
-                let mut q = self.output(rows * k)?;
-                let src = x_hp.as_ref().unwrap_or(x);
-                self.quantize(Quant::Rows, src, (n, k, batch), &fmt, &mut q, None)?;
-                Some(q)
-            }
-        };
-        let xin = x_q.as_ref().unwrap_or(x);
-        self.gemm(
-            (xin, false),
-            (&w.w_fwd, true),
-            &mut y,
-            (n, k, m),
-            batch,
-            false,
-        )?;
-        Ok(y)
-    }
-
-    /// `linear::backward`: `dx = dy · W` (when `dx` is given, written) and `dW += dyᵀ · x`
-    /// (accumulated), dy quantized as the plan's backward mode says; per block of a stacked
-    /// weight.
-    pub fn backward(
-        &self,
-        plan: &SitePlan,
-        cache: &DeviceLinearCache,
-        w: &DeviceWeight,
-        dy: &CudaSlice<f32>,
-        dx: Option<&mut CudaSlice<f32>>,
-        dw: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let (n, k, m, batch) = (cache.n, w.in_dim, w.out_dim, w.batch);
-        let rows = batch * n;
-        if dy.len() < rows * m {
-            return Err(CudaError::Shape(format!(
-                "linear backward: dy holds {} floats, needs {rows} x {m}",
-                dy.len()
-            )));
-        }
-        if n == 0 {
-            if let Some(dx) = dx {
-                self.stream.memset_zeros(dx)?;
-            }
-            return Ok(());
-        }
-        // The dgrad and wgrad operands when they are not dy itself (the wgrad one only when it
-        // differs from the dgrad one).
-        let (own_d, own_w): (Option<CudaSlice<f32>>, Option<CudaSlice<f32>>) = match plan
-            .activation_format()
-        {
-            None => (None, None),
-            Some(fmt) => {
-                let mut dy_hp = self.zeros(rows * m)?;
-                self.fq.round_bf16(dy, &mut dy_hp, rows * m)?;
-                if plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized {
-                    // dgrad contracts over m (row blocks of dy, m padded where it does not
-                    // divide into blocks); wgrad over n (column blocks of dy, n padded).
-                    let (mut d, mut wq) = (self.zeros(rows * m)?, self.zeros(rows * m)?);
-                    let shape = (n, m, batch);
-                    self.quantize(Quant::RowsPadded, &dy_hp, shape, &fmt, &mut d, None)?;
-                    self.quantize(Quant::ColsPadded, &dy_hp, shape, &fmt, &mut wq, None)?;
-                    (Some(d), Some(wq))
-                } else {
-                    (Some(dy_hp), None)
-                }
-            }
-        };
-        let dy_d = own_d.as_ref().unwrap_or(dy);
-        let dy_w = own_w.as_ref().unwrap_or(dy_d);
-        if let Some(dx) = dx {
-            self.gemm(
-                (dy_d, false),
-                (w.w_bwd.as_ref().unwrap_or(&w.w_fwd), false),
-                dx,
-                (n, m, k),
-                batch,
-                false,
-            )?;
-        }
-        self.gemm(
-            (dy_w, true),
-            (&cache.x_bwd, false),
-            dw,
-            (m, n, k),
-            batch,
-            true,
-        )
+    fn fill_zero(&self, c: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        Ok(self.stream.memset_zeros(c)?)
     }
 }
