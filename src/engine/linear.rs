@@ -427,13 +427,13 @@ impl SiteKernels for HostKernels {
         accumulate: bool,
     ) -> Result<(), Self::Error> {
         assert_eq!(batch, 1, "the host multiplies one pair at a time");
-        let stored = |m: &[f32], rows: usize, cols: usize, t: bool| {
+        fn stored(m: &[f32], rows: usize, cols: usize, t: bool) -> MatRef<'_> {
             if t {
                 MatRef::new(&m[..rows * cols], cols, rows).t()
             } else {
                 MatRef::new(&m[..rows * cols], rows, cols)
             }
-        };
+        }
         gemm(stored(a, r, inner, a_t), stored(b, inner, cc, b_t), &mut c[..r * cc], accumulate);
         Ok(())
     }
