@@ -333,7 +333,9 @@ pub fn compare_data(
                 .chain(&groups[bi].runs)
                 .all(|r| r.engine == COUPLING_ENGINE);
             let seeds_of = |g: &Group<'_>| g.runs.iter().map(|r| r.seed).collect::<Vec<_>>();
-            let unpaired = coupled && seeds_of(g) != seeds_of(&groups[bi]);
+            let (own, base) = (seeds_of(g), seeds_of(&groups[bi]));
+            let differ = coupled && own != base;
+            let common = common_seeds(&own, &base).len();
             let metrics = metrics
                 .iter()
                 .filter_map(|m| {
@@ -342,13 +344,10 @@ pub fn compare_data(
                         .then(|| compare_metric(m, x, y, &s, &g.config, coupled))
                 })
                 .collect();
-            let note = unpaired.then(|| {
+            let note = (differ && common < MIN_COMMON_SEEDS).then(|| {
                 format!(
-                    "{}: seeds {:?} differ from {}'s {:?}, so it is compared by Welch's test instead of seed by seed; run the same seeds to pair them",
-                    g.config,
-                    seeds_of(g),
-                    groups[bi].config,
-                    seeds_of(&groups[bi])
+                    "{}: seeds {own:?} share {common} with {}'s {base:?} (fewer than {MIN_COMMON_SEEDS}), so it is compared by Welch's test instead of seed by seed; run the same seeds to pair them",
+                    g.config, groups[bi].config,
                 )
             });
             let cc = ConfigComparison {
@@ -488,12 +487,7 @@ pub fn sequential_looks(
         // count and pair up seed by seed.
         let mut x = Arm::build(&groups[gi], &metric, s);
         let mut y = Arm::build(&groups[b], &metric, s);
-        let common: Vec<u64> = x
-            .seeds
-            .iter()
-            .copied()
-            .filter(|sd| y.seeds.contains(sd))
-            .collect();
+        let common = common_seeds(&x.seeds, &y.seeds);
         x.keep_seeds(&common);
         y.keep_seeds(&common);
         let margin = match resolve_margin(rule, &y.finals, &y.initials, hib, &s.baseline) {
@@ -733,10 +727,31 @@ pub const COUPLING_ENGINE: &str = "builtin";
 /// The paired values of two arms: per seed both ran, `(x, y)` in seed order. `None` unless both
 /// arms ran exactly the same seeds (at least two).
 fn pair_up(x: &Arm, y: &Arm, values: fn(&Arm) -> &Vec<f64>) -> Option<(Vec<f64>, Vec<f64>)> {
-    if x.seeds != y.seeds || x.seeds.len() < 2 {
+    if x.seeds == y.seeds {
+        return (x.seeds.len() >= 2).then(|| (values(x).clone(), values(y).clone()));
+    }
+    let common = common_seeds(&x.seeds, &y.seeds);
+    if common.len() < MIN_COMMON_SEEDS {
         return None;
     }
-    Some((values(x).clone(), values(y).clone()))
+    let at = |a: &Arm| -> Vec<f64> {
+        let v = values(a);
+        common
+            .iter()
+            .filter_map(|sd| a.seeds.iter().position(|t| t == sd).map(|i| v[i]))
+            .collect()
+    };
+    Some((at(x), at(y)))
+}
+
+/// Seeds two arms must share to be paired over them when their seed sets differ (sequential seeds
+/// leave the baseline with more): below this, Welch over each arm's own seeds. The claims use
+/// the same rule (`compare::claims`).
+const MIN_COMMON_SEEDS: usize = 3;
+
+/// The seeds of `x` that `y` also ran, in `x`'s order.
+fn common_seeds(x: &[u64], y: &[u64]) -> Vec<u64> {
+    x.iter().copied().filter(|sd| y.contains(sd)).collect()
 }
 
 /// A margin rule turned into metric units from the baseline's per-seed final-window and
