@@ -90,16 +90,21 @@ fn quote(s: &str) -> String {
     }
 }
 
-/// `lockstep run` or `nightly` was stopped by a signal; main exits with 128 + the signal.
+/// `lockstep run` or `nightly` was stopped by a signal; main exits with 128 + the signal. The text,
+/// when given, says what was stopped (the Slurm executor's cancellation); otherwise the local
+/// runner's words.
 #[derive(Debug)]
-pub struct Interrupted(pub i32);
+pub struct Interrupted(pub i32, pub Option<String>);
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "stopped by {}: every launcher was stopped and the runs in flight are marked interrupted; rerun the same command to resume",
-            lockstep::suite::command::signal_name(self.0)
+            "stopped by {}: {}",
+            lockstep::suite::command::signal_name(self.0),
+            self.1.as_deref().unwrap_or(
+                "every launcher was stopped and the runs in flight are marked interrupted; rerun the same command to resume"
+            )
         )
     }
 }
@@ -233,7 +238,7 @@ pub fn run_local(
     }
     print_summary(&sum, start.elapsed().as_secs_f64());
     if let Some(sig) = lockstep::suite::interrupt::requested() {
-        return Err(Interrupted(sig).into());
+        return Err(Interrupted(sig, None).into());
     }
     Ok(sum.failed + sum.timeout == 0)
 }
