@@ -51,7 +51,9 @@ pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
                         "      argv: {}",
                         a.iter().map(|x| quote(x)).collect::<Vec<_>>().join(" ")
                     );
-                    for (k, v) in &r.env {
+                    let env = lockstep::suite::command::env(&s, r, &out)
+                        .map_err(|e| anyhow::anyhow!("config `{}`: {e}", r.config))?;
+                    for (k, v) in &env {
                         println!("      env:  {k}={}", quote(v));
                     }
                 }
