@@ -181,7 +181,7 @@ fn note_unplanned_runs(
     let other = lockstep::suite::runner::unplanned_runs(&root, runs);
     if let Some(first) = other.first() {
         eprintln!(
-            "note: {} run folder(s) in {} are not runs of this suite as it is now (e.g. {first}): an edited suite, or run ids of an older lockstep (README, \"Upgrading\"); they do not count as done, `compare` ignores them, `report` still draws them",
+            "note: {} run folder(s) in {} are not runs of this suite as it is now (e.g. {first}): an edited suite, or run ids of an older lockstep (README, \"Upgrading\"); they do not count as done; `compare`, `report` and `nightly` skip them",
             other.len(),
             root.display()
         );
