@@ -226,3 +226,99 @@ fn check_passes_on_the_shipped_golden_and_fails_on_a_corrupted_copy() {
     assert_eq!(o.status.code(), Some(1), "{s}");
     assert!(s.contains("FAIL mxfp8.json / normal_seed0 [te]"), "{s}");
 }
+
+/// Finite inputs near FLT_MAX (spec §3.1, §4.1, §5): the codes and scales are the spec's (MXFP8 TE
+/// scale byte 247 with FLT_MAX at code 0x78 = 256), and the spec's f32 dequantization overflows:
+/// MXFP8 TE gives 256·2^120 = inf, NVFP4's `e4m3(448)·global_amax` overflows so the whole block
+/// decodes to ±inf (zero codes to 0·inf = NaN, as TE's kernel does), UE8M0 FP8 block scales like
+/// MXFP8. Those elements are counted in quantized.json's overflow, left out of the error
+/// statistics (which stay finite) and named in a printed warning; formats that stay in range
+/// (OCP floor saturates, TE FP8 block) count none.
+#[test]
+fn values_near_flt_max_keep_spec_bytes_and_their_overflow_is_counted_not_averaged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut x = vec![0.5f32; 128];
+    x[0] = f32::MAX;
+    x[1] = -f32::MAX;
+    x[2] = 1.0;
+    x[3] = f32::MAX / 2.0;
+    let input = dir.path().join("x.npy");
+    write_npy_f32(&input, &x, &[1, 128]);
+    // (flags, overflowed elements)
+    let cases: [(&[&str], u64); 5] = [
+        (&["--format", "mxfp8"], 2),
+        (&["--format", "mxfp8", "--scale-rule", "ocp"], 0),
+        (&["--format", "nvfp4"], 16),
+        (
+            &["--format", "fp8-block", "--fp8-variant", "deepgemm-ue8m0"],
+            2,
+        ),
+        (&["--format", "fp8-block"], 0),
+    ];
+    for (i, (flags, overflow)) in cases.iter().enumerate() {
+        let out = dir.path().join(format!("q{i}"));
+        let o = lockstep()
+            .arg("quantize")
+            .args(*flags)
+            .arg("--in")
+            .arg(&input)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{flags:?}: {stdout}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("quantized.json")).unwrap())
+                .unwrap();
+        assert_eq!(meta["stats"]["overflow"], *overflow, "{flags:?}: {meta}");
+        assert_eq!(meta["error"]["finite"], 128 - overflow, "{flags:?}");
+        let (_, deq): (_, Vec<f32>) = read_npy(&out.join("dequant.npy"));
+        let non_finite = deq.iter().filter(|v| !v.is_finite()).count() as u64;
+        assert_eq!(non_finite, *overflow, "{flags:?}: {:?}", &deq[..4]);
+        // The printed statistics are finite numbers over the finite elements.
+        let stat = |key: &str| -> f64 {
+            let line = stdout.lines().find(|l| l.starts_with(key)).unwrap();
+            line[key.len()..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert!(stat("max abs error").is_finite(), "{stdout}");
+        assert!(stat("relative RMSE").is_finite(), "{stdout}");
+        let warned = stdout.lines().any(|l| {
+            l.starts_with("warning")
+                && l.contains(&format!("{overflow} finite input(s) overflowed"))
+        });
+        assert_eq!(warned, *overflow > 0, "{flags:?}: {stdout}");
+    }
+    // The bytes are the spec's: MXFP8 TE, FLT_MAX gives scale byte 247 (§3.1) and code 0x78 (256).
+    let (_, scales): (_, Vec<u8>) = read_npy(&dir.path().join("q0/scales.npy"));
+    let (_, codes): (_, Vec<u8>) = read_npy(&dir.path().join("q0/codes.npy"));
+    assert_eq!(scales[0], 247);
+    assert_eq!((codes[0], codes[1]), (0x78, 0xF8));
+    let (_, deq): (_, Vec<f32>) = read_npy(&dir.path().join("q0/dequant.npy"));
+    assert_eq!((deq[0], deq[1]), (f32::INFINITY, f32::NEG_INFINITY));
+    assert_eq!(deq[3], 2f32.powi(127), "FLT_MAX/2 stays finite");
+    // NVFP4: global amax FLT_MAX, block scale 448 (0x7E), codes 7 and 15; the block decodes to
+    // ±inf and its zero codes to NaN (TE kernel formula, as in golden `inf_in_tensor_te_ref`).
+    let (_, g): (_, Vec<f32>) = read_npy(&dir.path().join("q2/global_scale.npy"));
+    assert_eq!(g, vec![f32::MAX]);
+    let (_, scales): (_, Vec<u8>) = read_npy(&dir.path().join("q2/scales.npy"));
+    assert_eq!(scales[0], 0x7E);
+    let (_, packed): (_, Vec<u8>) = read_npy(&dir.path().join("q2/codes.npy"));
+    assert_eq!(packed[0], 0x7 | (0xF << 4));
+    let (_, deq): (_, Vec<f32>) = read_npy(&dir.path().join("q2/dequant.npy"));
+    assert_eq!((deq[0], deq[1]), (f32::INFINITY, f32::NEG_INFINITY));
+    assert!(deq[2].is_nan(), "1.0 has code 0 in that block: 0·inf");
+    assert!(deq[16..].iter().all(|v| v.is_finite()));
+    // The TE FP8 block scale keeps FLT_MAX itself finite.
+    let (_, deq): (_, Vec<f32>) = read_npy(&dir.path().join("q4/dequant.npy"));
+    assert_eq!(deq[0], f32::MAX);
+}

@@ -188,3 +188,119 @@ fn gone_within(pid: &str, limit: std::time::Duration) -> bool {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// Writes the steps it is asked for, and its environment variables `LS_*` into `out/env.txt`.
+const ENV_LAUNCHER: &str = r#"#!/usr/bin/env bash
+out="$1"
+for ((i = 0; i < 2; i++)); do
+  echo "{\"step\": $i, \"rollout/raw_reward\": 0.5}" >> "$out/metrics.jsonl"
+done
+printf 'seed=%s\nout=%s\ntag=%s\n' "$LS_SEED" "$LS_OUT" "$LS_TAG" > "$out/env.txt"
+"#;
+
+fn env_suite(dir: &Path, extra_env: &str) -> std::path::PathBuf {
+    let script = dir.join("env.sh");
+    std::fs::write(&script, ENV_LAUNCHER).unwrap();
+    let text = format!(
+        r#"name = "env-cluster"
+engine = "command"
+seeds = [7]
+
+[workload]
+steps = 2
+
+[command]
+argv = ["bash", "{script}", "{{out_dir}}"]
+env = {{ LS_SEED = "{{seed}}", LS_OUT = "{{out_dir}}/wandb"{extra_env} }}
+
+[command.metrics]
+files = ["metrics.jsonl"]
+step = "step"
+
+[[configs]]
+name = "bf16"
+recipe = "bf16"
+[configs.env]
+LS_TAG = "{{config}}-{{tag}}"
+[configs.vars]
+tag = "t1"
+"#,
+        script = script.display()
+    );
+    let p = dir.join("env.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn env_values_are_placeholder_expanded_checked_shown_and_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let suite = env_suite(tmp.path(), "");
+    let store = tmp.path().join("runs");
+    let bin = env!("CARGO_BIN_EXE_lockstep");
+    let out = Command::new(bin)
+        .args(["run", suite.to_str().unwrap(), "--store"])
+        .arg(&store)
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = std::fs::read_dir(store.join("env-cluster"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.join("manifest.json").is_file())
+        .unwrap();
+    let out_dir = std::path::absolute(run.join("out")).unwrap();
+    // The launcher saw the values, not the templates.
+    let seen = std::fs::read_to_string(run.join("out/env.txt")).unwrap();
+    assert_eq!(
+        seen,
+        format!("seed=7\nout={}/wandb\ntag=bf16-t1\n", out_dir.display())
+    );
+    // The manifest records the environment as launched.
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["status"], "ok", "{m}");
+    assert_eq!(m["config"]["env"]["LS_SEED"], "7");
+    assert_eq!(m["config"]["env"]["LS_TAG"], "bf16-t1");
+    // `suite show --argv` prints them filled in too.
+    let show = Command::new(bin)
+        .args([
+            "suite",
+            "show",
+            suite.to_str().unwrap(),
+            "--argv",
+            "--store",
+        ])
+        .arg(&store)
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(text.contains("env:  LS_SEED=7\n"), "{text}");
+    assert!(text.contains("env:  LS_TAG=bf16-t1\n"), "{text}");
+
+    // An unknown placeholder in an env value fails `suite check`: exit 2, one line with the
+    // file, the line and the fix.
+    let bad = tempfile::tempdir().unwrap();
+    let suite = env_suite(bad.path(), r#", LS_BAD = "{nope}""#);
+    let out = Command::new(bin)
+        .args(["suite", "check", suite.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("{}:10:", suite.display())),
+        "file and line of the env table: {err}"
+    );
+    assert!(err.contains("env `LS_BAD`"), "{err}");
+    assert!(err.contains("unknown placeholder `{nope}`"), "{err}");
+    assert!(err.contains("add it to [command.vars]"), "{err}");
+}

@@ -318,3 +318,109 @@ fn report_command_compares_the_store_and_explains_a_missing_one() {
     assert_eq!(html.matches("<h3>Gradient norms: ").count(), 4);
     assert!(html.contains(&store.join("synthetic").display().to_string()));
 }
+
+/// A store holding, beside each current run, a copy under an old run id (as a store made before
+/// the one-time id change keeps it): `report` draws and counts only the suite's current runs and
+/// says in one line that it skipped the stale folder; `compare` uses only the current runs too.
+#[test]
+fn report_and_compare_skip_a_stale_folder_of_the_same_config_and_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let suite = dir.join("stale.toml");
+    std::fs::write(
+        &suite,
+        "name = \"stale\"\nseeds = [0]\n[workload]\nmodel = \"tiny\"\ntask = \"add:2\"\nsteps = 2\n\
+         prompts_per_step = 2\nsamples_per_prompt = 2\nmax_response_tokens = 4\n\
+         [workload.warm_start]\nmax_steps = 2\neval_prompts = 8\n\
+         [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[[configs]]\nname = \"mxfp8\"\nrecipe = \"mxfp8\"\n",
+    )
+    .unwrap();
+    let store = dir.join("runs");
+    let bin = env!("CARGO_BIN_EXE_lockstep");
+    let lockstep = |args: &[&str]| {
+        std::process::Command::new(bin)
+            .current_dir(dir)
+            .env("LOCKSTEP_CACHE", dir.join("cache"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let (s, st) = (suite.to_str().unwrap(), store.to_str().unwrap());
+    let o = lockstep(&["run", s, "--store", st, "--jobs", "1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let root = store.join("stale");
+    let current: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| root.join(n).join("manifest.json").is_file())
+        .collect();
+    assert_eq!(current.len(), 2, "{current:?}");
+    let bf16 = current.iter().find(|n| n.starts_with("bf16-s0-")).unwrap();
+    // The same configuration and seed under an id of an older lockstep.
+    let old = "bf16-s0-0ldhash00000";
+    std::fs::create_dir(root.join(old)).unwrap();
+    for e in std::fs::read_dir(root.join(bf16)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, root.join(old).join(p.file_name().unwrap())).unwrap();
+    }
+    let rd = lockstep::store::RunDir::open(&root.join(old));
+    let mut m = rd.read_manifest().unwrap();
+    m.run_id = old.into();
+    rd.write_manifest(&m).unwrap();
+
+    let out = dir.join("reports");
+    let o = lockstep(&[
+        "report",
+        "--suite",
+        s,
+        "--store",
+        st,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("(2 runs"),
+        "counted the stale folder: {stdout}"
+    );
+    let note: Vec<&str> = stderr.lines().filter(|l| l.contains("stale")).collect();
+    assert_eq!(note.len(), 1, "one line about the stale folder: {stderr}");
+    assert!(
+        note[0].contains("skipped 1 stale run folder") && note[0].contains(old),
+        "{stderr}"
+    );
+    let index = std::fs::read_dir(out.join("stale"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
+        .join("index.html");
+    let html = std::fs::read_to_string(index).unwrap();
+    assert!(html.contains(bf16.as_str()), "the current run is listed");
+    assert!(!html.contains(old), "the stale run is drawn or listed");
+
+    // compare: the stale copy is not a second bf16 seed.
+    let _ = lockstep(&["compare", "--suite", s, "--store", st]);
+    let cmp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("compare.json")).unwrap()).unwrap();
+    let mx = cmp["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["config"] == "mxfp8")
+        .unwrap();
+    assert_eq!(mx["seeds"], serde_json::json!([0]));
+    assert!(
+        cmp["warnings"].as_array().unwrap().iter().any(|w| {
+            let w = w.as_str().unwrap();
+            w.contains("skipped 1 stale run folder(s)") && w.contains(old)
+        }),
+        "{}",
+        cmp["warnings"]
+    );
+}

@@ -1,6 +1,7 @@
 //! Issue 8 (Slurm sweeps) against a real Slurm: `.ci/start-slurm.sh` starts a one-node cluster
 //! on localhost. Tests that need the cluster print why and return when `sinfo` is missing or no
-//! node is usable; there is no fake scheduler. The refusal tests that need no cluster always run.
+//! node is usable. The refusal tests that need no cluster always run, and so does the signal test,
+//! which puts stand-in `sbatch`/`squeue`/`scancel`/`scontrol`/`sacct` scripts on PATH.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -682,5 +683,159 @@ fn r8_a_run_made_in_slurm_equals_the_same_run_made_locally() {
                 a.step
             );
         }
+    }
+}
+
+/// Stand-ins for Slurm's client commands, written into `bin/` as shell scripts: every call is
+/// appended to `calls.log`; `sbatch` answers job id 4242; `squeue` lists task 0 of the array as
+/// RUNNING and task 1 as PENDING until `scancel` was called, then nothing; `scontrol` then
+/// reports both tasks CANCELLED.
+fn fake_slurm(dir: &Path) -> PathBuf {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let log = dir.join("calls.log");
+    let gone = dir.join("cancelled");
+    let scripts = [
+        ("sbatch", "echo 4242\n".to_string()),
+        (
+            "squeue",
+            format!(
+                "[ -e '{g}' ] && exit 0\nname=\nwhile [ $# -gt 0 ]; do [ \"$1\" = -n ] && name=\"$2\"; shift; done\n\
+                 [ -z \"$name\" ] && exit 0\necho \"4242|0|4243|$name|RUNNING|node1|None\"\n\
+                 echo \"4242|1|4244|$name|PENDING||Resources\"\n",
+                g = gone.display()
+            ),
+        ),
+        ("scancel", format!("touch '{}'\n", gone.display())),
+        (
+            "scontrol",
+            format!(
+                "[ -e '{g}' ] || exit 0\n\
+                 echo 'JobId=4243 ArrayJobId=4242 ArrayTaskId=0 JobState=CANCELLED ExitCode=0:15 NodeList=node1'\n\
+                 echo 'JobId=4244 ArrayJobId=4242 ArrayTaskId=1 JobState=CANCELLED ExitCode=0:0 NodeList=(null)'\n",
+                g = gone.display()
+            ),
+        ),
+        ("sacct", String::new()),
+    ];
+    for (name, body) in scripts {
+        let p = bin.join(name);
+        std::fs::write(
+            &p,
+            format!(
+                "#!/bin/sh\necho \"{name} $*\" >> '{}'\n{body}",
+                log.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    bin
+}
+
+#[test]
+fn r8_sigint_and_sigterm_cancel_the_submitted_array_and_mark_started_runs_interrupted() {
+    for (sig, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let bin = fake_slurm(dir);
+        let store = dir.join("runs");
+        let suite = suite(dir, "");
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+        let mut child = lockstep(
+            dir,
+            &[
+                "run",
+                suite.to_str().unwrap(),
+                "--executor",
+                "slurm",
+                "--poll",
+                "0.2",
+            ],
+        )
+        .env("PATH", &path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        let rx = lines_of(&mut child);
+        let mut seen = Vec::new();
+        wait_line(&rx, &mut seen, |l| l.contains("submitted job array 4242"));
+        // Task 0 starts its run, as `run-one --suite` inside the task would: it claims the run
+        // and writes a `running` manifest.
+        let subs = submissions(&store);
+        assert_eq!(subs.len(), 1);
+        let started = subs[0]["runs"][0].as_str().unwrap().to_string();
+        let pending = subs[0]["runs"][1].as_str().unwrap().to_string();
+        let root = store.join("slurm-it");
+        lockstep::suite::slurm::write_task_marker(
+            &root,
+            &started,
+            &lockstep::suite::slurm::TaskIdentity {
+                array_job_id: "4242".into(),
+                array_task_id: 0,
+                job_id: "4243".into(),
+                node: "node1".into(),
+                started: "t".into(),
+            },
+        )
+        .unwrap();
+        let m = lockstep::store::Manifest::start(
+            &started,
+            "builtin",
+            serde_json::json!({}),
+            0,
+            STEPS,
+            "cpu",
+        );
+        lockstep::store::RunDir::create(&root.join(&started))
+            .unwrap()
+            .write_manifest(&m)
+            .unwrap();
+        wait_line(&rx, &mut seen, |l| {
+            l.contains(" start ") && l.contains("4242_0")
+        });
+        // SAFETY: sending a signal to the child this test started.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("lockstep did not stop after the signal");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(code), "signal {sig}; stderr: {err}");
+        // scancel got the job id, as one argument (no shell, no name pattern).
+        let calls = std::fs::read_to_string(dir.join("calls.log")).unwrap();
+        assert!(
+            calls.lines().any(|l| l == "scancel 4242"),
+            "scancel was not called with the job id:\n{calls}"
+        );
+        // The started run is interrupted, with Slurm's view recorded; the pending one never ran.
+        let m = lockstep::store::RunDir::open(&root.join(&started))
+            .read_manifest()
+            .unwrap();
+        assert_eq!(m.status, lockstep::store::RunStatus::Interrupted, "{m:?}");
+        assert!(
+            m.error
+                .as_deref()
+                .unwrap()
+                .contains("cancelled Slurm task 4242_0")
+        );
+        assert_eq!(m.extra["slurm"]["state"], "CANCELLED");
+        assert!(!root.join(&pending).join("manifest.json").exists());
+        assert!(
+            err.contains("scancel 4242") && err.contains("interrupted"),
+            "{err}"
+        );
+        // The submission is closed: a rerun resubmits both runs instead of following them.
+        assert_eq!(submissions(&store)[0]["closed"], true);
     }
 }

@@ -590,7 +590,7 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
     // The report, compare.json and summary.md all state the night's state, so it is settled first.
     cmp.night_state = Some(v.verdict.clone());
     write_json(&dir.join("compare.json"), &cmp)?;
-    let runs = lockstep::report::load_runs(&dir)?;
+    let runs = crate::cli::report::current_runs(&spec, &dir)?;
     let report = lockstep::report::write_report(
         &lockstep::report::ReportInput {
             spec: &spec,

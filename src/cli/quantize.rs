@@ -211,9 +211,16 @@ pub fn run(args: &QuantizeArgs) -> Result<bool> {
         m.finite
     );
     println!(
-        "non-finite     {} NaN, {} inf in the input; {} overflowed to inf",
+        "non-finite     {} NaN, {} inf in the input; {} finite input(s) dequantized to inf or NaN",
         m.nan, m.inf, m.overflow
     );
+    if m.overflow > 0 {
+        // The statistics above leave these out, so an all-overflowed block cannot read as exact.
+        println!(
+            "warning        {} finite input(s) overflowed: their dequantized value (the spec's formula in f32) is inf or NaN; the statistics above leave them out (quantized.json stats.overflow)",
+            m.overflow
+        );
+    }
     println!("wrote          {}", out.display());
     Ok(true)
 }

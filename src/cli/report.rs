@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use lockstep::report::{ReportInput, fixture, load_runs, write_report};
+use lockstep::report::{ReportInput, fixture, load_current_runs, load_runs, write_report};
 use lockstep::suite::runner::suite_dir;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -68,7 +68,24 @@ pub fn run(args: &ReportArgs) -> Result<bool> {
         Some(p) => read_comparison(p)?,
         None => lockstep::compare::compare_suite(&spec, &dir, &Default::default())?,
     };
-    let runs = load_runs(&dir)?;
+    let runs = match &args.comparison {
+        // A saved comparison may come from `compare --runs` over folders no plan names: when the
+        // store holds none of the suite's current runs, it is drawn with every folder there.
+        Some(p) if load_current_runs(&spec, &dir)?.0.is_empty() => {
+            let all = load_runs(&dir)?;
+            if !all.is_empty() {
+                eprintln!(
+                    "note: none of the {} run folder(s) in {} is a run of suite `{}` as it is now; drawing all of them beside the saved comparison {}",
+                    all.len(),
+                    dir.display(),
+                    spec.name,
+                    p.display()
+                );
+            }
+            all
+        }
+        _ => current_runs(&spec, &dir)?,
+    };
     let input = ReportInput {
         spec: &spec,
         suite_dir: &dir,
@@ -83,6 +100,24 @@ pub fn run(args: &ReportArgs) -> Result<bool> {
         t0.elapsed().as_secs_f64()
     );
     Ok(true)
+}
+
+/// The suite's current runs in `dir` for a report; stale folders (old run ids, an edited suite)
+/// are passed over and said so in one line.
+pub fn current_runs(
+    spec: &lockstep::suite::SuiteSpec,
+    dir: &Path,
+) -> Result<Vec<lockstep::report::RunData>> {
+    let (runs, stale) = load_current_runs(spec, dir)?;
+    if let Some(first) = stale.first() {
+        eprintln!(
+            "note: skipped {} stale run folder(s) in {} (e.g. {first}): not runs of suite `{}` as it is now (an edited suite, or run ids of an older lockstep; README, \"Upgrading\"); the report draws and counts only the suite's current runs",
+            stale.len(),
+            dir.display(),
+            spec.name
+        );
+    }
+    Ok(runs)
 }
 
 #[derive(Debug, Args)]

@@ -232,18 +232,45 @@ pub fn run(args: &RunArgs, s: &SuiteSpec, runs: &[RunSpec]) -> Result<bool> {
             SlurmEvent::QueueError { error } => eprintln!("warning: {error}; retrying"),
         }
     };
-    let sum = slurm::run_sweep(s, plan, &opts, &on)?;
+    // Installed before anything is submitted: SIGINT/SIGTERM then cancel what this invocation
+    // submitted instead of leaving it running in Slurm.
+    lockstep::suite::interrupt::install();
+    let sum = slurm::run_sweep(s, plan, &opts, &on, &lockstep::suite::interrupt::requested)?;
     println!(
-        "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged; {} submitted, {} followed from earlier submissions",
+        "done in {:.1}s: {} ok, {} skipped, {} failed, {} diverged, {} interrupted; {} submitted, {} followed from earlier submissions",
         start.elapsed().as_secs_f64(),
         sum.ok,
         sum.skipped,
         sum.failed,
         sum.diverged,
+        sum.interrupted,
         sum.submitted,
         sum.followed
     );
+    if let Some(sig) = sum.signal {
+        return Err(super::suite::Interrupted(sig, Some(stopped_text(&sum))).into());
+    }
     Ok(sum.failed == 0)
+}
+
+/// What a stopped Slurm sweep did, for the one line lockstep ends with.
+fn stopped_text(sum: &slurm::SlurmSummary) -> String {
+    let mut what = match (&sum.job_id, &sum.cancel_error) {
+        (None, _) => "nothing was submitted".to_string(),
+        (Some(job), None) => format!(
+            "job array {job} was cancelled (scancel {job}) and the runs its tasks had started are marked interrupted"
+        ),
+        (Some(job), Some(e)) => format!(
+            "cancelling job array {job} FAILED ({e}); its tasks may still be in Slurm: cancel them with `scancel {job}`"
+        ),
+    };
+    if sum.left_running > 0 {
+        what.push_str(&format!(
+            "; {} task(s) submitted by an earlier lockstep keep running in Slurm (rerun the same command to follow them)",
+            sum.left_running
+        ));
+    }
+    what + "; rerun the same command to resume"
 }
 
 /// One planned run of a suite into the store (`run-one --suite`), as a local `lockstep run`

@@ -51,7 +51,9 @@ pub fn suite_cmd(cmd: &SuiteCommand) -> Result<bool> {
                         "      argv: {}",
                         a.iter().map(|x| quote(x)).collect::<Vec<_>>().join(" ")
                     );
-                    for (k, v) in &r.env {
+                    let env = lockstep::suite::command::env(&s, r, &out)
+                        .map_err(|e| anyhow::anyhow!("config `{}`: {e}", r.config))?;
+                    for (k, v) in &env {
                         println!("      env:  {k}={}", quote(v));
                     }
                 }
@@ -90,16 +92,21 @@ fn quote(s: &str) -> String {
     }
 }
 
-/// `lockstep run` or `nightly` was stopped by a signal; main exits with 128 + the signal.
+/// `lockstep run` or `nightly` was stopped by a signal; main exits with 128 + the signal. The text,
+/// when given, says what was stopped (the Slurm executor's cancellation); otherwise the local
+/// runner's words.
 #[derive(Debug)]
-pub struct Interrupted(pub i32);
+pub struct Interrupted(pub i32, pub Option<String>);
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "stopped by {}: every launcher was stopped and the runs in flight are marked interrupted; rerun the same command to resume",
-            lockstep::suite::command::signal_name(self.0)
+            "stopped by {}: {}",
+            lockstep::suite::command::signal_name(self.0),
+            self.1.as_deref().unwrap_or(
+                "every launcher was stopped and the runs in flight are marked interrupted; rerun the same command to resume"
+            )
         )
     }
 }
@@ -174,7 +181,7 @@ fn note_unplanned_runs(
     let other = lockstep::suite::runner::unplanned_runs(&root, runs);
     if let Some(first) = other.first() {
         eprintln!(
-            "note: {} run folder(s) in {} are not runs of this suite as it is now (e.g. {first}): an edited suite, or run ids of an older lockstep (README, \"Upgrading\"); they do not count as done, `compare` ignores them, `report` still draws them",
+            "note: {} run folder(s) in {} are not runs of this suite as it is now (e.g. {first}): an edited suite, or run ids of an older lockstep (README, \"Upgrading\"); they do not count as done; `compare`, `report` and `nightly` skip them",
             other.len(),
             root.display()
         );
@@ -233,7 +240,7 @@ pub fn run_local(
     }
     print_summary(&sum, start.elapsed().as_secs_f64());
     if let Some(sig) = lockstep::suite::interrupt::requested() {
-        return Err(Interrupted(sig).into());
+        return Err(Interrupted(sig, None).into());
     }
     Ok(sum.failed + sum.timeout == 0)
 }

@@ -92,11 +92,13 @@ pub fn compare_planned(
         }
     }
     if let Ok(all) = data::run_dirs(suite_dir) {
-        let stale = all.iter().filter(|d| !dirs.contains(d)).count();
-        if stale > 0 {
+        let stale: Vec<&std::path::PathBuf> = all.iter().filter(|d| !dirs.contains(d)).collect();
+        if let Some(first) = stale.first() {
             warnings.push(format!(
-                "{stale} run folder(s) in {} are not part of the suite as it is now and were ignored",
-                suite_dir.display()
+                "skipped {} stale run folder(s) in {} (e.g. {}): not runs of the suite as it is now (an edited suite, or run ids of an older lockstep)",
+                stale.len(),
+                suite_dir.display(),
+                first.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()
             ));
         }
     }

@@ -25,7 +25,7 @@ use crate::io::{IoError, atomic};
 use crate::suite::spec::SuiteSpec;
 use std::path::{Path, PathBuf};
 
-pub use runs::{RunData, load_runs};
+pub use runs::{RunData, load_current_runs, load_runs};
 
 /// Everything a report is built from.
 pub struct ReportInput<'a> {

@@ -64,6 +64,11 @@ impl RunData {
 /// lock files are skipped). A run without `layers.parquet` or `scalars.parquet` yet (still running, failed
 /// early) is kept with empty series, so the metadata still lists it.
 pub fn load_runs(suite_dir: &Path) -> Result<Vec<RunData>, IoError> {
+    run_dirs(suite_dir)?.iter().map(|d| load_run(d)).collect()
+}
+
+/// The folders under `suite_dir` that hold a manifest, sorted.
+fn run_dirs(suite_dir: &Path) -> Result<Vec<PathBuf>, IoError> {
     let rd = std::fs::read_dir(suite_dir).map_err(|e| IoError::io(suite_dir, e))?;
     let mut dirs: Vec<PathBuf> = rd
         .filter_map(|e| e.ok())
@@ -71,7 +76,48 @@ pub fn load_runs(suite_dir: &Path) -> Result<Vec<RunData>, IoError> {
         .filter(|p| p.is_dir() && p.join("manifest.json").is_file())
         .collect();
     dirs.sort();
-    dirs.iter().map(|d| load_run(d)).collect()
+    Ok(dirs)
+}
+
+/// The suite's runs as it is now, read from `suite_dir`, and the folders passed over as stale
+/// (sorted names): a folder counts when its run id is one the suite's plan gives, over the suite's
+/// seeds and any further seed a folder records (a `--seeds auto` night runs more), so an old run id
+/// (made before an upgrade changed ids, or by an edited suite) is never drawn or counted beside the
+/// run that replaced it. The same rule `compare --suite` and `nightly` apply.
+pub fn load_current_runs(
+    spec: &crate::suite::SuiteSpec,
+    suite_dir: &Path,
+) -> Result<(Vec<RunData>, Vec<String>), crate::report::ReportError> {
+    let dirs = run_dirs(suite_dir)?;
+    let mut wide = spec.clone();
+    for d in &dirs {
+        if let Ok(m) = RunDir::open(d).read_manifest()
+            && !wide.seeds.contains(&m.seed)
+        {
+            wide.seeds.push(m.seed);
+        }
+    }
+    let planned: std::collections::BTreeSet<String> = crate::suite::expand(&wide)
+        .map_err(|e| crate::report::ReportError::Invalid {
+            path: spec.path.display().to_string(),
+            msg: e.to_string(),
+        })?
+        .into_iter()
+        .map(|r| r.run_id)
+        .collect();
+    let name = |d: &PathBuf| {
+        d.file_name()
+            .and_then(|n| n.to_str())
+            .map(String::from)
+            .unwrap_or_default()
+    };
+    let (current, stale): (Vec<PathBuf>, Vec<PathBuf>) =
+        dirs.into_iter().partition(|d| planned.contains(&name(d)));
+    let runs = current
+        .iter()
+        .map(|d| load_run(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((runs, stale.iter().map(name).collect()))
 }
 
 /// Read one run folder.

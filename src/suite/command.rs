@@ -5,8 +5,9 @@
 //! Placeholders in argv elements: `{config}`, `{precision}` (the recipe name), `{backward}`,
 //! `{seed}`, `{steps}`, `{out_dir}` (absolute), `{suite}`, `{task}`, `{model}`, and every key of
 //! `[command.vars]` and the configuration's `vars`. Substitution happens inside single argv
-//! elements, so a value can never become a second argument or a shell command. `suite check`
-//! expands every run's argv, so a placeholder one configuration lacks fails there.
+//! elements, so a value can never become a second argument or a shell command. The values of
+//! `env` (the suite's and the configuration's) are filled the same way. `suite check` expands
+//! every run's argv and environment, so a placeholder one configuration lacks fails there.
 //!
 //! A run folder holds `manifest.json` (status, the expanded argv and environment, exit code or
 //! signal, stderr tail), `stdout.log` and `stderr.log` (the launcher's output), `out/` (the
@@ -83,6 +84,35 @@ pub fn argv(
 ) -> Result<Vec<String>, String> {
     let vals = placeholders(suite, run, out_dir);
     cmd.argv.iter().map(|a| fill(a, &vals)).collect()
+}
+
+/// Why the template `element` cannot be filled for `run`, if it cannot.
+pub fn argv_element_error(
+    suite: &SuiteSpec,
+    run: &RunSpec,
+    element: &str,
+    out_dir: &Path,
+) -> Option<String> {
+    fill(element, &placeholders(suite, run, out_dir)).err()
+}
+
+/// The run's environment (`[command] env` and the configuration's `env`) with every placeholder
+/// in the values filled exactly as in [`argv`] (`out_dir` as given): `WANDB_DIR = "{out_dir}/wandb"`
+/// or `SEED = "{seed}"`. Names are taken as written. An error names the variable.
+pub fn env(
+    suite: &SuiteSpec,
+    run: &RunSpec,
+    out_dir: &Path,
+) -> Result<BTreeMap<String, String>, String> {
+    let vals = placeholders(suite, run, out_dir);
+    run.env
+        .iter()
+        .map(|(k, v)| {
+            fill(v, &vals)
+                .map(|x| (k.clone(), x))
+                .map_err(|e| format!("env `{k}`: {e}"))
+        })
+        .collect()
 }
 
 /// How the launcher ended, as recorded in the manifest (`extra.launcher_end`) so that a re-read
@@ -200,11 +230,13 @@ pub fn run_command(
     let out_dir = std::path::absolute(dir.join("out")).map_err(|e| IoError::io(dir, e))?;
     std::fs::create_dir_all(&out_dir).map_err(|e| IoError::io(&out_dir, e))?;
     let argv = argv(suite, cmd, run, &out_dir);
+    let env = env(suite, run, &out_dir);
     let config = serde_json::json!({
         "config": run.config,
         "recipe": run.run.recipe.name,
         "argv": argv.as_ref().ok(),
-        "env": run.env,
+        // As launched (placeholders filled); the templates are in the suite file.
+        "env": env.as_ref().unwrap_or(&run.env),
         "vars": run.vars,
     });
     let mut m = Manifest::start(
@@ -217,10 +249,13 @@ pub fn run_command(
     );
     m.suite = Some(suite.name.clone());
     rd.write_manifest(&m)?;
-    let end = match argv {
-        Ok(argv) => launch(cmd, &argv, &run.env, dir, &out_dir, on_step, stop)?,
-        Err(e) => LauncherEnd::NotStarted {
+    let end = match (argv, env) {
+        (Ok(argv), Ok(env)) => launch(cmd, &argv, &env, dir, &out_dir, on_step, stop)?,
+        (Err(e), _) => LauncherEnd::NotStarted {
             why: format!("[command] argv: {e}"),
+        },
+        (_, Err(e)) => LauncherEnd::NotStarted {
+            why: format!("[command] {e}"),
         },
     };
     m.extra

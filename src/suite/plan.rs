@@ -33,6 +33,29 @@ fn invalid(s: &SuiteSpec, msg: String) -> SuiteError {
     }
 }
 
+/// [`invalid`], with the line of the suite file that holds the string `value` (as a TOML string)
+/// when it can be found, so the message points at what to fix.
+fn invalid_at(s: &SuiteSpec, value: Option<&str>, msg: String) -> SuiteError {
+    let line = value.and_then(|v| {
+        let text = std::fs::read_to_string(&s.path).ok()?;
+        let quoted = [
+            format!("\"{v}\""),
+            format!("'{v}'"),
+            serde_json::to_string(v).ok()?,
+        ];
+        text.lines()
+            .position(|l| quoted.iter().any(|q| l.contains(q.as_str())))
+            .map(|i| i + 1)
+    });
+    match line {
+        Some(n) => SuiteError::Invalid {
+            path: format!("{}:{n}", s.path.display()),
+            msg,
+        },
+        None => invalid(s, msg),
+    }
+}
+
 /// Parse a model preset name.
 pub fn model_preset(name: &str) -> Option<ModelConfig> {
     match name {
@@ -479,9 +502,27 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 };
                 if let Some(cmd) = &s.command {
                     // Every placeholder must resolve for every run, now rather than at 3 a.m.
-                    super::command::argv(s, cmd, &spec, std::path::Path::new("OUT_DIR")).map_err(
-                        |e| invalid(s, format!("config `{}`: [command] argv: {e}", c.name)),
-                    )?;
+                    let out_dir = std::path::Path::new("OUT_DIR");
+                    if let Err(e) = super::command::argv(s, cmd, &spec, out_dir) {
+                        let bad = cmd.argv.iter().find(|a| {
+                            super::command::argv_element_error(s, &spec, a, out_dir).is_some()
+                        });
+                        return Err(invalid_at(
+                            s,
+                            bad.map(String::as_str),
+                            format!("config `{}`: [command] argv: {e}", c.name),
+                        ));
+                    }
+                    if let Err(e) = super::command::env(s, &spec, out_dir) {
+                        let bad = spec.env.values().find(|v| {
+                            super::command::argv_element_error(s, &spec, v, out_dir).is_some()
+                        });
+                        return Err(invalid_at(
+                            s,
+                            bad.map(String::as_str),
+                            format!("config `{}`: [command] {e}", c.name),
+                        ));
+                    }
                 }
                 out.push(spec);
             }

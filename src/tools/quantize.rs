@@ -23,7 +23,11 @@ pub struct ErrorMetrics {
     pub nan: u64,
     /// ±inf inputs.
     pub inf: u64,
-    /// Finite inputs that dequantize to ±inf or NaN (e.g. FLT_MAX whose block scale overflows).
+    /// Finite inputs that dequantize to ±inf or NaN: the spec's dequantization formulas run in
+    /// f32 and overflow near FLT_MAX (MXFP8 TE: FLT_MAX rounds to 256·2^120 = 2^128; NVFP4:
+    /// `e4m3(scale)·global_amax` overflows once the amax passes FLT_MAX/448, and a zero code in
+    /// that block is then 0·inf = NaN, as TE's kernel gives it; UE8M0 FP8-block variants like
+    /// MXFP8). The codes and scales are the spec's; only the decoded value leaves f32's range.
     pub overflow: u64,
 }
 

@@ -1,4 +1,4 @@
-//! Talking to Slurm: `sbatch`, `squeue`, `scontrol` and `sacct`, always through argv (never a
+//! Talking to Slurm: `sbatch`, `squeue`, `scontrol`, `sacct` and `scancel`, always through argv (never a
 //! shell string), with their text output parsed by pure functions that the tests pin.
 //!
 //! `squeue` sees only queued and running tasks; a task that has left it has ended, and its end
@@ -150,6 +150,16 @@ pub fn sbatch(script: &std::path::Path, what: &str) -> Result<String, SlurmError
         what: what.into(),
         said: format!("no job id in its answer `{}`", one_line(&out)),
     })
+}
+
+/// Cancel every task of the job (array) `job_id`: `scancel JOB_ID`, as argv.
+pub fn scancel(job_id: &str) -> Result<(), SlurmError> {
+    tool(
+        "scancel",
+        &[job_id.to_string()],
+        &format!("cancelling job array {job_id}"),
+    )
+    .map(|_| ())
 }
 
 /// The job id in `sbatch --parsable` output.

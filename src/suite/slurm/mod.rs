@@ -162,6 +162,18 @@ pub struct SlurmSummary {
     pub submitted: usize,
     /// Runs already in Slurm from an earlier invocation, followed instead of resubmitted.
     pub followed: usize,
+    /// Runs whose task lockstep cancelled when it was stopped, marked `interrupted`.
+    pub interrupted: usize,
+    /// The signal (SIGINT, SIGTERM) that stopped lockstep while it followed the sweep: the job
+    /// array this invocation submitted was cancelled (`scancel ID`).
+    pub signal: Option<i32>,
+    /// The job array this invocation submitted, if any (what `scancel` was given on a stop).
+    pub job_id: Option<String>,
+    /// Why cancelling failed, if it did (the tasks may still be in Slurm).
+    pub cancel_error: Option<String>,
+    /// Tasks of earlier submissions still queued or running when lockstep was stopped: another
+    /// lockstep submitted them (and may be following them), so they were left alone.
+    pub left_running: usize,
 }
 
 /// A task lockstep follows until it leaves the queue.
@@ -430,13 +442,39 @@ pub fn record_end(
     t: &TaskRef,
     end: &TaskEnd,
 ) -> Result<Option<(RunStatus, Option<String>)>, IoError> {
+    record(root, run_id, t, end, None)
+}
+
+/// Record that lockstep, stopped by `signal`, cancelled task `t`: as [`record_end`], but a run
+/// still `running` becomes `interrupted` (not `failed`). A finished run keeps its status.
+pub fn record_interrupted(
+    root: &Path,
+    run_id: &str,
+    t: &TaskRef,
+    end: &TaskEnd,
+    signal: i32,
+) -> Result<Option<(RunStatus, Option<String>)>, IoError> {
+    record(root, run_id, t, end, Some(signal))
+}
+
+fn record(
+    root: &Path,
+    run_id: &str,
+    t: &TaskRef,
+    end: &TaskEnd,
+    interrupted: Option<i32>,
+) -> Result<Option<(RunStatus, Option<String>)>, IoError> {
     let Some(who) = read_task_marker(root, run_id).filter(|w| w.is(t)) else {
         return Ok(None);
     };
     let rd = RunDir::open(&root.join(run_id));
     let Ok(mut m) = rd.read_manifest() else {
+        let status = match interrupted {
+            Some(_) => RunStatus::Interrupted,
+            None => RunStatus::Failed,
+        };
         return Ok(Some((
-            RunStatus::Failed,
+            status,
             Some(format!(
                 "Slurm task {t} ended {} (exit {}) before the run wrote its manifest; see its log under {}",
                 end.state,
@@ -455,7 +493,15 @@ pub fn record_end(
     slurm.insert("state".into(), end.state.clone().into());
     slurm.insert("exit_code".into(), end.exit_code.clone().into());
     m.extra.insert("slurm".into(), slurm.into());
-    if m.status == RunStatus::Running {
+    if let (RunStatus::Running, Some(sig)) = (m.status, interrupted) {
+        m.status = RunStatus::Interrupted;
+        m.error = Some(format!(
+            "interrupted: lockstep got {} and cancelled Slurm task {t} ({}); rerun the same command to resubmit it",
+            super::command::signal_name(sig),
+            end.state
+        ));
+        m.finished = Some(crate::store::run::now_utc());
+    } else if m.status == RunStatus::Running {
         m.status = RunStatus::Failed;
         m.error = Some(format!(
             "Slurm task {t} ended {} (exit {}) on {} before the run finished; rerun the same command to resubmit it",
@@ -573,11 +619,18 @@ pub fn last_step(run_dir: &Path) -> Option<(usize, Option<f64>)> {
 /// Submit what `plan` says and follow every task (new and in flight) until all have left the
 /// queue, reporting through `on`. Gives up with an error after `squeue` failed 5 polls in a row
 /// (the tasks keep running; rerunning the command follows them again).
+///
+/// `stop` is polled while following: when it returns a signal (lockstep got SIGINT or SIGTERM),
+/// the job array this invocation submitted is cancelled with `scancel ID` (argv, never a shell),
+/// lockstep waits up to [`CANCEL_WAIT`] for its tasks to leave the queue, the runs they had
+/// started are marked `interrupted`, and the summary carries the signal. Tasks submitted by an
+/// earlier invocation are left to it (counted in `left_running`).
 pub fn run_sweep(
     suite: &SuiteSpec,
     plan: Plan<'_>,
     opts: &SlurmOptions,
     on: &dyn Fn(SlurmEvent<'_>),
+    stop: &dyn Fn() -> Option<i32>,
 ) -> Result<SlurmSummary, SlurmError> {
     let Plan {
         root,
@@ -602,8 +655,15 @@ pub fn run_sweep(
             state: &t.state,
         });
     }
+    if let Some(sig) = stop() {
+        sum.signal = Some(sig); // stopped before anything was submitted
+        sum.left_running = in_flight.len();
+        return Ok(sum);
+    }
+    let mut ours: Option<usize> = None;
     if !to_submit.is_empty() {
         let sub = submit(suite, &root, &to_submit, opts)?;
+        sum.job_id = sub.job_id.clone();
         let job = sub.job_id.clone().unwrap_or_default();
         on(SlurmEvent::Submitted {
             job_id: &job,
@@ -618,13 +678,113 @@ pub fn run_sweep(
             };
             in_flight.push(Tracked::new(run, task, sub.name.clone()));
         }
+        ours = Some(open.len());
         open.push(sub);
     }
     drop(lock); // submitted: another lockstep may plan now and will see this array in squeue
-    follow(suite, &root, &mut in_flight, &mut open, opts, on, &mut sum)?;
+    if let Some(sig) = follow(
+        suite,
+        &root,
+        &mut in_flight,
+        &mut open,
+        opts,
+        on,
+        &mut sum,
+        stop,
+    )? {
+        sum.signal = Some(sig);
+        if let Some(i) = ours {
+            cancel(&root, &mut open[i], &mut in_flight, sig, on, &mut sum)?;
+        }
+        sum.left_running = in_flight.iter().filter(|t| !t.ended).count();
+    }
     Ok(sum)
 }
 
+/// How long a stopped lockstep waits for its cancelled tasks to leave the queue before it marks
+/// their runs (Slurm's default `KillWait` is 30 s).
+pub const CANCEL_WAIT: Duration = Duration::from_secs(45);
+
+/// Cancel the job array `sub` (`scancel ID`), wait for its tasks to leave the queue, and record
+/// each tracked task of it as interrupted.
+fn cancel(
+    root: &Path,
+    sub: &mut Submission,
+    tracked: &mut [Tracked<'_>],
+    sig: i32,
+    on: &dyn Fn(SlurmEvent<'_>),
+    sum: &mut SlurmSummary,
+) -> Result<(), SlurmError> {
+    let Some(job) = sub.job_id.clone() else {
+        return Ok(());
+    };
+    if let Err(e) = ctl::scancel(&job) {
+        sum.cancel_error = Some(e.to_string());
+        return Ok(());
+    }
+    let deadline = std::time::Instant::now() + CANCEL_WAIT;
+    let mut gone = false;
+    while std::time::Instant::now() < deadline {
+        match ctl::squeue_by_names(std::slice::from_ref(&sub.name)) {
+            Ok(rows) if rows.is_empty() => {
+                gone = true;
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
+    let ends = ctl::task_ends(&job);
+    for t in tracked
+        .iter_mut()
+        .filter(|t| !t.ended && t.name == sub.name)
+    {
+        let end = ends.get(&t.task.index).cloned().unwrap_or_else(|| TaskEnd {
+            state: "CANCELLED".into(),
+            ..TaskEnd::unknown()
+        });
+        let recorded = record_interrupted(root, &t.run.run_id, &t.task, &end, sig)?;
+        t.ended = true;
+        let (status, error) = match recorded {
+            Some((s, e)) => (Some(s), e),
+            None => (None, None),
+        };
+        match status {
+            Some(RunStatus::Ok) => sum.ok += 1,
+            Some(RunStatus::Diverged) => sum.diverged += 1,
+            Some(RunStatus::Interrupted) => sum.interrupted += 1,
+            Some(_) => sum.failed += 1,
+            None => {} // never started: nothing ran, nothing to mark
+        }
+        on(SlurmEvent::Ended {
+            run: t.run,
+            task: &t.task,
+            end: &end,
+            status,
+            error,
+        });
+    }
+    if gone {
+        sub.closed = true;
+        sub.save()?;
+    }
+    Ok(())
+}
+
+/// Sleep `d`, waking early when `stop` reports a signal.
+fn nap(d: Duration, stop: &dyn Fn() -> Option<i32>) {
+    let until = std::time::Instant::now() + d;
+    while stop().is_none() {
+        let now = std::time::Instant::now();
+        if now >= until {
+            return;
+        }
+        std::thread::sleep((until - now).min(Duration::from_millis(50)));
+    }
+}
+
+/// Follow `tracked` until every task has left the queue (`Ok(None)`) or `stop` reports a signal
+/// (`Ok(Some(signal))`, tasks still in Slurm left as they are).
+#[allow(clippy::too_many_arguments)]
 fn follow(
     suite: &SuiteSpec,
     root: &Path,
@@ -633,9 +793,13 @@ fn follow(
     opts: &SlurmOptions,
     on: &dyn Fn(SlurmEvent<'_>),
     sum: &mut SlurmSummary,
-) -> Result<(), SlurmError> {
+    stop: &dyn Fn() -> Option<i32>,
+) -> Result<Option<i32>, SlurmError> {
     let mut failures = 0;
     while tracked.iter().any(|t| !t.ended) {
+        if let Some(sig) = stop() {
+            return Ok(Some(sig));
+        }
         let names: Vec<String> = open
             .iter()
             .filter(|s| !s.closed)
@@ -656,7 +820,7 @@ fn follow(
                 on(SlurmEvent::QueueError {
                     error: e.to_string(),
                 });
-                std::thread::sleep(opts.poll);
+                nap(opts.poll, stop);
                 continue;
             }
         };
@@ -730,10 +894,10 @@ fn follow(
             }
         }
         if tracked.iter().any(|t| !t.ended) {
-            std::thread::sleep(opts.poll);
+            nap(opts.poll, stop);
         }
     }
-    Ok(())
+    Ok(stop())
 }
 
 #[cfg(test)]
