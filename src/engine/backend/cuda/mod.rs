@@ -138,6 +138,7 @@ impl CudaDevice {
             });
         }
         let ctx = CudaContext::new(ordinal)?;
+        keep_freed_memory(&ctx)?;
         let name = ctx.name()?;
         let cc = ctx.compute_capability()?;
         Ok(Arc::new(CudaDevice {
@@ -214,6 +215,29 @@ impl CudaDevice {
     ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
         self.compile(module, &format!("{}\n{src}", include_str!("prelude.cuh")))
     }
+}
+
+/// Let the device's memory pool keep what stream-ordered frees return instead of handing it back
+/// to the driver at every synchronization (the pool's default release threshold is 0). Every
+/// pass allocates and frees its buffers, so with the default each step unmapped and remapped
+/// them, work the driver does under a lock that the workers sharing the GPU then wait on.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    use cudarc::driver::{result, sys};
+    let mut keep_all = u64::MAX;
+    // SAFETY: `cu_device` is the device of a live context; the release threshold attribute is a
+    // u64, and `keep_all` is one, alive for the call.
+    unsafe {
+        let pool = result::device::get_mem_pool(ctx.cu_device())?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut keep_all).cast(),
+        )?;
+    }
+    Ok(())
 }
 
 /// Parse `cuda` or `cuda:N` (the part after `--device`); `None` for anything else.

@@ -36,20 +36,25 @@ impl Drop for Pinned {
     }
 }
 
-/// Uploads and downloads on one stream, each through a page-locked buffer sized to its last
-/// call (a run's models keep their size, so each is allocated once per stream).
+/// Uploads and downloads on one stream, each through a page-locked buffer of the copy's exact
+/// size. A step uploads models of two sizes (the rollout's exported model and the trainer's
+/// prepared one) through one stream, so a few sizes are kept: page-locking memory and freeing
+/// it are slow driver calls (the free waits for the whole device), far dearer than the copy.
 pub struct Staging {
     stream: Arc<CudaStream>,
-    pinned: Mutex<Option<Pinned>>,
-    down: Mutex<Option<Pinned>>,
+    pinned: Mutex<Vec<Pinned>>,
+    down: Mutex<Vec<Pinned>>,
 }
+
+/// Page-locked buffers kept per direction (the most recently used ones).
+const KEPT_BUFFERS: usize = 4;
 
 impl Staging {
     pub fn new(stream: &Arc<CudaStream>) -> Self {
         Staging {
             stream: stream.clone(),
-            pinned: Mutex::new(None),
-            down: Mutex::new(None),
+            pinned: Mutex::new(Vec::new()),
+            down: Mutex::new(Vec::new()),
         }
     }
 
@@ -66,7 +71,7 @@ impl Staging {
             return groups.iter().map(|_| Ok(s.null()?)).collect();
         }
         let mut guard = sized(&self.pinned, s, total)?;
-        let pinned = guard.as_mut().expect("sized");
+        let pinned = guard.last_mut().expect("sized");
         pinned.wait()?;
         pack(pinned.host.as_mut_slice()?, groups);
         // SAFETY: every element is written by the copy below before any read.
@@ -114,7 +119,7 @@ impl Staging {
             off += len;
         }
         let mut guard = sized(&self.down, s, total)?;
-        let pinned = guard.as_mut().expect("sized");
+        let pinned = guard.last_mut().expect("sized");
         s.memcpy_dtoh(&all, &mut pinned.host)?;
         s.synchronize()?;
         let host = pinned.host.as_slice()?;
@@ -132,20 +137,29 @@ impl Staging {
     }
 }
 
-/// The buffer in `slot`, (re)allocated to hold exactly `total` values.
+/// The buffers in `slot`, the last one holding exactly `total` values: a kept one of that size,
+/// or a new one (the least recently used dropped beyond [`KEPT_BUFFERS`]).
 fn sized<'a>(
-    slot: &'a Mutex<Option<Pinned>>,
+    slot: &'a Mutex<Vec<Pinned>>,
     s: &Arc<CudaStream>,
     total: usize,
-) -> Result<std::sync::MutexGuard<'a, Option<Pinned>>, CudaError> {
+) -> Result<std::sync::MutexGuard<'a, Vec<Pinned>>, CudaError> {
     let mut guard = slot
         .lock()
         .map_err(|_| CudaError::Shape("staging buffer: a previous copy panicked".into()))?;
-    if guard.as_ref().is_none_or(|p| p.host.len() != total) {
-        *guard = None; // the old buffer waits for its copy as it drops
-        // SAFETY: every use writes the buffer in full before reading it.
-        let host = unsafe { s.context().alloc_pinned_with_flags::<f32>(total, 0)? };
-        *guard = Some(Pinned { host, copied: None });
+    match guard.iter().position(|p| p.host.len() == total) {
+        Some(i) => {
+            let p = guard.remove(i);
+            guard.push(p);
+        }
+        None => {
+            if guard.len() >= KEPT_BUFFERS {
+                guard.remove(0); // waits for its copy as it drops
+            }
+            // SAFETY: every use writes the buffer in full before reading it.
+            let host = unsafe { s.context().alloc_pinned_with_flags::<f32>(total, 0)? };
+            guard.push(Pinned { host, copied: None });
+        }
     }
     Ok(guard)
 }
