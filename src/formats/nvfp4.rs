@@ -55,7 +55,13 @@ impl GlobalScale {
 /// gives the answer exactly, and an integer max reduction vectorises where a float one does not.
 #[inline(always)]
 pub fn amax_nan_propagating(x: &[f32]) -> f32 {
-    let m = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF));
+    amax_from_bits(x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF)))
+}
+
+/// The amax whose sign-cleared bits are `m` (a maximum over bit patterns, see
+/// [`amax_nan_propagating`]): NaN when any pattern was a NaN's.
+#[inline(always)]
+pub fn amax_from_bits(m: u32) -> f32 {
     if m > 0x7F80_0000 {
         f32::NAN
     } else {
@@ -168,9 +174,6 @@ pub fn quantize_row(
             (*s, *e) = scale_from_amax(m, g);
         }
     }
-    // Encoded a block at a time under its multiplier, a pair at a time straight into the
-    // packed byte: 32-bit lanes end to end (a byte per code in between made LLVM build the
-    // bytes with inserts and extracts), and no per-element multiplier array to fill.
     // Encoded a block at a time under its multiplier, a pair at a time straight into the
     // packed byte: 32-bit lanes end to end (a byte per code in between made LLVM build the
     // bytes with inserts and extracts), and no per-element multiplier array to fill. (Counts
