@@ -153,15 +153,36 @@ pub fn quantize_row(
     packed: &mut [u8],
     scratch: &mut RowScratch,
 ) -> QuantStats {
+    quantize_row_with(x, globals, per_shard, scales, packed, scratch, block_amaxes)
+}
+
+/// Every 16-element block's amax ([`amax_nan_propagating`]) into `out`.
+#[inline(always)]
+pub fn block_amaxes(x: &[f32], out: &mut [f32]) {
+    for (m, x16) in out.iter_mut().zip(x.chunks_exact(NV_BLOCK)) {
+        *m = amax_nan_propagating(x16);
+    }
+}
+
+/// [`quantize_row`] with the block amaxes taken by `amaxes` (`(row, out)`, as
+/// [`block_amaxes`]), so a caller can run that loop from another compile than the rest.
+#[inline(always)]
+pub fn quantize_row_with(
+    x: &[f32],
+    globals: &[GlobalScale],
+    per_shard: usize,
+    scales: &mut [u8],
+    packed: &mut [u8],
+    scratch: &mut RowScratch,
+    amaxes: impl FnOnce(&[f32], &mut [f32]),
+) -> QuantStats {
     // Every element of these buffers is written below before it is read, so a reused buffer
     // needs no clearing (zeroing two fresh buffers per row showed up as memset in profiles).
     let nb = scales.len();
     scratch.block_amax.resize(nb, 0.0);
     scratch.block_enc.resize(nb, 0.0);
     let (bmax, benc) = (&mut scratch.block_amax[..nb], &mut scratch.block_enc[..nb]);
-    for (m, x16) in bmax.iter_mut().zip(x.chunks_exact(NV_BLOCK)) {
-        *m = amax_nan_propagating(x16);
-    }
+    amaxes(x, bmax);
     // The block scales as one loop per shard over its blocks (the shard's scale is uniform, so
     // the loop vectorises; a scalar chain per block was a third of the row's time).
     for (((s, e), m), g) in scales

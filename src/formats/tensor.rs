@@ -880,9 +880,7 @@ fn quantize_nvfp4_with(
     let nb = bc / NV_BLOCK;
     let w = bc / shards;
     let band = src.band();
-    // At most AVX2: the AVX-512 compile of the row kernel measured slower (up to 1.7x on
-    // 4096x4096), because LLVM vectorises its block-amax loop across blocks with gathers.
-    let isa = Isa::best().min(Isa::Avx2);
+    let isa = Isa::best();
     let segs = src.segments(shards);
     let given = amax.is_some();
     let mut amax = amax.unwrap_or_else(|| vec![0.0f32; br * shards]);
@@ -965,7 +963,28 @@ per_isa! {
         srow: &mut [u8],
         prow: &mut [u8],
         scratch: &mut nvfp4::RowScratch,
-    ) -> QuantStats = nvfp4::quantize_row;
+    ) -> QuantStats = nvfp4_row_kernel;
+}
+
+/// [`nvfp4::quantize_row`] with the block amaxes from the AVX2 compile at most: AVX-512
+/// compiles of that loop vectorise it across blocks with gathers, which measured slower than
+/// the whole AVX2 row.
+#[inline(always)]
+fn nvfp4_row_kernel(
+    xrow: &[f32],
+    globals: &[nvfp4::GlobalScale],
+    per_shard: usize,
+    srow: &mut [u8],
+    prow: &mut [u8],
+    scratch: &mut nvfp4::RowScratch,
+) -> QuantStats {
+    let amaxes = |x: &[f32], out: &mut [f32]| nvfp4_block_amaxes(Isa::Avx2, x, out);
+    nvfp4::quantize_row_with(xrow, globals, per_shard, srow, prow, scratch, amaxes)
+}
+
+per_isa! {
+    /// Every NVFP4 block's amax ([`nvfp4::block_amaxes`]) compiled for `isa`.
+    fn nvfp4_block_amaxes(x: &[f32], out: &mut [f32]) -> () = nvfp4::block_amaxes;
 }
 
 fn quantize_fp8_block(
