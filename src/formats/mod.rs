@@ -16,6 +16,7 @@ pub mod e8m0;
 pub mod fp8;
 pub mod fp8_block;
 pub mod golden;
+pub mod isa;
 pub mod minifloat;
 pub mod mxfp8;
 pub mod nvfp4;

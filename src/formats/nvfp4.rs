@@ -55,7 +55,13 @@ impl GlobalScale {
 /// gives the answer exactly, and an integer max reduction vectorises where a float one does not.
 #[inline(always)]
 pub fn amax_nan_propagating(x: &[f32]) -> f32 {
-    let m = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF));
+    amax_from_bits(x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF)))
+}
+
+/// The amax whose sign-cleared bits are `m` (a maximum over bit patterns, see
+/// [`amax_nan_propagating`]): NaN when any pattern was a NaN's.
+#[inline(always)]
+pub fn amax_from_bits(m: u32) -> f32 {
     if m > 0x7F80_0000 {
         f32::NAN
     } else {
@@ -147,15 +153,36 @@ pub fn quantize_row(
     packed: &mut [u8],
     scratch: &mut RowScratch,
 ) -> QuantStats {
+    quantize_row_with(x, globals, per_shard, scales, packed, scratch, block_amaxes)
+}
+
+/// Every 16-element block's amax ([`amax_nan_propagating`]) into `out`.
+#[inline(always)]
+pub fn block_amaxes(x: &[f32], out: &mut [f32]) {
+    for (m, x16) in out.iter_mut().zip(x.chunks_exact(NV_BLOCK)) {
+        *m = amax_nan_propagating(x16);
+    }
+}
+
+/// [`quantize_row`] with the block amaxes taken by `amaxes` (`(row, out)`, as
+/// [`block_amaxes`]), so a caller can run that loop from another compile than the rest.
+#[inline(always)]
+pub fn quantize_row_with(
+    x: &[f32],
+    globals: &[GlobalScale],
+    per_shard: usize,
+    scales: &mut [u8],
+    packed: &mut [u8],
+    scratch: &mut RowScratch,
+    amaxes: impl FnOnce(&[f32], &mut [f32]),
+) -> QuantStats {
     // Every element of these buffers is written below before it is read, so a reused buffer
     // needs no clearing (zeroing two fresh buffers per row showed up as memset in profiles).
     let nb = scales.len();
     scratch.block_amax.resize(nb, 0.0);
     scratch.block_enc.resize(nb, 0.0);
     let (bmax, benc) = (&mut scratch.block_amax[..nb], &mut scratch.block_enc[..nb]);
-    for (m, x16) in bmax.iter_mut().zip(x.chunks_exact(NV_BLOCK)) {
-        *m = amax_nan_propagating(x16);
-    }
+    amaxes(x, bmax);
     // The block scales as one loop per shard over its blocks (the shard's scale is uniform, so
     // the loop vectorises; a scalar chain per block was a third of the row's time).
     for (((s, e), m), g) in scales
@@ -168,9 +195,6 @@ pub fn quantize_row(
             (*s, *e) = scale_from_amax(m, g);
         }
     }
-    // Encoded a block at a time under its multiplier, a pair at a time straight into the
-    // packed byte: 32-bit lanes end to end (a byte per code in between made LLVM build the
-    // bytes with inserts and extracts), and no per-element multiplier array to fill.
     // Encoded a block at a time under its multiplier, a pair at a time straight into the
     // packed byte: 32-bit lanes end to end (a byte per code in between made LLVM build the
     // bytes with inserts and extracts), and no per-element multiplier array to fill. (Counts

@@ -18,11 +18,13 @@
 use super::bf16::{bf16_from_f32, bf16_to_f32};
 use super::e2m1::unpack_fp4;
 use super::fp8_block::{self, Fp8BlockVariant, TILE};
+use super::isa::{Isa, per_isa};
 use super::mxfp8::{self, Fp8Elem, MX_BLOCK, MxScaleRule};
 use super::nvfp4::{self, GlobalScale, NV_BLOCK, amax_nan_propagating};
 use super::{FormatError, QuantStats};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 
 /// Which dimension the blocks run along.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -286,62 +288,239 @@ struct Blocked<'a> {
     axis: Axis,
 }
 
+/// Column quantization works on tiles of the input: a task takes a strip of `COL_STRIP` input
+/// columns (its blocked rows) and walks down it `COL_TILE` input rows at a time, transposing
+/// each tile into a buffer that stays in L2 and quantizing the tile's pieces of blocked rows.
+/// Each input row gives the strip 256 contiguous bytes: four cache lines for every page the
+/// walk down the strip visits. (A 128-column strip with 256-row tiles measured no faster.)
+const COL_STRIP: usize = 64;
+/// Input rows per column tile (a multiple of both block sizes): long enough that a row kernel
+/// call covers 16 MXFP8 or 32 NVFP4 blocks.
+const COL_TILE: usize = 512;
+
 impl<'a> Blocked<'a> {
     fn shape(&self) -> (usize, usize) {
         blocked_shape(self.rows, self.cols, self.axis)
     }
 
-    /// Blocked rows per parallel task: about 16 K elements of rows; 32 columns, whose transposed
-    /// band reads two adjacent 64-byte lines of each input row (the pair the L2 prefetcher
-    /// fetches together); measured faster than 16 columns (48 -> 39 ms for MXFP8 at 4096²).
+    /// Blocked rows per parallel task: about 16 K elements of rows, or a strip of columns.
     fn band(&self) -> usize {
         match self.axis {
             Axis::Row => (16 * 1024 / self.cols).max(1),
-            Axis::Col => 32,
+            Axis::Col => COL_STRIP,
         }
     }
 
-    /// Blocked rows `r0..r0 + n` as one slice: borrowed for row blocks, transposed into `buf`
-    /// for column blocks.
-    fn rows_into<'b>(&self, r0: usize, n: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
+    /// The element ranges of a blocked row that one row kernel call takes: the whole row for
+    /// row blocks; for column blocks, runs of at most `COL_TILE` that stay inside one of
+    /// `shards` equal parts of the row, so every run has a single second-level scale.
+    fn segments(&self, shards: usize) -> Vec<Range<usize>> {
+        let (_, bc) = self.shape();
+        match self.axis {
+            Axis::Row => std::iter::once(0..bc).collect(),
+            Axis::Col => {
+                let w = bc / shards;
+                (0..shards)
+                    .flat_map(|s| {
+                        let end = (s + 1) * w;
+                        (s * w..end)
+                            .step_by(COL_TILE)
+                            .map(move |a| a..(a + COL_TILE).min(end))
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Elements `seg` of blocked rows `r0..r0 + n`, as one slice and its row stride: borrowed
+    /// for row blocks (where `seg` is the whole row); for column blocks, the input's tile
+    /// (rows `seg`, columns `r0..r0 + n`) transposed into `buf`.
+    fn tile_into<'b>(
+        &self,
+        r0: usize,
+        n: usize,
+        seg: Range<usize>,
+        buf: &'b mut Vec<f32>,
+    ) -> (&'b [f32], usize)
     where
         'a: 'b,
     {
         match self.axis {
-            Axis::Row => &self.x[r0 * self.cols..(r0 + n) * self.cols],
+            Axis::Row => (&self.x[r0 * self.cols..(r0 + n) * self.cols], self.cols),
             Axis::Col => {
-                let r = self.rows;
-                // Every element is written below before it is read: no clearing needed.
-                buf.resize(n * r, 0.0);
-                let out = &mut buf[..n * r];
-                // 16x16 tiles through a local array: writing each input element straight to
-                // its output row makes n store streams 4·rows bytes apart, which share one L1
-                // set (measured 3x slower than the tiles).
-                const T: usize = 16;
-                let mut tile = [[0.0f32; T]; T];
-                for i0 in (0..r).step_by(T) {
-                    let h = T.min(r - i0);
-                    for j0 in (0..n).step_by(T) {
-                        let wd = T.min(n - j0);
-                        for (ii, trow) in tile.iter_mut().enumerate().take(h) {
-                            let at = (i0 + ii) * self.cols + r0 + j0;
-                            if wd == T {
-                                // A constant length: four vector moves, not a memcpy call.
-                                *trow = self.x[at..at + T].try_into().unwrap_or([0.0; T]);
-                            } else {
-                                trow[..wd].copy_from_slice(&self.x[at..at + wd]);
-                            }
-                        }
-                        for jj in 0..wd {
-                            let o = &mut out[(j0 + jj) * r + i0..][..h];
-                            for (ii, v) in o.iter_mut().enumerate() {
-                                *v = tile[ii][jj];
-                            }
-                        }
+                // A cache line of padding per row: rows a power of two apart share L1 sets.
+                let stride = seg.len() + 16;
+                // Every element read later is written by the transpose: no clearing needed.
+                buf.resize(n * stride, 0.0);
+                let x = &self.x[seg.start * self.cols + r0..];
+                transpose_tile(x, self.cols, seg.len(), n, buf, stride);
+                (buf, stride)
+            }
+        }
+    }
+
+    /// Per-token NVFP4 amax of blocked rows `r0..r0 + n`, one per shard, into `out`
+    /// (`[n, shards]`). For column blocks the maxima are taken down the input's rows, the
+    /// strip's columns side by side (a max is exact in any order, so no transpose is needed).
+    fn token_amax_into(&self, isa: Isa, r0: usize, n: usize, shards: usize, out: &mut [f32]) {
+        match self.axis {
+            Axis::Row => {
+                let rows = self.x[r0 * self.cols..].chunks_exact(self.cols);
+                for (a, row) in out.chunks_exact_mut(shards).zip(rows) {
+                    for (a, xs) in a.iter_mut().zip(row.chunks(self.cols / shards)) {
+                        *a = amax_of(isa, xs);
                     }
                 }
-                out
             }
+            Axis::Col => {
+                let h = self.rows / shards;
+                let mut bits = vec![0u32; n];
+                for s in 0..shards {
+                    let x = &self.x[s * h * self.cols + r0..];
+                    column_amax_bits(isa, x, self.cols, h, &mut bits);
+                    for (t, &b) in bits.iter().enumerate() {
+                        out[t * shards + s] = nvfp4::amax_from_bits(b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+per_isa! {
+    /// max |x| with NaN propagating ([`nvfp4::amax_nan_propagating`]) compiled for `isa`.
+    fn amax_of(x: &[f32]) -> f32 = nvfp4::amax_nan_propagating;
+}
+
+per_isa! {
+    /// The sign-cleared bit maxima of the first `out.len()` columns over `h` rows of `x` (row
+    /// stride `xs`), see [`nvfp4::amax_nan_propagating`]; vectorised across the columns.
+    fn column_amax_bits(x: &[f32], xs: usize, h: usize, out: &mut [u32]) -> () = column_amax_bits_kernel;
+}
+
+#[inline(always)]
+fn column_amax_bits_kernel(x: &[f32], xs: usize, h: usize, out: &mut [u32]) {
+    out.fill(0);
+    let n = out.len();
+    for i in 0..h {
+        for (m, v) in out.iter_mut().zip(&x[i * xs..i * xs + n]) {
+            *m = (*m).max(v.to_bits() & 0x7FFF_FFFF);
+        }
+    }
+}
+
+/// Copies the `h x w` block at the start of `x` (row stride `xs`) transposed into `out` (row
+/// stride `os`): `out[j * os + i] = x[i * xs + j]`. 8x8 register transposes where the CPU has
+/// AVX2 (a strided element-by-element copy was the column quantizers' largest cost), element
+/// by element otherwise.
+fn transpose_tile(x: &[f32], xs: usize, h: usize, w: usize, out: &mut [f32], os: usize) {
+    if h == 0 || w == 0 {
+        return;
+    }
+    assert!(x.len() >= (h - 1) * xs + w && out.len() >= (w - 1) * os + h);
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx2.available() {
+        // SAFETY: AVX2 is available (checked just above); the bounds are asserted above.
+        return unsafe { transpose_tile_avx2(x, xs, h, w, out, os) };
+    }
+    transpose_edges(x, xs, (h, w), (0, 0), out, os);
+}
+
+/// The elements of the `h x w` transpose outside the leading `h8 x w8` part.
+#[inline(always)]
+fn transpose_edges(
+    x: &[f32],
+    xs: usize,
+    (h, w): (usize, usize),
+    (h8, w8): (usize, usize),
+    out: &mut [f32],
+    os: usize,
+) {
+    for i in 0..h {
+        let j0 = if i < h8 { w8 } else { 0 };
+        for j in j0..w {
+            out[j * os + i] = x[i * xs + j];
+        }
+    }
+}
+
+/// [`transpose_tile`] in 8x8 blocks of AVX2 registers, the edges element by element.
+///
+/// # Safety
+/// The CPU must support AVX2; `x` must hold `(h - 1) * xs + w` elements and `out`
+/// `(w - 1) * os + h`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose_tile_avx2(
+    x: &[f32],
+    xs: usize,
+    h: usize,
+    w: usize,
+    out: &mut [f32],
+    os: usize,
+) {
+    let (h8, w8) = (h / 8 * 8, w / 8 * 8);
+    for i in (0..h8).step_by(8) {
+        for j in (0..w8).step_by(8) {
+            // SAFETY: rows i..i + 8 and columns j..j + 8 lie inside the bounds the caller
+            // guarantees, and so do their transposes.
+            unsafe {
+                transpose8x8_avx2(
+                    x.as_ptr().add(i * xs + j),
+                    xs,
+                    out.as_mut_ptr().add(j * os + i),
+                    os,
+                )
+            };
+        }
+    }
+    transpose_edges(x, xs, (h, w), (h8, w8), out, os);
+}
+
+/// One 8x8 FP32 transpose in AVX2 registers (unpack, shuffle, then swap 128-bit halves).
+///
+/// # Safety
+/// The CPU must support AVX2; `x` must be readable for 8 rows of 8 floats at stride `xs`, and
+/// `out` writable for 8 rows of 8 floats at stride `os`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn transpose8x8_avx2(x: *const f32, xs: usize, out: *mut f32, os: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller guarantees the 8 rows of both sides are in bounds.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(x.add(k * xs)));
+        let t = [
+            _mm256_unpacklo_ps(r[0], r[1]),
+            _mm256_unpackhi_ps(r[0], r[1]),
+            _mm256_unpacklo_ps(r[2], r[3]),
+            _mm256_unpackhi_ps(r[2], r[3]),
+            _mm256_unpacklo_ps(r[4], r[5]),
+            _mm256_unpackhi_ps(r[4], r[5]),
+            _mm256_unpacklo_ps(r[6], r[7]),
+            _mm256_unpackhi_ps(r[6], r[7]),
+        ];
+        // u[k] (k < 4): rows 0-3 of column k in its low half, of column k + 4 in its high half;
+        // u[k + 4]: the same for rows 4-7.
+        let u = [
+            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+        ];
+        for k in 0..4 {
+            _mm256_storeu_ps(
+                out.add(k * os),
+                _mm256_permute2f128_ps::<0x20>(u[k], u[k + 4]),
+            );
+            _mm256_storeu_ps(
+                out.add((k + 4) * os),
+                _mm256_permute2f128_ps::<0x31>(u[k], u[k + 4]),
+            );
         }
     }
 }
@@ -601,6 +780,8 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
     let (br, bc) = src.shape();
     let nb = bc / MX_BLOCK;
     let band = src.band();
+    let isa = Isa::best();
+    let segs = src.segments(1);
     let mut codes = vec![0u8; br * bc];
     let mut scales = vec![0u8; br * nb];
     let stats = codes
@@ -610,14 +791,17 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
         .map_init(
             || (mxfp8::RowScratch::default(), Vec::new()),
             |(scratch, buf), (k, (cband, sband))| {
-                let xb = src.rows_into(k * band, sband.len() / nb, buf);
+                let n = sband.len() / nb;
                 let mut st = QuantStats::default();
-                for ((xrow, crow), srow) in xb
-                    .chunks_exact(bc)
-                    .zip(cband.chunks_exact_mut(bc))
-                    .zip(sband.chunks_exact_mut(nb))
-                {
-                    st = st.merge(mxfp8_row(xrow, elem, rule, srow, crow, scratch));
+                for seg in &segs {
+                    let (xt, stride) = src.tile_into(k * band, n, seg.clone(), buf);
+                    let blocks = seg.start / MX_BLOCK..seg.end / MX_BLOCK;
+                    for t in 0..n {
+                        let xrow = &xt[t * stride..][..seg.len()];
+                        let crow = &mut cband[t * bc..][seg.clone()];
+                        let srow = &mut sband[t * nb..][blocks.clone()];
+                        st = st.merge(mxfp8_row(isa, xrow, elem, rule, srow, crow, scratch));
+                    }
                 }
                 st
             },
@@ -630,35 +814,16 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
     q
 }
 
-/// Quantize one row of MXFP8 blocks, compiled twice from [`mxfp8::quantize_row`] (baseline and
-/// AVX2, picked at run time) like [`nvfp4_row`].
-fn mxfp8_row(
-    xrow: &[f32],
-    elem: Fp8Elem,
-    rule: MxScaleRule,
-    srow: &mut [u8],
-    crow: &mut [u8],
-    scratch: &mut mxfp8::RowScratch,
-) -> QuantStats {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { mxfp8_row_avx2(xrow, elem, rule, srow, crow, scratch) };
-    }
-    mxfp8::quantize_row(xrow, elem, rule, srow, crow, scratch)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn mxfp8_row_avx2(
-    xrow: &[f32],
-    elem: Fp8Elem,
-    rule: MxScaleRule,
-    srow: &mut [u8],
-    crow: &mut [u8],
-    scratch: &mut mxfp8::RowScratch,
-) -> QuantStats {
-    mxfp8::quantize_row(xrow, elem, rule, srow, crow, scratch)
+per_isa! {
+    /// Quantize one row of MXFP8 blocks ([`mxfp8::quantize_row`]) compiled for `isa`.
+    fn mxfp8_row(
+        xrow: &[f32],
+        elem: Fp8Elem,
+        rule: MxScaleRule,
+        srow: &mut [u8],
+        crow: &mut [u8],
+        scratch: &mut mxfp8::RowScratch,
+    ) -> QuantStats = mxfp8::quantize_row;
 }
 
 /// Global amax of an NVFP4 tensor: `[shards]` (per tensor) or `[br, shards]` (per token).
@@ -670,10 +835,11 @@ fn nvfp4_global_amax(
     shards: usize,
 ) -> Vec<f32> {
     let w = bc / shards;
+    let isa = Isa::best();
     let per_row: Vec<f32> = x
         .par_chunks(bc)
         .with_min_len((16 * 1024 / bc).max(1))
-        .flat_map_iter(|row| row.chunks(w).map(amax_nan_propagating).collect::<Vec<_>>())
+        .flat_map_iter(|row| row.chunks(w).map(|c| amax_of(isa, c)).collect::<Vec<_>>())
         .collect();
     match second {
         SecondScale::PerToken => per_row,
@@ -695,7 +861,7 @@ fn nvfp4_tensor_amax(src: Blocked, shards: usize) -> Vec<f32> {
             .chunks(src.rows / shards * src.cols)
             .map(|band| {
                 band.par_chunks(64 * 1024)
-                    .map(amax_nan_propagating)
+                    .map(|c| amax_of(Isa::best(), c))
                     .reduce(|| 0.0, nan_max)
             })
             .collect(),
@@ -703,7 +869,7 @@ fn nvfp4_tensor_amax(src: Blocked, shards: usize) -> Vec<f32> {
 }
 
 /// NVFP4 quantization of the blocked view under the global amax `amax` (`[shards]` per tensor or
-/// `[br, shards]` per token); `None` (per token only) takes each row's amax in that row's pass.
+/// `[br, shards]` per token); `None` (per token only) takes each row's amax in that row's task.
 fn quantize_nvfp4_with(
     src: Blocked,
     second: SecondScale,
@@ -712,9 +878,10 @@ fn quantize_nvfp4_with(
 ) -> QuantizedTensor {
     let (br, bc) = src.shape();
     let nb = bc / NV_BLOCK;
-    let per_shard = nb / shards;
     let w = bc / shards;
     let band = src.band();
+    let isa = Isa::best();
+    let segs = src.segments(shards);
     let given = amax.is_some();
     let mut amax = amax.unwrap_or_else(|| vec![0.0f32; br * shards]);
     let tensor_globals: Vec<GlobalScale> = match second {
@@ -743,28 +910,36 @@ fn quantize_nvfp4_with(
                 (nvfp4::RowScratch::default(), g, Vec::new())
             },
             |(scratch, g, buf), (k, ((pband, sband), aband))| {
-                let xb = src.rows_into(k * band, sband.len() / nb, buf);
+                let n = sband.len() / nb;
+                if second == SecondScale::PerToken && !given {
+                    src.token_amax_into(isa, k * band, n, shards, aband);
+                }
                 let mut st = QuantStats::default();
-                for (((xrow, prow), srow), ramax) in xb
-                    .chunks_exact(bc)
-                    .zip(pband.chunks_exact_mut(bc / 2))
-                    .zip(sband.chunks_exact_mut(nb))
-                    .zip(aband.chunks_exact_mut(shards))
-                {
-                    let globals: &[GlobalScale] = match second {
-                        SecondScale::PerTensor => &tensor_globals,
-                        SecondScale::PerToken => {
-                            if !given {
-                                for (a, xs) in ramax.iter_mut().zip(xrow.chunks(w)) {
-                                    *a = amax_nan_propagating(xs);
-                                }
-                            }
-                            g.clear();
-                            g.extend(ramax.iter().map(|a| GlobalScale::from_amax(*a)));
-                            g
-                        }
+                for seg in &segs {
+                    let (xt, stride) = src.tile_into(k * band, n, seg.clone(), buf);
+                    // The shards this run covers: all of them for a whole row, else its one.
+                    let sh = if seg.len() == bc {
+                        0..shards
+                    } else {
+                        seg.start / w..seg.start / w + 1
                     };
-                    st = st.merge(nvfp4_row(xrow, globals, per_shard, srow, prow, scratch));
+                    let blocks = seg.start / NV_BLOCK..seg.end / NV_BLOCK;
+                    let per_shard = blocks.len() / sh.len();
+                    for t in 0..n {
+                        g.clear();
+                        match second {
+                            SecondScale::PerTensor => g.extend(&tensor_globals[sh.clone()]),
+                            SecondScale::PerToken => g.extend(
+                                aband[t * shards..][sh.clone()]
+                                    .iter()
+                                    .map(|a| GlobalScale::from_amax(*a)),
+                            ),
+                        }
+                        let xrow = &xt[t * stride..][..seg.len()];
+                        let prow = &mut pband[t * bc / 2..][seg.start / 2..seg.end / 2];
+                        let srow = &mut sband[t * nb..][blocks.clone()];
+                        st = st.merge(nvfp4_row(isa, xrow, g, per_shard, srow, prow, scratch));
+                    }
                 }
                 st
             },
@@ -778,41 +953,24 @@ fn quantize_nvfp4_with(
     q
 }
 
-/// Quantize one row of NVFP4 blocks; `globals[s]` is the second-level scale of shard `s` (a
-/// shard is `per_shard` blocks). On x86-64 CPUs with AVX2 the same code is compiled a second time
-/// with AVX2 enabled and picked at run time: identical arithmetic (no FMA contraction, no
-/// approximate instructions), twice the vector width of the SSE2 baseline.
-fn nvfp4_row(
-    xrow: &[f32],
-    globals: &[nvfp4::GlobalScale],
-    per_shard: usize,
-    srow: &mut [u8],
-    prow: &mut [u8],
-    scratch: &mut nvfp4::RowScratch,
-) -> QuantStats {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { nvfp4_row_avx2(xrow, globals, per_shard, srow, prow, scratch) };
-    }
-    nvfp4_row_portable(xrow, globals, per_shard, srow, prow, scratch)
+per_isa! {
+    /// Quantize one row of NVFP4 blocks ([`nvfp4::quantize_row`]) compiled for `isa`;
+    /// `globals[s]` is the second-level scale of shard `s` (a shard is `per_shard` blocks).
+    fn nvfp4_row(
+        xrow: &[f32],
+        globals: &[nvfp4::GlobalScale],
+        per_shard: usize,
+        srow: &mut [u8],
+        prow: &mut [u8],
+        scratch: &mut nvfp4::RowScratch,
+    ) -> QuantStats = nvfp4_row_kernel;
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn nvfp4_row_avx2(
-    xrow: &[f32],
-    globals: &[nvfp4::GlobalScale],
-    per_shard: usize,
-    srow: &mut [u8],
-    prow: &mut [u8],
-    scratch: &mut nvfp4::RowScratch,
-) -> QuantStats {
-    nvfp4_row_portable(xrow, globals, per_shard, srow, prow, scratch)
-}
-
+/// [`nvfp4::quantize_row`] with the block amaxes from the AVX2 compile at most: AVX-512
+/// compiles of that loop vectorise it across blocks with gathers, which measured slower than
+/// the whole AVX2 row.
 #[inline(always)]
-fn nvfp4_row_portable(
+fn nvfp4_row_kernel(
     xrow: &[f32],
     globals: &[nvfp4::GlobalScale],
     per_shard: usize,
@@ -820,7 +978,13 @@ fn nvfp4_row_portable(
     prow: &mut [u8],
     scratch: &mut nvfp4::RowScratch,
 ) -> QuantStats {
-    nvfp4::quantize_row(xrow, globals, per_shard, srow, prow, scratch)
+    let amaxes = |x: &[f32], out: &mut [f32]| nvfp4_block_amaxes(Isa::Avx2, x, out);
+    nvfp4::quantize_row_with(xrow, globals, per_shard, srow, prow, scratch, amaxes)
+}
+
+per_isa! {
+    /// Every NVFP4 block's amax ([`nvfp4::block_amaxes`]) compiled for `isa`.
+    fn nvfp4_block_amaxes(x: &[f32], out: &mut [f32]) -> () = nvfp4::block_amaxes;
 }
 
 fn quantize_fp8_block(
@@ -992,29 +1156,21 @@ mod tests {
                         sat += u64::from(sa);
                         under += u64::from(un);
                     }
-                    // The dispatched row (AVX2 where present) and the baseline compile.
-                    let (mut c1, mut s1) = (vec![0u8; w], vec![0u8; w / 32]);
-                    let st1 = mxfp8_row(
-                        row,
-                        elem,
-                        MxScaleRule::TeCeil,
-                        &mut s1,
-                        &mut c1,
-                        &mut scratch,
-                    );
-                    let (mut c2, mut s2) = (vec![0u8; w], vec![0u8; w / 32]);
-                    let st2 = mxfp8::quantize_row(
-                        row,
-                        elem,
-                        MxScaleRule::TeCeil,
-                        &mut s2,
-                        &mut c2,
-                        &mut scratch,
-                    );
-                    for (c, s, st) in [(&c1, &s1, st1), (&c2, &s2, st2)] {
-                        assert_eq!(s, &s_ref, "{elem:?} scales of {row:?}");
+                    // Every compile this CPU runs (the others are skipped).
+                    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+                        let (mut c, mut s) = (vec![0u8; w], vec![0u8; w / 32]);
+                        let st = mxfp8_row(
+                            isa,
+                            row,
+                            elem,
+                            MxScaleRule::TeCeil,
+                            &mut s,
+                            &mut c,
+                            &mut scratch,
+                        );
+                        assert_eq!(s, s_ref, "{isa:?} {elem:?} scales of {row:?}");
                         for (i, (a, b)) in c.iter().zip(&c_ref).enumerate() {
-                            assert_eq!(a, b, "{elem:?} code of {:#010x}", row[i].to_bits());
+                            assert_eq!(a, b, "{isa:?} {elem:?} code of {:#010x}", row[i].to_bits());
                         }
                         assert_eq!(
                             (st.elements, st.saturated, st.underflowed),
@@ -1063,24 +1219,16 @@ mod tests {
                         under += u64::from(un);
                     }
                     let p_ref = pack_fp4(&c_ref);
-                    let (mut p1, mut s1) = (vec![0u8; w / 2], vec![0u8; w / 16]);
-                    let st1 = nvfp4_row(row, &globals, per_shard, &mut s1, &mut p1, &mut scratch);
-                    let (mut p2, mut s2) = (vec![0u8; w / 2], vec![0u8; w / 16]);
-                    let st2 = nvfp4::quantize_row(
-                        row,
-                        &globals,
-                        per_shard,
-                        &mut s2,
-                        &mut p2,
-                        &mut scratch,
-                    );
-                    for (p, s, st) in [(&p1, &s1, st1), (&p2, &s2, st2)] {
-                        assert_eq!(s, &s_ref, "scales of {row:?}");
+                    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+                        let (mut p, mut s) = (vec![0u8; w / 2], vec![0u8; w / 16]);
+                        let st =
+                            nvfp4_row(isa, row, &globals, per_shard, &mut s, &mut p, &mut scratch);
+                        assert_eq!(s, s_ref, "{isa:?} scales of {row:?}");
                         for (i, (a, b)) in p.iter().zip(&p_ref).enumerate() {
                             assert_eq!(
                                 a,
                                 b,
-                                "codes of {:#010x} {:#010x}",
+                                "{isa:?} codes of {:#010x} {:#010x}",
                                 row[2 * i].to_bits(),
                                 row[2 * i + 1].to_bits()
                             );
@@ -1205,6 +1353,47 @@ mod tests {
                 "{}",
                 f.name()
             );
+        }
+    }
+
+    /// Column tiles: blocked rows longer than a tile, strips with a partial remainder and odd
+    /// widths (the transpose's scalar edges), and shards whose boundaries split the tiles.
+    #[test]
+    fn column_tiles_equal_row_quantization_of_the_transpose() {
+        for (r, c) in [(1056, 72), (1040, 13), (48, 200)] {
+            let x = sample(8, r * c);
+            let xt = transpose(&x, r, c);
+            let mut formats = all_formats();
+            formats.push(QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                shards: 3,
+            });
+            formats.push(QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                shards: 3,
+            });
+            for f in formats {
+                if r % f.required_multiple() != 0 {
+                    continue;
+                }
+                let col = quantize(&x, r, c, &f, Axis::Col).unwrap();
+                let row_t = quantize(&xt, c, r, &f, Axis::Row).unwrap();
+                assert!(same(&col, &row_t), "{} at {r}x{c}", f.name());
+                assert_eq!(col.stats, row_t.stats, "{} at {r}x{c}", f.name());
+            }
+        }
+    }
+
+    #[test]
+    fn tile_transpose_equals_the_element_definition() {
+        let (h, w, xs, os) = (21, 19, 23, 29);
+        let x: Vec<f32> = (0..h * xs).map(|i| i as f32).collect();
+        let mut out = vec![-1.0f32; w * os];
+        transpose_tile(&x, xs, h, w, &mut out, os);
+        for i in 0..h {
+            for j in 0..w {
+                assert_eq!(out[j * os + i], x[i * xs + j], "({i}, {j})");
+            }
         }
     }
 
