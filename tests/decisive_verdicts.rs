@@ -376,14 +376,22 @@ fn coupled_seeds_are_compared_pairwise_and_say_what_it_saved() {
     runs.retain(|r| !(r.config == "nvfp4" && r.seed == 2));
     let c = compare_runs(&runs, &settings(MarginRule::Absolute(0.05)));
     let common = metric(&c, REWARD);
-    assert_eq!(common.pairing.map(|p| p.seeds), Some(5), "{}", common.reason);
+    assert_eq!(
+        common.pairing.map(|p| p.seeds),
+        Some(5),
+        "{}",
+        common.reason
+    );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
     let mut five = night_runs(&night, 1);
     five.retain(|r| r.seed != 2);
     let only = compare_runs(&five, &settings(MarginRule::Absolute(0.05)));
     assert_eq!(
         (common.final_diff.lo, common.final_diff.hi),
-        (metric(&only, REWARD).final_diff.lo, metric(&only, REWARD).final_diff.hi)
+        (
+            metric(&only, REWARD).final_diff.lo,
+            metric(&only, REWARD).final_diff.hi
+        )
     );
     // Fewer than 3 seeds in common: Welch over each arm's own seeds, and a warning.
     let mut runs = night_runs(&night, 1);

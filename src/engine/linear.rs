@@ -258,7 +258,10 @@ pub trait SiteKernels {
 /// The forward's GEMM input: the activation quantized per the site's activation format, and its
 /// BF16 rounding where the backward may need it (`None` for FP32 and BF16 sites, whose operand
 /// is their input or its rounding).
-type Quantized<K> = (Option<<K as SiteKernels>::Owned>, Option<<K as SiteKernels>::Owned>);
+type Quantized<K> = (
+    Option<<K as SiteKernels>::Owned>,
+    Option<<K as SiteKernels>::Owned>,
+);
 
 fn quantized_input<K: SiteKernels>(
     k: &K,
@@ -294,11 +297,22 @@ pub fn forward_on<K: SiteKernels>(
     y: &mut K::Buf,
     counts: Option<&mut K::Counts>,
 ) -> Result<K::Owned, K::Error> {
-    let shape = Blocks { rows: n, cols: w.in_dim, batch: w.batch };
+    let shape = Blocks {
+        rows: n,
+        cols: w.in_dim,
+        batch: w.batch,
+    };
     let len = n * w.in_dim * w.batch;
     let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts)?;
     let input = x_q.as_ref().map_or(x, Borrow::borrow);
-    k.gemm((input, false), (w.fwd, true), y, (n, w.in_dim, w.out_dim), w.batch, false)?;
+    k.gemm(
+        (input, false),
+        (w.fwd, true),
+        y,
+        (n, w.in_dim, w.out_dim),
+        w.batch,
+        false,
+    )?;
     let Some(x_hp) = x_hp else {
         // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
         return x_q.map_or_else(|| k.copy(x, len), Ok);
@@ -309,7 +323,9 @@ pub fn forward_on<K: SiteKernels>(
         BackwardMode::Dequantized => k.round_bf16(x_q.borrow(), len),
         BackwardMode::Quantized if n == 0 => Ok(x_hp),
         BackwardMode::Quantized => {
-            let fmt = plan.activation_format().expect("a quantized site has a format");
+            let fmt = plan
+                .activation_format()
+                .expect("a quantized site has a format");
             k.quantize(SiteQuant::ColsPadded, x_hp.borrow(), shape, &fmt, None)
         }
     }
@@ -325,10 +341,21 @@ pub fn apply_on<K: SiteKernels>(
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
 ) -> Result<(), K::Error> {
-    let shape = Blocks { rows: n, cols: w.in_dim, batch: w.batch };
+    let shape = Blocks {
+        rows: n,
+        cols: w.in_dim,
+        batch: w.batch,
+    };
     let (_, x_q) = quantized_input(k, plan, x, shape, None)?;
     let input = x_q.as_ref().map_or(x, Borrow::borrow);
-    k.gemm((input, false), (w.fwd, true), y, (n, w.in_dim, w.out_dim), w.batch, false)
+    k.gemm(
+        (input, false),
+        (w.fwd, true),
+        y,
+        (n, w.in_dim, w.out_dim),
+        w.batch,
+        false,
+    )
 }
 
 /// The linear backward on a device: `dx = dy · W` (written when `dx` is given) and
@@ -357,7 +384,11 @@ pub fn backward_on<K: SiteKernels>(
             let dy_hp = k.round_bf16(dy, n * m * batch)?;
             if plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized {
                 // dgrad contracts over m (row blocks of dy); wgrad over n (column blocks of dy).
-                let shape = Blocks { rows: n, cols: m, batch };
+                let shape = Blocks {
+                    rows: n,
+                    cols: m,
+                    batch,
+                };
                 let d = k.quantize(SiteQuant::RowsPadded, dy_hp.borrow(), shape, &fmt, None)?;
                 let wq = k.quantize(SiteQuant::ColsPadded, dy_hp.borrow(), shape, &fmt, None)?;
                 (Some(d), Some(wq))
@@ -434,7 +465,12 @@ impl SiteKernels for HostKernels {
                 MatRef::new(&m[..rows * cols], rows, cols)
             }
         }
-        gemm(stored(a, r, inner, a_t), stored(b, inner, cc, b_t), &mut c[..r * cc], accumulate);
+        gemm(
+            stored(a, r, inner, a_t),
+            stored(b, inner, cc, b_t),
+            &mut c[..r * cc],
+            accumulate,
+        );
         Ok(())
     }
 
@@ -474,7 +510,15 @@ pub fn forward(
 ) -> LinearCache {
     assert_eq!(x.len(), n * w.in_dim);
     let mut stats = QuantStats::default();
-    let x_bwd = infallible(forward_on(&HostKernels, plan, x, n, &w.site(), y, Some(&mut stats)));
+    let x_bwd = infallible(forward_on(
+        &HostKernels,
+        plan,
+        x,
+        n,
+        &w.site(),
+        y,
+        Some(&mut stats),
+    ));
     LinearCache { x_bwd, n, stats }
 }
 
@@ -490,7 +534,16 @@ pub fn backward(
 ) {
     assert_eq!(dy.len(), cache.n * w.out_dim);
     let site = w.site();
-    infallible(backward_on(&HostKernels, plan, &cache.x_bwd, cache.n, &site, dy, dx, dw));
+    infallible(backward_on(
+        &HostKernels,
+        plan,
+        &cache.x_bwd,
+        cache.n,
+        &site,
+        dy,
+        dx,
+        dw,
+    ));
 }
 
 /// Row-wise fake quantization of `[r, c]`, padding `c` with zero columns up to the block

@@ -299,9 +299,10 @@ impl SiteKernels for CudaLinear {
         if batch == 1 || (!per_tensor && aligned) {
             self.quantize_one(kind, x, (rows * batch, cols), fmt, &mut out, acc)?;
         } else {
-            self.fq.per_block(x, &mut out, (batch, rows * cols), |blk, q| {
-                self.quantize_one(kind, blk, (rows, cols), fmt, q, acc.as_deref_mut())
-            })?;
+            self.fq
+                .per_block(x, &mut out, (batch, rows * cols), |blk, q| {
+                    self.quantize_one(kind, blk, (rows, cols), fmt, q, acc.as_deref_mut())
+                })?;
         }
         Ok(out)
     }
