@@ -35,8 +35,9 @@ use std::sync::Arc;
 /// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
 pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there and the trainer's forward \
     and backward run there; weight preparation, the loss and AdamW stay on this host's CPU, and \
-    many workers share one GPU, so time both devices for a sweep of small models (the nightly \
-    suite on an H200 machine: 72 s on cuda, 118 s on its 16 cores; docs/cuda.md)";
+    workers sharing one GPU overlap little: on an H200 the nightly suite's 30 runs took 34-46 s \
+    at 4-8 workers against 51-65 s with one, and more workers were slower (--jobs 4 is about \
+    the best there; docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
