@@ -346,10 +346,12 @@ pub fn compare_data(
                         .then(|| compare_metric(m, x, y, &s, &g.config, coupled))
                 })
                 .collect();
-            let note = (differ && common < MIN_COMMON_SEEDS).then(|| {
+            let note = (differ && common < min_common_seeds(&s)).then(|| {
                 format!(
-                    "{}: seeds {own:?} share {common} with {}'s {base:?} (fewer than {MIN_COMMON_SEEDS}), so it is compared by Welch's test instead of seed by seed; run the same seeds to pair them",
-                    g.config, groups[bi].config,
+                    "{}: seeds {own:?} share {common} with {}'s {base:?} (fewer than {}), so it is compared by Welch's test instead of seed by seed; run the same seeds to pair them",
+                    g.config,
+                    groups[bi].config,
+                    min_common_seeds(&s),
                 )
             });
             let cc = ConfigComparison {
@@ -728,12 +730,17 @@ pub const COUPLING_ENGINE: &str = "builtin";
 
 /// The paired values of two arms: per seed both ran, `(x, y)` in seed order. `None` unless both
 /// arms ran exactly the same seeds (at least two).
-fn pair_up(x: &Arm, y: &Arm, values: fn(&Arm) -> &Vec<f64>) -> Option<(Vec<f64>, Vec<f64>)> {
+fn pair_up(
+    x: &Arm,
+    y: &Arm,
+    s: &CompareSettings,
+    values: fn(&Arm) -> &Vec<f64>,
+) -> Option<(Vec<f64>, Vec<f64>)> {
     if x.seeds == y.seeds {
         return (x.seeds.len() >= 2).then(|| (values(x).clone(), values(y).clone()));
     }
     let common = common_seeds(&x.seeds, &y.seeds);
-    if common.len() < MIN_COMMON_SEEDS {
+    if common.len() < min_common_seeds(s) {
         return None;
     }
     let at = |a: &Arm| -> Vec<f64> {
@@ -749,7 +756,9 @@ fn pair_up(x: &Arm, y: &Arm, values: fn(&Arm) -> &Vec<f64>) -> Option<(Vec<f64>,
 /// Seeds two arms must share to be paired over them when their seed sets differ (sequential seeds
 /// leave the baseline with more): below this, Welch over each arm's own seeds. The claims use
 /// the same rule (`compare::claims`).
-const MIN_COMMON_SEEDS: usize = 3;
+fn min_common_seeds(s: &CompareSettings) -> usize {
+    s.min_seeds.max(2)
+}
 
 /// The seeds of `x` that `y` also ran, in `x`'s order.
 fn common_seeds(x: &[u64], y: &[u64]) -> Vec<u64> {
@@ -829,7 +838,7 @@ fn compare_metric(
         Err(e) => e.clone(),
     });
     let paired = if coupled {
-        pair_up(x, y, |a| &a.finals)
+        pair_up(x, y, s, |a| &a.finals)
     } else {
         None
     };
