@@ -19,7 +19,7 @@ for t in $tests; do
 done
 strip target/gpuz/b/*
 cp -r tests/golden target/gpuz/b/golden
-cp scripts/gpu-check.sh target/gpuz/b/
+cp scripts/gpu-check.sh scripts/multi-gpu-check.sh target/gpuz/b/
 # The test binaries look for tests/golden under the folder they were built in.
 pwd > target/gpuz/b/built_in
 tar czf target/gpuz/bundle.tgz -C target/gpuz b

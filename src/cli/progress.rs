@@ -114,6 +114,9 @@ impl Board {
                     self.eta()
                 ));
             }
+            Progress::DeviceLost { device, error } => lines.push(format!(
+                "{device} stopped computing ({error}); its runs go to the other devices"
+            )),
         }
         Output {
             lines,

@@ -327,9 +327,12 @@ pub fn run_task(
             "{status:?}{}",
             error.map(|e| format!(": {e}")).unwrap_or_default()
         ),
+        Progress::DeviceLost { device, error } => {
+            eprintln!("{device} stopped computing: {error}")
+        }
     };
     let outcome = run_planned(be, &s, run, &root, &opts, &progress);
-    if let (Some(w), Outcome::Finished(_)) = (&who, outcome) {
+    if let (Some(w), Outcome::Finished(_) | Outcome::DeviceLost(_)) = (&who, &outcome) {
         stamp_manifest(&root, run_id, w)?;
     }
     Ok(matches!(

@@ -222,6 +222,11 @@ pub fn run_local(
             .join(", "),
         args.store.display()
     );
+    for b in &backends {
+        if let Some(hw) = b.hardware() {
+            println!("  {} = {hw}", b.name());
+        }
+    }
     if on_gpu {
         eprintln!("{}", lockstep::engine::backend::cuda::GPU_NOTE);
     }
@@ -239,15 +244,34 @@ pub fn run_local(
         print!("\r\x1b[2K"); // the status line
     }
     print_summary(&sum, start.elapsed().as_secs_f64());
+    if backends.len() > 1 {
+        let spread: Vec<String> = backends
+            .iter()
+            .map(|b| {
+                let n = sum.per_device.get(&b.name()).copied().unwrap_or(0);
+                format!("{} {n}", b.name())
+            })
+            .collect();
+        println!("runs per device: {}", spread.join(", "));
+    }
+    for (device, why) in &sum.lost_devices {
+        eprintln!(
+            "error: {device} stopped computing during the sweep ({why}); its failed run is redone by the next `lockstep run` (on the other devices: --device cuda:N,...)"
+        );
+    }
     if let Some(sig) = lockstep::suite::interrupt::requested() {
         return Err(Interrupted(sig, None).into());
     }
-    Ok(sum.failed + sum.timeout == 0)
+    Ok(sum.failed + sum.timeout + sum.not_run == 0)
 }
 
 fn print_summary(sum: &lockstep::suite::runner::Summary, secs: f64) {
+    let not_run = match sum.not_run {
+        0 => String::new(),
+        n => format!(", {n} not run (no device left)"),
+    };
     println!(
-        "done in {secs:.1}s: {} ok, {} skipped, {} failed, {} timed out, {} diverged, {} interrupted, {} busy",
+        "done in {secs:.1}s: {} ok, {} skipped, {} failed, {} timed out, {} diverged, {} interrupted, {} busy{not_run}",
         sum.ok, sum.skipped, sum.failed, sum.timeout, sum.diverged, sum.interrupted, sum.busy
     );
 }

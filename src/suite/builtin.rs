@@ -118,11 +118,27 @@ pub fn run_one_until(
         cfg.steps,
         &be.name(),
     );
+    if let Some(hw) = be.hardware() {
+        manifest.extra.insert("gpu".into(), hw.into());
+    }
     dir.write_manifest(&manifest)?;
     let log_dir = dir.clone();
-    let (init, ws) = warm_start(be, &cfg.model, cfg.task, &cfg.warm_start, cache, |l| {
-        log_dir.log(l)
-    })?;
+    // The warm start runs on the device too: a device fault there fails this run, not the sweep.
+    let warm = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        warm_start(be, &cfg.model, cfg.task, &cfg.warm_start, cache, |l| {
+            log_dir.log(l)
+        })
+    }));
+    let (init, ws) = match warm {
+        Ok(w) => w?,
+        Err(p) => {
+            manifest.status = RunStatus::Failed;
+            manifest.error = Some(format!("warm start: {}", panic_message(p.as_ref())));
+            manifest.finished = Some(crate::store::run::now_utc());
+            dir.write_manifest(&manifest)?;
+            return Ok(manifest);
+        }
+    };
     manifest.extra.insert(
         "warm_start".into(),
         serde_json::to_value(&ws).unwrap_or_default(),
@@ -164,16 +180,7 @@ pub fn run_one_until(
     let (status, error) = match outcome {
         Ok(Ok(s)) => (s, None),
         Ok(Err((status, why))) => (status, Some(why)),
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-            (
-                RunStatus::Failed,
-                Some(format!("engine panicked: {}", msg.unwrap_or_default())),
-            )
-        }
+        Err(p) => (RunStatus::Failed, Some(panic_message(p.as_ref()))),
     };
     dir.write_metrics(&records)?;
     manifest.status = status;
@@ -182,6 +189,15 @@ pub fn run_one_until(
     manifest.finished = Some(crate::store::run::now_utc());
     dir.write_manifest(&manifest)?;
     Ok(manifest)
+}
+
+/// `engine panicked: <message>` for a caught panic's payload.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    let msg = p
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+    format!("engine panicked: {}", msg.unwrap_or_default())
 }
 
 /// The one-line progress summary of a step.

@@ -48,6 +48,12 @@ pub enum Progress<'a> {
         status: RunStatus,
         error: Option<String>,
     },
+    /// A device stopped computing (its run failed and its health check fails): its workers
+    /// take no more runs, the other devices take the rest.
+    DeviceLost {
+        device: &'a str,
+        error: &'a str,
+    },
 }
 
 /// Counts at the end.
@@ -63,6 +69,12 @@ pub struct Summary {
     pub interrupted: usize,
     /// Timed out (command engine).
     pub timeout: usize,
+    /// Runs left unstarted because every device was lost (they count as failures).
+    pub not_run: usize,
+    /// Devices that stopped computing during the sweep, with why.
+    pub lost_devices: Vec<(String, String)>,
+    /// Runs that ran (not skipped) on each device, by [`Backend::name`].
+    pub per_device: std::collections::BTreeMap<String, usize>,
 }
 
 impl Summary {
@@ -203,7 +215,9 @@ impl Drop for RunLock {
 
 /// Run every unfinished run of `runs` with `opts.jobs` workers. Worker `w` computes on
 /// `backends[w % backends.len()]`, so a sweep spreads over every device it is given (one backend
-/// per GPU; with more workers than GPUs, several workers share a GPU).
+/// per GPU; with more workers than GPUs, several workers share a GPU). A device that stops
+/// computing fails the run it had (the error names it) and takes no more: the others finish the
+/// sweep; runs that no device is left to take count as `not_run`.
 pub fn run_suite(
     backends: &[&dyn Backend],
     suite: &SuiteSpec,
@@ -221,31 +235,62 @@ pub fn run_suite(
         }
     };
     assert!(!backends.is_empty(), "run_suite needs at least one backend");
+    let lost = |name: &str| {
+        summary
+            .lock()
+            .is_ok_and(|s| s.lost_devices.iter().any(|(d, _)| d == name))
+    };
     std::thread::scope(|scope| {
         for w in 0..opts.jobs.max(1) {
             let be = backends[w % backends.len()];
-            let (queue, bump, root) = (&queue, &bump, &root);
+            let (queue, bump, root, lost, summary) = (&queue, &bump, &root, &lost, &summary);
             scope.spawn(move || {
+                let device = be.name();
                 loop {
-                    if super::interrupt::requested().is_some() {
-                        break; // stopping: start nothing new
+                    if super::interrupt::requested().is_some() || lost(&device) {
+                        break; // stopping, or this device is gone: start nothing new
                     }
                     let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                     let Some(run) = next else { break };
                     match run_planned(be, suite, run, root, opts, progress) {
                         Outcome::Skipped => bump(&|s| s.skipped += 1),
                         Outcome::Busy => bump(&|s| s.busy += 1),
-                        Outcome::Finished(status) => bump(&|s| s.count(status)),
+                        Outcome::Finished(status) => bump(&|s| {
+                            s.count(status);
+                            *s.per_device.entry(device.clone()).or_default() += 1;
+                        }),
+                        Outcome::DeviceLost(why) => {
+                            let first = summary.lock().is_ok_and(|mut s| {
+                                s.count(RunStatus::Failed);
+                                *s.per_device.entry(device.clone()).or_default() += 1;
+                                let first = !s.lost_devices.iter().any(|(d, _)| *d == device);
+                                if first {
+                                    s.lost_devices.push((device.clone(), why.clone()));
+                                }
+                                first
+                            });
+                            if first {
+                                progress(Progress::DeviceLost {
+                                    device: &device,
+                                    error: &why,
+                                });
+                            }
+                            break;
+                        }
                     }
                 }
             });
         }
     });
-    Ok(summary.into_inner().unwrap_or_default())
+    let mut sum = summary.into_inner().unwrap_or_default();
+    if super::interrupt::requested().is_none() {
+        sum.not_run = queue.into_inner().map(|q| q.len()).unwrap_or_default();
+    }
+    Ok(sum)
 }
 
 /// What became of one planned run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// Already finished (by an earlier invocation or another process).
     Skipped,
@@ -253,6 +298,9 @@ pub enum Outcome {
     Busy,
     /// Ran now and ended with this status.
     Finished(RunStatus),
+    /// Failed because its device stopped computing (why, as the device's health check says);
+    /// the manifest's error names the device.
+    DeviceLost(String),
 }
 
 /// Run one planned run into `root/<run-id>` unless it is finished or locked: the per-run step of
@@ -285,12 +333,32 @@ pub fn run_planned(
         run,
         device: &device,
     });
-    let (status, error) = match execute(be, suite, run, &dir, opts, progress) {
+    let (status, mut error) = match execute(be, suite, run, &dir, opts, progress) {
         Ok(m) => (m.status, m.error),
         Err(e) => (RunStatus::Failed, Some(e.to_string())),
     };
+    let lost = match status {
+        RunStatus::Failed => be.health().err(),
+        _ => None,
+    };
+    if let Some(why) = &lost {
+        let hw = be.hardware().map(|h| format!(" ({h})")).unwrap_or_default();
+        let note = format!("{device}{hw} stopped computing: {why}; it takes no more runs");
+        error = Some(match error {
+            Some(e) => format!("{e}; {note}"),
+            None => note,
+        });
+        let rd = RunDir::open(&dir);
+        if let Ok(mut m) = rd.read_manifest() {
+            m.error = error.clone();
+            let _ = rd.write_manifest(&m);
+        }
+    }
     progress(Progress::Finished { run, status, error });
-    Outcome::Finished(status)
+    match lost {
+        Some(why) => Outcome::DeviceLost(why),
+        None => Outcome::Finished(status),
+    }
 }
 
 fn execute(
@@ -461,6 +529,103 @@ mod tests {
             .collect();
         recorded.sort();
         assert_eq!(recorded, ["gpu-a", "gpu-b"], "manifests record the device");
+    }
+
+    /// A device whose every pass fails and whose health check says it is gone: a GPU that
+    /// faulted.
+    struct Lost;
+
+    impl Backend for Lost {
+        fn name(&self) -> String {
+            "gpu-lost".into()
+        }
+        fn health(&self) -> Result<(), String> {
+            Err("planted fault".into())
+        }
+        fn decoder<'a>(
+            &'a self,
+            _: &'a PreparedModel,
+            _: usize,
+            _: usize,
+        ) -> Result<Box<dyn Decoder + 'a>, OpError> {
+            Err(OpError::Device("planted fault".into()))
+        }
+        fn forward_logits(
+            &self,
+            _: &PreparedModel,
+            _: &[u32],
+            _: &Layout,
+            _: Option<&Routing>,
+        ) -> Result<Vec<f32>, OpError> {
+            Err(OpError::Device("planted fault".into()))
+        }
+        fn train_forward<'a>(
+            &'a self,
+            _: &'a PreparedModel,
+            _: &[u32],
+            _: &Layout,
+            _: Option<&Routing>,
+        ) -> Result<Box<dyn TrainPass + 'a>, OpError> {
+            Err(OpError::Device("planted fault".into()))
+        }
+    }
+
+    /// Four runs of one step; the warm start is cached in `dir` once `warm` has run them.
+    fn four_runs(dir: &Path) -> (SuiteSpec, Vec<RunSpec>, RunnerOptions) {
+        let text = "name = \"lose\"\nseeds = [0, 1, 2, 3]\n[workload]\nsteps = 1\nprompts_per_step = 2\n\
+                    [workload.warm_start]\nmax_steps = 2\neval_prompts = 8\n\
+                    [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n";
+        let suite = crate::suite::spec::parse(text, Path::new("lose.toml")).unwrap();
+        let runs = crate::suite::plan::expand(&suite).unwrap();
+        let opts = RunnerOptions {
+            store: dir.join("runs"),
+            jobs: 2,
+            force: false,
+            cache: dir.join("cache"),
+        };
+        (suite, runs, opts)
+    }
+
+    #[test]
+    fn a_lost_device_fails_its_run_and_the_others_finish_the_sweep() {
+        let d = tempfile::tempdir().unwrap();
+        let (suite, runs, opts) = four_runs(d.path());
+        let lines = Mutex::new(Vec::new());
+        let progress = |p: Progress<'_>| {
+            if let Progress::DeviceLost { device, error } = p {
+                lines.lock().unwrap().push(format!("{device}: {error}"));
+            }
+        };
+        let good = Named("gpu-good");
+        let sum = run_suite(&[&good, &Lost], &suite, &runs, &opts, &progress).unwrap();
+        assert_eq!((sum.ok, sum.failed, sum.not_run), (3, 1, 0), "{sum:?}");
+        assert_eq!(sum.per_device.get("gpu-good"), Some(&3));
+        assert_eq!(sum.per_device.get("gpu-lost"), Some(&1));
+        assert_eq!(
+            sum.lost_devices,
+            [("gpu-lost".to_string(), "planted fault".to_string())]
+        );
+        assert_eq!(lines.into_inner().unwrap(), ["gpu-lost: planted fault"]);
+        for r in &runs {
+            let m = RunDir::open(&opts.store.join("lose").join(&r.run_id))
+                .read_manifest()
+                .unwrap();
+            match m.device.as_str() {
+                "gpu-lost" => {
+                    assert_eq!(m.status, RunStatus::Failed);
+                    let e = m.error.unwrap_or_default();
+                    assert!(e.contains("gpu-lost stopped computing"), "{e}");
+                }
+                _ => assert_eq!(m.status, RunStatus::Ok, "{:?}", m.error),
+            }
+        }
+
+        // With every device lost, the runs nobody could take are counted, never dropped.
+        let d = tempfile::tempdir().unwrap();
+        let (suite, runs, mut opts) = four_runs(d.path());
+        opts.jobs = 1;
+        let sum = run_suite(&[&Lost], &suite, &runs, &opts, &|_| {}).unwrap();
+        assert_eq!((sum.ok, sum.failed, sum.not_run), (0, 1, 3), "{sum:?}");
     }
 
     #[test]

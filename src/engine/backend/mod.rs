@@ -98,6 +98,18 @@ pub trait Backend: Send + Sync {
     /// Human-readable device name for manifests and progress lines (e.g. `cpu`, `cuda:0`).
     fn name(&self) -> String;
 
+    /// The hardware behind [`Backend::name`] for a run's manifest: a GPU's model, UUID and PCI
+    /// address, which stay true whatever `CUDA_VISIBLE_DEVICES` renumbered (`None` on the CPU).
+    fn hardware(&self) -> Option<String> {
+        None
+    }
+
+    /// `Err(why)` when the device no longer computes (a sticky fault, a lost card): the sweep
+    /// runner asks after a failed run and stops giving that device runs.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// A decoder of `prep` on this device, for `seqs` sequences of up to `positions` positions
     /// (the rollout and the evaluation).
     fn decoder<'a>(

@@ -181,9 +181,30 @@ impl CudaBackend {
     }
 }
 
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // A card that stopped computing cannot release its op sets: destroying a cuBLAS handle
+        // on a lost context fails, and cudarc panics on that in drop. The process's exit frees
+        // them instead.
+        if self.dev.health().is_err()
+            && let Ok(mut ops) = self.ops.0.lock()
+        {
+            ops.drain(..).for_each(std::mem::forget);
+        }
+    }
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> String {
         format!("cuda:{}", self.dev.ordinal())
+    }
+
+    fn hardware(&self) -> Option<String> {
+        Some(self.dev.hardware())
+    }
+
+    fn health(&self) -> Result<(), String> {
+        self.dev.health().map_err(|e| e.to_string())
     }
 
     fn decoder<'a>(

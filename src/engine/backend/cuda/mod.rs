@@ -167,6 +167,65 @@ impl CudaDevice {
         self.cc
     }
 
+    /// The card's UUID as `nvidia-smi -L` prints it (`GPU-xxxxxxxx-…`): the one name of a GPU
+    /// that does not change with `CUDA_VISIBLE_DEVICES`.
+    pub fn uuid(&self) -> Result<String, CudaError> {
+        let raw = self.ctx.uuid()?;
+        let b: Vec<u8> = raw.bytes.iter().map(|&c| c as u8).collect();
+        let hex =
+            |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+        Ok(format!(
+            "GPU-{}-{}-{}-{}-{}",
+            hex(0..4),
+            hex(4..6),
+            hex(6..8),
+            hex(8..10),
+            hex(10..16)
+        ))
+    }
+
+    /// The card's PCI address (`0000:18:00.0`), as `nvidia-smi` and the kernel log name it.
+    pub fn pci_bus_id(&self) -> Result<String, CudaError> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let at = |a| self.ctx.attribute(a);
+        Ok(format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            at(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            at(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            at(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        ))
+    }
+
+    /// Device memory `(used, total)` in bytes, by every process on the card (what a colleague
+    /// sharing the node sees in `nvidia-smi`).
+    pub fn memory_in_use(&self) -> Result<(usize, usize), CudaError> {
+        let (free, total) = self.ctx.mem_get_info()?;
+        Ok((total.saturating_sub(free), total))
+    }
+
+    /// `NVIDIA H200, GPU-…, PCI 0000:18:00.0`: what a manifest records to name the card.
+    pub fn hardware(&self) -> String {
+        let or_unknown = |r: Result<String, CudaError>| r.unwrap_or_else(|_| "unknown".into());
+        format!(
+            "{}, {}, PCI {}",
+            self.name,
+            or_unknown(self.uuid()),
+            or_unknown(self.pci_bus_id())
+        )
+    }
+
+    /// Whether the card still computes: waits for all its work and reads one byte back. A fault
+    /// that leaves the context unusable (an illegal address, a lost card) is sticky: every later
+    /// call fails the same way, so this answers it.
+    pub fn health(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        self.ctx.synchronize()?;
+        let stream = self.ctx.default_stream();
+        let probe = stream.alloc_zeros::<u8>(1)?;
+        stream.clone_dtoh(&probe)?;
+        Ok(())
+    }
+
     /// NVRTC virtual architecture for this device (`compute_90` on an H100/H200): PTX the driver
     /// finishes for the exact chip at load time.
     fn nvrtc_arch(&self) -> &'static str {

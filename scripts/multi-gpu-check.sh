@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 24's checks on a machine with two or more GPUs, in one device call: the GPU tests (the
+# two-GPU sweep test among them), then the nightly suite on one GPU and on every GPU, timed, and
+# every run's metrics compared across the stores. Logs go to OUT: machine.txt, tests.log,
+# sweeps.log.
+# Usage: multi-gpu-check.sh DIR OUT, DIR the unpacked bundle of scripts/gpu-bundle.sh, run from
+# the repository root (it reads suites/nightly.toml and scripts/same-metrics.py).
+set -uo pipefail
+DIR=${1:?bundle folder}
+OUT=${2:?output folder}
+mkdir -p "$OUT"
+L="$DIR/lockstep"
+{ nvidia-smi -L; nvidia-smi topo -m; nproc; } > "$OUT/machine.txt" 2>&1
+"$DIR/gpu-check.sh" "$DIR" "$OUT" quick
+status=$?
+export LOCKSTEP_CACHE=/tmp/sweeps/cache
+S=/tmp/sweeps
+rm -rf "$S" && mkdir -p "$S"
+sweep() { # NAME ARGS...: one timed `lockstep run` of the nightly suite into store $S/NAME
+  local name=$1; shift
+  echo "==== $name: lockstep run suites/nightly.toml $*"
+  "$L" run suites/nightly.toml --store "$S/$name" "$@" 2>&1 | grep -v '^\[' | grep -v '^  [a-z0-9-]* s[0-9]'
+}
+{
+  # The first sweep also trains the warm start into the cache the others reuse.
+  sweep prime --device cuda
+  sweep one-j1 --device cuda:0 --jobs 1
+  sweep all-j2 --device cuda --jobs 2
+  sweep one-j4 --device cuda:0 --jobs 4
+  sweep all-j8 --device cuda --jobs 8
+  echo "==== two processes on one store, one per GPU, 4 workers each"
+  start=$(date +%s.%N)
+  "$L" run suites/nightly.toml --store "$S/procs" --device cuda:0 --jobs 4 > "$S/p0.log" 2>&1 &
+  "$L" run suites/nightly.toml --store "$S/procs" --device cuda:1 --jobs 4 > "$S/p1.log" 2>&1 &
+  wait
+  end=$(date +%s.%N)
+  python3 -c "print(f'both done in {$end - $start:.1f}s')"
+  grep -h '^done in' "$S/p0.log" "$S/p1.log"
+  grep -h -c ' start ' "$S/p0.log" "$S/p1.log"
+  echo "==== same metrics as cuda:0 alone (one-j1)?"
+  for s in prime all-j2 one-j4 all-j8 procs; do python3 scripts/same-metrics.py "$S/one-j1" "$S/$s" nightly || status=1; done
+  echo "==== devices recorded (all-j8)"
+  python3 -c 'import collections, glob, json, sys
+n = collections.Counter()
+for f in glob.glob(sys.argv[1] + "/nightly/*/manifest.json"):
+    m = json.load(open(f)); n[(m["device"], m["extra"].get("gpu"))] += 1
+for k, v in sorted(n.items()): print(v, *k)' "$S/all-j8"
+  echo "==== a device that is not visible"
+  CUDA_VISIBLE_DEVICES=1 "$L" run suites/nightly.toml --store "$S/hidden" --device cuda:0,cuda:1; echo "exit $?"
+} > "$OUT/sweeps.log" 2>&1
+cat "$OUT/sweeps.log"
+exit $status

@@ -1,0 +1,209 @@
+//! A sweep over two GPUs of one machine, end to end through the suite runner (skips with fewer
+//! than two visible GPUs):
+//!
+//! - the runs spread over both cards, each manifest names its card (ordinal, model, UUID), and
+//!   every metric equals the same run's on one card alone, bit for bit: the engine repeats across
+//!   cards of one model, not only on one card;
+//! - a real kernel fault on one card mid-sweep (an out-of-bounds store, launched into that card's
+//!   primary context, which the engine shares, so the context is lost as after a hardware
+//!   fault) fails the run in flight there with the card in its error, sends the rest of the sweep
+//!   to the other card and leaves every other run's metrics unchanged.
+//!
+//! Both are one test: the fault leaves the card unusable for the rest of the process.
+
+use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use lockstep::engine::backend::Backend;
+use lockstep::engine::backend::cuda::{self, CudaBackend};
+use lockstep::store::{RunDir, RunStatus};
+use lockstep::suite::plan::RunSpec;
+use lockstep::suite::runner::{Progress, RunnerOptions, Summary, run_suite};
+use lockstep::suite::spec::SuiteSpec;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Two recipes (BF16, and NVFP4 with dequantized backward operands) × 3 seeds on the tiny model.
+const SUITE: &str = r#"
+name = "two-gpus"
+seeds = [0, 1, 2]
+[workload]
+model = "tiny"
+steps = 4
+prompts_per_step = 4
+samples_per_prompt = 4
+[workload.warm_start]
+max_steps = 4
+eval_prompts = 8
+[[configs]]
+name = "bf16"
+recipe = "bf16"
+[[configs]]
+name = "nvfp4-dq"
+recipe = "nvfp4-dq"
+"#;
+
+fn suite() -> (SuiteSpec, Vec<RunSpec>) {
+    let s = lockstep::suite::spec::parse(SUITE, Path::new("two-gpus.toml")).unwrap();
+    let runs = lockstep::suite::plan::expand(&s).unwrap();
+    (s, runs)
+}
+
+/// Run the suite into `dir/runs` on `backends` with `jobs` workers; `on_progress` sees every event.
+fn sweep(
+    dir: &Path,
+    backends: &[&dyn Backend],
+    jobs: usize,
+    on_progress: &(dyn Fn(&Progress<'_>) + Sync),
+) -> Summary {
+    let (s, runs) = suite();
+    let opts = RunnerOptions {
+        store: dir.join("runs"),
+        jobs,
+        force: false,
+        cache: dir.join("cache"),
+    };
+    run_suite(backends, &s, &runs, &opts, &|p| on_progress(&p)).unwrap()
+}
+
+/// Per run id: status, device, the manifest's extras and every deterministic scalar of every step.
+type Outcomes = BTreeMap<
+    String,
+    (
+        RunStatus,
+        String,
+        Option<String>,
+        Vec<BTreeMap<String, u64>>,
+    ),
+>;
+
+fn outcomes(dir: &Path) -> Outcomes {
+    let (_, runs) = suite();
+    runs.iter()
+        .map(|r| {
+            let rd = RunDir::open(&dir.join("runs").join("two-gpus").join(&r.run_id));
+            let m = rd.read_manifest().unwrap();
+            let steps = match m.status {
+                RunStatus::Ok => rd
+                    .read_scalars()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s.deterministic_scalars())
+                    .collect(),
+                _ => Vec::new(),
+            };
+            let gpu = m
+                .extra
+                .get("gpu")
+                .and_then(|g| g.as_str())
+                .map(String::from);
+            let detail = m.error.or(gpu);
+            (r.run_id.clone(), (m.status, m.device, detail, steps))
+        })
+        .collect()
+}
+
+/// An out-of-bounds store on `ordinal`'s primary context (the one the engine's backend uses),
+/// then a wait that returns the fault: from here every call on that context fails.
+fn fault(ordinal: usize) {
+    let ctx = CudaContext::new(ordinal).unwrap();
+    let src =
+        r#"extern "C" __global__ void oob(float* p) { p[(1ull << 40) + threadIdx.x] = 1.0f; }"#;
+    let ptx = cudarc::nvrtc::compile_ptx(src).unwrap();
+    let f = ctx.load_module(ptx).unwrap().load_function("oob").unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let buf = stream.alloc_zeros::<f32>(32).unwrap();
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&buf);
+    // SAFETY: deliberately unsafe: the kernel writes far outside `buf` to fault the context.
+    let _ = unsafe { launch.launch(LaunchConfig::for_num_elems(32)) };
+    let waited = stream.synchronize();
+    assert!(waited.is_err(), "the planted fault did not fault");
+}
+
+#[test]
+fn a_sweep_spreads_over_two_gpus_repeats_across_them_and_survives_losing_one() {
+    match cuda::device_count() {
+        Ok(n) if n >= 2 => {}
+        other => {
+            eprintln!("skipping: needs two GPUs ({other:?} visible)");
+            return;
+        }
+    }
+    let (g0, g1) = (CudaBackend::new(0).unwrap(), CudaBackend::new(1).unwrap());
+    let quiet = |_: &Progress<'_>| {};
+
+    // One card alone: the reference.
+    let one = tempfile::tempdir().unwrap();
+    let sum = sweep(one.path(), &[&g0], 1, &quiet);
+    assert_eq!((sum.ok, sum.failed), (6, 0), "{sum:?}");
+    let reference = outcomes(one.path());
+
+    // Both cards: spread evenly, each manifest names its card, every metric as on one card.
+    let two = tempfile::tempdir().unwrap();
+    let sum = sweep(two.path(), &[&g0, &g1], 2, &quiet);
+    assert_eq!((sum.ok, sum.failed), (6, 0), "{sum:?}");
+    assert!(
+        sum.per_device.values().all(|&n| n >= 2),
+        "runs not spread: {:?}",
+        sum.per_device
+    );
+    let spread = outcomes(two.path());
+    let uuid = |b: &CudaBackend| b.device().uuid().unwrap();
+    for (id, (status, device, gpu, steps)) in &spread {
+        assert_eq!(*status, RunStatus::Ok, "{id}");
+        let card = if device == "cuda:0" { &g0 } else { &g1 };
+        let gpu = gpu.as_deref().unwrap_or_default();
+        assert!(gpu.contains(&uuid(card)), "{id}: manifest gpu `{gpu}`");
+        assert_eq!(
+            *steps, reference[id].3,
+            "{id} on {device} differs from cuda:0 alone"
+        );
+    }
+    assert_ne!(uuid(&g0), uuid(&g1));
+
+    // Both cards, cuda:1 faults during its first run's first step.
+    let lost = tempfile::tempdir().unwrap();
+    let on_card: Mutex<BTreeMap<String, String>> = Mutex::default();
+    let planted = Mutex::new(false);
+    let plant = |p: &Progress<'_>| match p {
+        Progress::Started { run, device } => {
+            on_card
+                .lock()
+                .unwrap()
+                .insert(run.run_id.clone(), device.to_string());
+        }
+        Progress::Step { run, .. } => {
+            let here = on_card.lock().unwrap().get(&run.run_id).cloned();
+            let mut done = planted.lock().unwrap();
+            if here.as_deref() == Some("cuda:1") && !*done {
+                *done = true;
+                fault(1);
+            }
+        }
+        _ => {}
+    };
+    let sum = sweep(lost.path(), &[&g0, &g1], 2, &plant);
+    assert!(*planted.lock().unwrap(), "no run started on cuda:1");
+    assert_eq!((sum.ok, sum.failed, sum.not_run), (5, 1, 0), "{sum:?}");
+    assert_eq!(sum.lost_devices.len(), 1, "{sum:?}");
+    assert_eq!(sum.lost_devices[0].0, "cuda:1");
+    for (id, (status, device, detail, steps)) in outcomes(lost.path()) {
+        match status {
+            RunStatus::Failed => {
+                assert_eq!(device, "cuda:1", "{id}");
+                let error = detail.unwrap_or_default();
+                assert!(
+                    error.contains("cuda:1") && error.contains(&uuid(&g1)),
+                    "{id}: error does not name the card: {error}"
+                );
+            }
+            _ => {
+                assert_eq!(status, RunStatus::Ok, "{id}");
+                assert_eq!(steps, reference[&id].3, "{id} on {device} changed");
+            }
+        }
+    }
+    // The lost card stays lost; the other still computes.
+    assert!(g1.health().is_err());
+    assert!(g0.health().is_ok());
+}
