@@ -61,6 +61,7 @@ fn sweep(
         jobs,
         force: false,
         cache: dir.join("cache"),
+        threads_per_worker: None,
     };
     run_suite(backends, &s, &runs, &opts, &|p| on_progress(&p)).unwrap()
 }

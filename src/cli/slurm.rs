@@ -300,6 +300,7 @@ pub fn run_task(
         jobs: 1,
         force,
         cache: cache.unwrap_or_else(default_cache),
+        threads_per_worker: None,
     };
     let who = TaskIdentity::from_env();
     if let Some(w) = &who

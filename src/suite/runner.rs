@@ -23,6 +23,12 @@ pub struct RunnerOptions {
     pub force: bool,
     /// Warm-start cache.
     pub cache: PathBuf,
+    /// Host threads of each worker's own thread pool; `None`, every worker shares the process's
+    /// pool. A GPU worker's host work blocks pool threads while it waits for its device (the
+    /// rollout and the trainer's preparation run side by side on the pool), so workers sharing
+    /// one pool stall each other's host phases: on an H200 with 8 workers, every phase of a step
+    /// took 5x its one-worker time.
+    pub threads_per_worker: Option<usize>,
 }
 
 /// What the runner tells its progress display.
@@ -244,9 +250,16 @@ pub fn run_suite(
         for w in 0..opts.jobs.max(1) {
             let be = backends[w % backends.len()];
             let (queue, bump, root, lost, summary) = (&queue, &bump, &root, &lost, &summary);
+            let pool = opts.threads_per_worker.and_then(|t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t.max(1))
+                    .thread_name(move |i| format!("worker-{w}-{i}"))
+                    .build()
+                    .ok()
+            });
             scope.spawn(move || {
                 let device = be.name();
-                loop {
+                let work = || loop {
                     if super::interrupt::requested().is_some() || lost(&device) {
                         break; // stopping, or this device is gone: start nothing new
                     }
@@ -278,6 +291,10 @@ pub fn run_suite(
                             break;
                         }
                     }
+                };
+                match &pool {
+                    Some(p) => p.install(work),
+                    None => work(),
                 }
             });
         }
@@ -504,6 +521,7 @@ mod tests {
             jobs: 2,
             force: false,
             cache: d.path().join("cache"),
+            threads_per_worker: None,
         };
         let started = Mutex::new(Vec::new());
         let progress = |p: Progress<'_>| {
@@ -582,6 +600,7 @@ mod tests {
             jobs: 2,
             force: false,
             cache: dir.join("cache"),
+            threads_per_worker: Some(1),
         };
         (suite, runs, opts)
     }

@@ -34,10 +34,10 @@ use std::sync::Arc;
 /// What `lockstep run` and `run-one` print (to stderr) when they compute on a GPU, so nobody takes
 /// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
 pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there and the trainer's forward \
-    and backward run there; weight preparation, the loss and AdamW stay on this host's CPU, and \
-    workers sharing one GPU overlap little: on an H200 the nightly suite's 30 runs took 34-46 s \
-    at 4-8 workers against 51-65 s with one, and more workers were slower (--jobs 4 is about \
-    the best there; docs/cuda.md)";
+    and backward run there; weight preparation, the loss and AdamW stay on this host's CPU. Runs \
+    sharing a GPU overlap little (the many small launches of each step queue behind one \
+    another): on an H200 the nightly suite's 30 runs took 55 s with one worker, 35-37 s with \
+    4-8 and 52 s with 16; the default is 4 workers per GPU (--jobs to change; docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
@@ -194,13 +194,6 @@ impl CudaDevice {
             at(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
             at(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
         ))
-    }
-
-    /// Device memory `(used, total)` in bytes, by every process on the card (what a colleague
-    /// sharing the node sees in `nvidia-smi`).
-    pub fn memory_in_use(&self) -> Result<(usize, usize), CudaError> {
-        let (free, total) = self.ctx.mem_get_info()?;
-        Ok((total.saturating_sub(free), total))
     }
 
     /// `NVIDIA H200, GPU-…, PCI 0000:18:00.0`: what a manifest records to name the card.
