@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
+use lockstep::engine::backend::DeviceError;
 use lockstep::store::RunDir;
 use lockstep::suite::builtin::default_cache;
 use lockstep::suite::runner::{Progress, RunnerOptions, run_suite, safe_component, suite_dir};
@@ -195,10 +196,14 @@ pub fn run_local(
     runs: &[lockstep::suite::RunSpec],
     args: &RunArgs,
 ) -> Result<bool> {
-    let backends = lockstep::engine::backend::sweep_devices(&args.device)?
+    let opened = lockstep::engine::backend::sweep_devices(&args.device)?
         .into_iter()
         .map(lockstep::engine::backend::open)
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
+    let (backends, unavailable) = usable_devices(opened)?;
+    for e in &unavailable {
+        eprintln!("warning: {e}; the sweep runs on the other devices");
+    }
     let on_gpu = backends.iter().any(|b| b.name().starts_with("cuda"));
     let jobs = args
         .jobs
@@ -332,6 +337,25 @@ fn ingest_suite_cmd(
         store.join(&s.name).display()
     );
     Ok(sum.missing + sum.unfinished == 0)
+}
+
+/// The devices a sweep can use, and the cards it leaves out because they cannot be used now
+/// ([`DeviceError::card_unavailable`]), as long as one is left; any other error stops it.
+fn usable_devices<B>(
+    opened: Vec<Result<B, DeviceError>>,
+) -> Result<(Vec<B>, Vec<DeviceError>), DeviceError> {
+    let (mut usable, mut left_out) = (Vec::new(), Vec::new());
+    for o in opened {
+        match o {
+            Ok(b) => usable.push(b),
+            Err(e) if e.card_unavailable() => left_out.push(e),
+            Err(e) => return Err(e),
+        }
+    }
+    match (usable.is_empty(), left_out.is_empty()) {
+        (true, false) => Err(left_out.swap_remove(0)),
+        _ => Ok((usable, left_out)),
+    }
 }
 
 /// Each worker's own host thread pool on GPUs, the cores shared out, where that leaves each at
@@ -555,4 +579,57 @@ pub fn ingest_cmd(args: &IngestArgs) -> Result<bool> {
         args.store.join(&suite).display()
     );
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockstep::engine::backend::Device;
+    use lockstep::engine::backend::cuda::CudaError;
+
+    fn busy(i: usize) -> DeviceError {
+        // What a card held in exclusive mode by another process answers.
+        let err = cudarc::driver::DriverError(
+            cudarc::driver::sys::cudaError_enum::CUDA_ERROR_DEVICE_UNAVAILABLE,
+        );
+        DeviceError::Cuda {
+            device: Device::Cuda(i),
+            err: CudaError::Driver(err),
+        }
+    }
+
+    fn missing(i: usize) -> DeviceError {
+        DeviceError::Cuda {
+            device: Device::Cuda(i),
+            err: CudaError::NoDevice {
+                ordinal: i,
+                count: 2,
+                hint: String::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn a_sweep_leaves_out_busy_cards_but_stops_on_a_wrong_name() {
+        let (ok, out) = usable_devices(vec![Ok(0), Err(busy(1)), Ok(2)]).unwrap();
+        assert_eq!(ok, [0, 2]);
+        // (A driver error's text comes from the driver library, absent here: match, not print.)
+        assert!(matches!(
+            out[..],
+            [DeviceError::Cuda {
+                device: Device::Cuda(1),
+                ..
+            }]
+        ));
+        let e = usable_devices(vec![Ok(0), Err(missing(5))]).unwrap_err();
+        assert!(e.to_string().contains("cuda:5 does not exist"), "{e}");
+        let e = usable_devices::<u8>(vec![Err(busy(0)), Err(busy(1))]).unwrap_err();
+        assert!(matches!(
+            e,
+            DeviceError::Cuda {
+                device: Device::Cuda(0),
+                ..
+            }
+        ));
+    }
 }

@@ -36,6 +36,22 @@ pub enum DeviceError {
     },
 }
 
+impl DeviceError {
+    /// A card that exists but cannot be used now: its context or cuBLAS handle failed to start
+    /// (a colleague's process holds it in exclusive mode, its memory is full, it faulted). A
+    /// sweep over several cards runs on the others; a wrong name or missing libraries are the
+    /// user's to fix, and stop it.
+    pub fn card_unavailable(&self) -> bool {
+        matches!(
+            self,
+            DeviceError::Cuda {
+                err: cuda::CudaError::Driver(_) | cuda::CudaError::Blas(_),
+                ..
+            }
+        )
+    }
+}
+
 impl std::str::FromStr for Device {
     type Err = DeviceError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
