@@ -470,7 +470,7 @@ pub struct NightlyArgs {
     /// Run store root (runs, compare.json, verdict and the nights' history go under `<store>/<suite>/`).
     #[arg(long, default_value = "runs")]
     pub store: PathBuf,
-    /// Parallel runs (default: number of cores).
+    /// Parallel runs (default: one per core; on GPUs four per GPU).
     #[arg(long)]
     pub jobs: Option<usize>,
     /// Compare what is in the store without running anything.

@@ -121,7 +121,7 @@ pub struct RunArgs {
     /// Run store root.
     #[arg(long, default_value = "runs")]
     pub store: PathBuf,
-    /// Parallel runs (default: number of cores).
+    /// Parallel runs (default: one per core; on GPUs four per GPU).
     #[arg(long)]
     pub jobs: Option<usize>,
     /// Redo finished runs too.
