@@ -11,6 +11,7 @@
 use super::QuantStats;
 use super::e8m0::{e8m0_ceil_from_f32, e8m0_from_exponent, e8m0_reciprocal, e8m0_to_f32};
 use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_code_u32_sat, e4m3_from_f32_sat, e5m2_from_f32_sat};
+use super::isa::prefetch;
 use serde::{Deserialize, Serialize};
 
 /// Elements per MXFP8 block.
@@ -304,6 +305,9 @@ pub fn quantize_row_with(
             let mut sat = 0u32;
             let (c32s, _) = codes.as_chunks_mut::<MX_BLOCK>();
             for (((c32, x32), &m), &a) in c32s.iter_mut().zip(x32s).zip(bm.iter()).zip(ba.iter()) {
+                // The next row, as in NVFP4's row (a block is two cache lines).
+                prefetch(x32.as_ptr().wrapping_add(x.len()));
+                prefetch(x32.as_ptr().wrapping_add(x.len() + 16));
                 for ((c, &v), u) in c32.iter_mut().zip(x32).zip(under.iter_mut()) {
                     let code = e4m3_code_u32_sat(v * m);
                     // wrapping: see `encode_row`.
