@@ -1284,7 +1284,8 @@ mod tests {
 
     #[test]
     fn mxfp8_row_loops_equal_the_block_reference_on_every_bit_class() {
-        let w = 512;
+        // 19 MXFP8 or 38 NVFP4 blocks: whole groups of sixteen and a remainder.
+        let w = 608;
         for data in every_bit_class() {
             for elem in [Fp8Elem::E4M3, Fp8Elem::E5M2] {
                 let mut scratch = mxfp8::RowScratch::default();
@@ -1326,7 +1327,8 @@ mod tests {
     #[test]
     fn nvfp4_row_loops_equal_the_block_reference_on_every_bit_class() {
         use crate::formats::e2m1::pack_fp4;
-        let w = 512;
+        // 19 MXFP8 or 38 NVFP4 blocks: whole groups of sixteen and a remainder.
+        let w = 608;
         for data in every_bit_class() {
             for (shards, amax_of) in [
                 (1, None),
