@@ -895,7 +895,7 @@ fn block_amaxes(isa: Isa, x: &[f32], block: usize, out: &mut [f32]) {
 #[target_feature(enable = "avx2,avx512f,avx512bw,avx512dq,avx512vl")]
 unsafe fn block_amaxes_avx512(x: &[f32], block: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
-    debug_assert!(x.len() >= out.len() * block && out.len() % 16 == 0);
+    debug_assert!(x.len() >= out.len() * block && out.len().is_multiple_of(16));
     let abs = _mm512_set1_epi32(0x7FFF_FFFF);
     let inf = _mm512_set1_epi32(0x7F80_0000);
     let nan = _mm512_set1_epi32(f32::NAN.to_bits() as i32);
