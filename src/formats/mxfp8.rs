@@ -238,10 +238,10 @@ fn e8m0_reciprocal_below_ff(b: u32) -> f32 {
 /// `scales`, one code per element into `codes`. Byte for byte [`quantize_block`] on each block
 /// (tested over every FP32 exponent and sign, with NaN, Inf, subnormals and ties).
 ///
-/// For the TE rule the row is done in whole-row loops, as NVFP4's row: the block scales and each
-/// element's multiplier first, then one encode loop over the row that LLVM vectorises (a loop per
-/// 32-element block is fully unrolled before the vectoriser runs and stays scalar). The OCP rule,
-/// whose NaN/Inf blocks short-circuit, stays block by block.
+/// For the TE rule the row is done in passes, as NVFP4's row: every block's amax; the scales and
+/// multipliers in one branch-free loop across blocks; then the encode (E4M3: a block at a time
+/// under its multiplier; E5M2: one loop over the row with a multiplier per element). The OCP
+/// rule, whose NaN/Inf blocks short-circuit, stays block by block.
 #[inline(always)]
 pub fn quantize_row(
     x: &[f32],
