@@ -51,12 +51,15 @@ pub(crate) fn e2m1_code_u32(x: f32, conv: E2m1Convention) -> u32 {
     let mag = if ab < (127 << 23) { sub } else { normal };
     let code = ((u >> 28) & 8) | mag;
     let nan_code = match conv {
-        E2m1Convention::TeRef => 0,
+        // ±0 and NaN both give 0: one unsigned compare keeps exactly the magnitudes in
+        // (0, Inf], in place of a test for each (this runs once per NVFP4 element).
+        E2m1Convention::TeRef => {
+            let keep = (u & 0x7FFF_FFFF).wrapping_sub(1) < 0x7F80_0000;
+            return if keep { code } else { 0 };
+        }
         E2m1Convention::MlDtypes => 8,
         E2m1Convention::PtxSatfinite => 7,
     };
-    let neg_zero = (u == 0x8000_0000) & (conv == E2m1Convention::TeRef);
-    let code = if neg_zero { 0 } else { code };
     if x.is_nan() { nan_code } else { code }
 }
 

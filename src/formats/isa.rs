@@ -97,3 +97,17 @@ macro_rules! per_isa {
 }
 
 pub(crate) use per_isa;
+
+/// Asks the CPU to bring the cache line holding `p` into L1. A hint only: it never faults
+/// and changes no result, whatever the address (so `p` may point past an allocation; build it
+/// with `wrapping_add`). No-op off x86-64.
+#[inline(always)]
+pub(crate) fn prefetch(p: *const f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing into the program and cannot fault.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

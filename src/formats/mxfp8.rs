@@ -11,6 +11,7 @@
 use super::QuantStats;
 use super::e8m0::{e8m0_ceil_from_f32, e8m0_from_exponent, e8m0_reciprocal, e8m0_to_f32};
 use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_code_u32_sat, e4m3_from_f32_sat, e5m2_from_f32_sat};
+use super::isa::prefetch;
 use serde::{Deserialize, Serialize};
 
 /// Elements per MXFP8 block.
@@ -184,6 +185,7 @@ fn encode_with(
 pub struct RowScratch {
     mult: Vec<f32>,
     block_mult: Vec<f32>,
+    block_amax: Vec<f32>,
 }
 
 /// max of the sign-cleared bit patterns: |x|'s bits when no element is NaN, above 0x7F800000
@@ -193,14 +195,53 @@ fn amax_nan_propagating_bits(x: &[f32; MX_BLOCK]) -> u32 {
     x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7FFF_FFFF))
 }
 
+/// Every 32-element block's [`amax_ignoring_nan`] into `out`.
+///
+/// The NaN-propagating integer max vectorises within a block; a block holding a NaN (its max
+/// bits above +Inf's) takes the NaN-skipping loop instead, which is rare and gives the same
+/// amax. (The branch also keeps AVX-512 compiles from vectorising across blocks with gathers.)
+#[inline(always)]
+pub fn block_amaxes(x: &[f32], out: &mut [f32]) {
+    for (m, x32) in out.iter_mut().zip(x.as_chunks::<MX_BLOCK>().0) {
+        let a = amax_nan_propagating_bits(x32);
+        *m = if a > 0x7F80_0000 {
+            amax_ignoring_nan(x32)
+        } else {
+            f32::from_bits(a)
+        };
+    }
+}
+
+/// [`e8m0_ceil_from_f32`] for a non-negative, non-NaN `t`, branch-free (as u32, at most 0xFE):
+/// the exponent field, plus one when the mantissa is non-zero unless `t <= 2^-127`; +Inf and
+/// the bump past 0xFE saturate to 0xFE.
+#[inline(always)]
+fn e8m0_ceil_finite(t: f32) -> u32 {
+    let u = t.to_bits();
+    let (e, m) = (u >> 23, u & 0x7F_FFFF);
+    let bump = (m != 0) & !((e == 0) & (m <= 0x40_0000));
+    (e + u32::from(bump)).min(0xFE)
+}
+
+/// [`e8m0_reciprocal`] of a byte below 0xFF, branch-free: 2^(127-b), the subnormal 2^-127 at
+/// b = 254.
+#[inline(always)]
+fn e8m0_reciprocal_below_ff(b: u32) -> f32 {
+    f32::from_bits(if b == 254 {
+        0x0040_0000
+    } else {
+        (254 - b) << 23
+    })
+}
+
 /// Quantize one row of MXFP8 blocks (`x.len()` a multiple of 32): one E8M0 byte per block into
 /// `scales`, one code per element into `codes`. Byte for byte [`quantize_block`] on each block
 /// (tested over every FP32 exponent and sign, with NaN, Inf, subnormals and ties).
 ///
-/// For the TE rule the row is done in whole-row loops, as NVFP4's row: the block scales and each
-/// element's multiplier first, then one encode loop over the row that LLVM vectorises (a loop per
-/// 32-element block is fully unrolled before the vectoriser runs and stays scalar). The OCP rule,
-/// whose NaN/Inf blocks short-circuit, stays block by block.
+/// For the TE rule the row is done in passes, as NVFP4's row: every block's amax; the scales and
+/// multipliers in one branch-free loop across blocks; then the encode (E4M3: a block at a time
+/// under its multiplier; E5M2: one loop over the row with a multiplier per element). The OCP
+/// rule, whose NaN/Inf blocks short-circuit, stays block by block.
 #[inline(always)]
 pub fn quantize_row(
     x: &[f32],
@@ -209,6 +250,21 @@ pub fn quantize_row(
     scales: &mut [u8],
     codes: &mut [u8],
     scratch: &mut RowScratch,
+) -> QuantStats {
+    quantize_row_with(x, elem, rule, scales, codes, scratch, block_amaxes)
+}
+
+/// [`quantize_row`] with the TE rule's block amaxes taken by `amaxes` (`(row, out)`, as
+/// [`block_amaxes`]), so a caller can run that loop from another kernel.
+#[inline(always)]
+pub fn quantize_row_with(
+    x: &[f32],
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+    scales: &mut [u8],
+    codes: &mut [u8],
+    scratch: &mut RowScratch,
+    amaxes: impl FnOnce(&[f32], &mut [f32]),
 ) -> QuantStats {
     let mut st = QuantStats::default();
     if rule == MxScaleRule::OcpFloor {
@@ -224,38 +280,48 @@ pub fn quantize_row(
     // Every element of the buffers is written below before it is read: no clearing needed.
     let nb = scales.len();
     scratch.block_mult.resize(nb, 0.0);
+    scratch.block_amax.resize(nb, 0.0);
     let bm = &mut scratch.block_mult[..nb];
+    let ba = &mut scratch.block_amax[..nb];
     let rcp = elem.rcp_max();
     let (x32s, _) = x.as_chunks::<MX_BLOCK>();
-    for ((s, x32), m) in scales.iter_mut().zip(x32s).zip(bm.iter_mut()) {
-        // The NaN-propagating integer max vectorises; a block holding a NaN (its max bits above
-        // +Inf's) takes the NaN-skipping loop instead, which is rare and gives the same amax.
-        let a = amax_nan_propagating_bits(x32);
-        let amax = if a > 0x7F80_0000 {
-            amax_ignoring_nan(x32)
-        } else {
-            f32::from_bits(a)
-        };
-        let b = e8m0_ceil_from_f32(amax * rcp);
-        *s = b;
-        *m = e8m0_reciprocal(b);
+    // Every block's amax, then the scales in one branch-free loop across blocks.
+    amaxes(&x[..x32s.len() * MX_BLOCK], ba);
+    for ((s, m), &a) in scales.iter_mut().zip(bm.iter_mut()).zip(ba.iter()) {
+        let b = e8m0_ceil_finite(a * rcp);
+        *s = b as u8;
+        *m = e8m0_reciprocal_below_ff(b);
     }
     match elem {
         // A block at a time under its multiplier, in 32-bit lanes to the code byte (the loop
         // LLVM's SLP pass vectorises; no per-element multiplier array to write and read back).
+        // The underflow count is kept per lane across the row (a sum per block is a horizontal
+        // reduction per block, which dominated the loop). No element of a block can saturate
+        // unless its amax does (a product with the same multiplier is monotonic in |x|), so
+        // only those rare blocks are counted for saturation.
         Fp8Elem::E4M3 => {
             let max = super::fp8::E4M3_MAX;
-            let (mut sat, mut under) = (0u32, 0u32);
+            let mut under = [0u32; MX_BLOCK];
+            let mut sat = 0u32;
             let (c32s, _) = codes.as_chunks_mut::<MX_BLOCK>();
-            for ((c32, x32), &m) in c32s.iter_mut().zip(x32s).zip(bm.iter()) {
-                for (c, &v) in c32.iter_mut().zip(x32) {
-                    let s = v * m;
-                    let code = e4m3_code_u32_sat(s);
-                    sat = sat.wrapping_add(u32::from((s.abs() > max) & v.is_finite()));
-                    under = under.wrapping_add(u32::from((code & 0x7F == 0) & (v != 0.0)));
+            for (((c32, x32), &m), &a) in c32s.iter_mut().zip(x32s).zip(bm.iter()).zip(ba.iter()) {
+                // The next row, as in NVFP4's row (a block is two cache lines).
+                prefetch(x32.as_ptr().wrapping_add(x.len()));
+                prefetch(x32.as_ptr().wrapping_add(x.len() + 16));
+                for ((c, &v), u) in c32.iter_mut().zip(x32).zip(under.iter_mut()) {
+                    let code = e4m3_code_u32_sat(v * m);
+                    // wrapping: see `encode_row`.
+                    *u = u.wrapping_add(u32::from((code & 0x7F == 0) & (v != 0.0)));
                     *c = code as u8;
                 }
+                if a * m > max {
+                    sat += x32
+                        .iter()
+                        .map(|&v| u32::from(((v * m).abs() > max) & v.is_finite()))
+                        .sum::<u32>();
+                }
             }
+            let under = under.iter().fold(0u32, |t, &u| t.wrapping_add(u));
             st.add_block(x32s.len() * MX_BLOCK, sat, under);
         }
         Fp8Elem::E5M2 => {
