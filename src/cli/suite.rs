@@ -233,8 +233,10 @@ pub fn run_local(
             println!("  {} = {hw}", b.name());
         }
     }
+    static GPU_NOTE_SHOWN: std::sync::Once = std::sync::Once::new();
     if on_gpu {
-        eprintln!("{}", lockstep::engine::backend::cuda::GPU_NOTE);
+        // Once per command: `nightly --seeds auto` runs several rounds.
+        GPU_NOTE_SHOWN.call_once(|| eprintln!("{}", lockstep::engine::backend::cuda::GPU_NOTE));
     }
     let board = Mutex::new(super::progress::Board::new(total, tty));
     let progress = |p: Progress<'_>| {
