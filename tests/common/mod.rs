@@ -206,3 +206,25 @@ pub trait StreamIo {
         v
     }
 }
+
+/// An out-of-bounds store on `ordinal`'s primary context (the one the engine's backend uses),
+/// then a wait that returns the fault: from here every call on that context fails, as after a
+/// hardware fault.
+pub fn fault(ordinal: usize) {
+    use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+    let ctx = CudaContext::new(ordinal).unwrap();
+    let src =
+        r#"extern "C" __global__ void oob(float* p) { p[(1ull << 40) + threadIdx.x] = 1.0f; }"#;
+    let ptx = cudarc::nvrtc::compile_ptx(src).unwrap();
+    let f = ctx.load_module(ptx).unwrap().load_function("oob").unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let buf = stream.alloc_zeros::<f32>(32).unwrap();
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&buf);
+    // SAFETY: deliberately unsafe: the kernel writes far outside `buf` to fault the context.
+    let _ = unsafe { launch.launch(LaunchConfig::for_num_elems(32)) };
+    assert!(
+        stream.synchronize().is_err(),
+        "the planted fault did not fault"
+    );
+}
