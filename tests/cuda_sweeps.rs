@@ -1,15 +1,18 @@
-//! A sweep over two GPUs of one machine, end to end through the suite runner (skips with fewer
-//! than two visible GPUs):
+//! Sweeps on GPUs through the suite runner, and what a lost card does to them.
 //!
-//! - the runs spread over both cards, each manifest names its card (ordinal, model, UUID), and
-//!   every metric equals the same run's on one card alone, bit for bit: the engine repeats across
-//!   cards of one model, not only on one card;
-//! - a real kernel fault on one card mid-sweep (an out-of-bounds store, launched into that card's
-//!   primary context, which the engine shares, so the context is lost as after a hardware
-//!   fault) fails the run in flight there with the card in its error, sends the rest of the sweep
-//!   to the other card and leaves every other run's metrics unchanged.
+//! - Two cards (skipped with fewer): the runs spread over both, each manifest names its card
+//!   (ordinal, model, UUID), and every metric equals the same run's on one card alone, bit for
+//!   bit: the engine repeats across cards of one model, not only on one card. Then a real kernel
+//!   fault on cuda:1 mid-sweep (an out-of-bounds store launched into that card's primary
+//!   context, which the engine shares, so the context is lost as after a hardware fault) fails
+//!   the run in flight there with the card in its error, sends the rest of the sweep to cuda:0
+//!   and leaves every other run's metrics unchanged.
+//! - One card (any GPU machine): the same fault on cuda:0 during the second of four runs. The
+//!   first run stays `ok`, the second fails naming the card, the card is reported lost, the two
+//!   runs nobody could take count as `not run`, and the lost card's backend drops without a
+//!   panic.
 //!
-//! Both are one test: the fault leaves the card unusable for the rest of the process.
+//! One test, in that order: a fault ends its card for the rest of the process.
 
 mod common;
 
@@ -106,26 +109,32 @@ fn outcomes(dir: &Path) -> Outcomes {
 }
 
 #[test]
-fn a_sweep_spreads_over_two_gpus_repeats_across_them_and_survives_losing_one() {
-    match cuda::device_count() {
-        Ok(n) if n >= 2 => {}
-        other => {
-            eprintln!("skipping: needs two GPUs ({other:?} visible)");
-            return;
-        }
+fn sweeps_spread_over_cards_repeat_across_them_and_survive_losing_one() {
+    if let Some(why) = cuda::skip_reason() {
+        eprintln!("skipping: {why}");
+        return;
     }
-    let (g0, g1) = (CudaBackend::new(0).unwrap(), CudaBackend::new(1).unwrap());
+    let g0 = CudaBackend::new(0).unwrap();
+    match cuda::device_count() {
+        Ok(n) if n >= 2 => two_cards(&g0, CudaBackend::new(1).unwrap()),
+        other => eprintln!("the two-card part skips: {other:?} GPU(s) visible"),
+    }
+    a_card_that_faults_fails_its_run_and_no_later_run_goes_to_it(g0);
+}
+
+/// The two-card case of the module doc: `g0` stays healthy, `g1` is lost.
+fn two_cards(g0: &CudaBackend, g1: CudaBackend) {
     let quiet = |_: &Progress<'_>| {};
 
     // One card alone: the reference.
     let one = tempfile::tempdir().unwrap();
-    let sum = sweep(one.path(), &[&g0], 1, &quiet);
+    let sum = sweep(one.path(), &[g0], 1, &quiet);
     assert_eq!((sum.ok, sum.failed), (6, 0), "{sum:?}");
     let reference = outcomes(one.path());
 
     // Both cards: spread evenly, each manifest names its card, every metric as on one card.
     let two = tempfile::tempdir().unwrap();
-    let sum = sweep(two.path(), &[&g0, &g1], 2, &quiet);
+    let sum = sweep(two.path(), &[g0, &g1], 2, &quiet);
     assert_eq!((sum.ok, sum.failed), (6, 0), "{sum:?}");
     assert!(
         sum.per_device.values().all(|&n| n >= 2),
@@ -136,7 +145,7 @@ fn a_sweep_spreads_over_two_gpus_repeats_across_them_and_survives_losing_one() {
     let uuid = |b: &CudaBackend| b.device().uuid().unwrap();
     for (id, (status, device, gpu, steps)) in &spread {
         assert_eq!(*status, RunStatus::Ok, "{id}");
-        let card = if device == "cuda:0" { &g0 } else { &g1 };
+        let card = if device == "cuda:0" { g0 } else { &g1 };
         let gpu = gpu.as_deref().unwrap_or_default();
         assert!(gpu.contains(&uuid(card)), "{id}: manifest gpu `{gpu}`");
         assert_eq!(
@@ -144,7 +153,7 @@ fn a_sweep_spreads_over_two_gpus_repeats_across_them_and_survives_losing_one() {
             "{id} on {device} differs from cuda:0 alone"
         );
     }
-    assert_ne!(uuid(&g0), uuid(&g1));
+    assert_ne!(uuid(g0), uuid(&g1));
 
     // Both cards, cuda:1 faults during its first run's first step.
     let lost = tempfile::tempdir().unwrap();
@@ -167,7 +176,7 @@ fn a_sweep_spreads_over_two_gpus_repeats_across_them_and_survives_losing_one() {
         }
         _ => {}
     };
-    let sum = sweep(lost.path(), &[&g0, &g1], 2, &plant);
+    let sum = sweep(lost.path(), &[g0, &g1], 2, &plant);
     assert!(*planted.lock().unwrap(), "no run started on cuda:1");
     assert_eq!((sum.ok, sum.failed, sum.not_run), (5, 1, 0), "{sum:?}");
     assert_eq!(sum.lost_devices.len(), 1, "{sum:?}");
@@ -191,4 +200,69 @@ fn a_sweep_spreads_over_two_gpus_repeats_across_them_and_survives_losing_one() {
     // The lost card stays lost; the other still computes.
     assert!(g1.health().is_err());
     assert!(g0.health().is_ok());
+}
+
+/// Four runs of one recipe on the tiny model, for the one-card case.
+const ONE_CARD: &str = r#"
+name = "fault"
+seeds = [0, 1, 2, 3]
+[workload]
+model = "tiny"
+steps = 3
+prompts_per_step = 4
+samples_per_prompt = 4
+[workload.warm_start]
+max_steps = 4
+eval_prompts = 8
+[[configs]]
+name = "nvfp4-dq"
+recipe = "nvfp4-dq"
+"#;
+
+/// The one-card case of the module doc, on `g0`.
+fn a_card_that_faults_fails_its_run_and_no_later_run_goes_to_it(g0: CudaBackend) {
+    let uuid = g0.device().uuid().unwrap();
+    let s = lockstep::suite::spec::parse(ONE_CARD, Path::new("fault.toml")).unwrap();
+    let runs = lockstep::suite::plan::expand(&s).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let opts = RunnerOptions {
+        store: d.path().join("runs"),
+        jobs: 1,
+        force: false,
+        cache: d.path().join("cache"),
+        threads_per_worker: None,
+    };
+    let started = Mutex::new(0usize);
+    let planted = Mutex::new(false);
+    let plant = |p: Progress<'_>| match p {
+        Progress::Started { .. } => *started.lock().unwrap() += 1,
+        Progress::Step { .. } => {
+            let mut done = planted.lock().unwrap();
+            if *started.lock().unwrap() == 2 && !*done {
+                *done = true;
+                fault(0);
+            }
+        }
+        _ => {}
+    };
+    let sum = run_suite(&[&g0], &s, &runs, &opts, &plant).unwrap();
+    assert_eq!((sum.ok, sum.failed, sum.not_run), (1, 1, 2), "{sum:?}");
+    assert_eq!(sum.lost_devices.len(), 1, "{sum:?}");
+    assert_eq!(sum.lost_devices[0].0, "cuda:0");
+    let manifest = |i: usize| {
+        RunDir::open(&opts.store.join("fault").join(&runs[i].run_id))
+            .read_manifest()
+            .unwrap()
+    };
+    assert_eq!(manifest(0).status, RunStatus::Ok);
+    let failed = manifest(1);
+    assert_eq!(failed.status, RunStatus::Failed);
+    let error = failed.error.unwrap_or_default();
+    assert!(
+        error.contains("cuda:0") && error.contains(&uuid) && error.contains("stopped computing"),
+        "the error does not name the card: {error}"
+    );
+    eprintln!("failed run's error: {error}");
+    assert!(g0.health().is_err());
+    drop(g0); // a lost card's backend drops without panicking
 }
