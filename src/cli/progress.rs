@@ -81,12 +81,14 @@ impl Board {
                 );
             }
             Progress::Step { run, record } => {
+                let mut device = String::new();
                 if let Some(a) = self.active.get_mut(&run.run_id) {
                     a.step = record.step + 1;
+                    device = format!(" on {}", a.device);
                 }
                 if !self.tty && record.step % 10 == 0 {
                     lines.push(format!(
-                        "  {} s{} step {}/{} reward {:.3} (done {}/{total}, failed {}, ETA {})",
+                        "  {} s{} step {}/{}{device} reward {:.3} (done {}/{total}, failed {}, ETA {})",
                         run.config,
                         run.seed,
                         record.step + 1,
@@ -218,7 +220,9 @@ mod tests {
             .filter(|&s| !step(&mut b, &runs[0], s).lines.is_empty())
             .collect();
         assert_eq!(shown, [0, 10]);
-        assert!(step(&mut b, &runs[0], 10).lines[0].starts_with("  bf16 s0 step 11/20 reward"));
+        assert!(
+            step(&mut b, &runs[0], 10).lines[0].starts_with("  bf16 s0 step 11/20 on cpu reward")
+        );
     }
 
     #[test]
