@@ -237,7 +237,7 @@ impl Backend for CudaBackend {
                 Some(m) => m,
                 None => {
                     let t0 = std::time::Instant::now();
-                    let m = f.upload_model(prep)?;
+                    let m = f.upload_model_for_inference(prep)?;
                     f.stream().synchronize().map_err(CudaError::from)?;
                     self.note_model_upload(t0);
                     Arc::new(m)

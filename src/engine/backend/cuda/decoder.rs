@@ -42,7 +42,7 @@ impl<'a> ResidentDecoder<'a> {
         let t0 = std::time::Instant::now();
         // Queued, not waited for: the decode's first kernels follow the copy on the stream.
         let made = ops
-            .upload_model(prep)
+            .upload_model_for_inference(prep)
             .map_err(OpError::from)
             .and_then(|model| {
                 backend.note_model_upload(t0);

@@ -22,6 +22,7 @@ use super::ops::{CudaOps, DeviceLayout, cfg, cfg_warps, dim};
 use super::{CudaDevice, CudaError};
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
+use crate::engine::linear::PreparedWeight;
 use crate::engine::model::PreparedModel;
 use crate::engine::model::pass::{LayerWeights, Weights};
 use crate::formats::QuantStats;
@@ -125,11 +126,31 @@ impl GpuOps {
     /// Copy a step's prepared weights (forward and dgrad operands) to the device in one staged
     /// copy: the tensors are listed in one fixed order and taken back in the same order.
     pub fn upload_model(&self, prep: &PreparedModel) -> Result<Weights<GpuOps>, CudaError> {
+        self.upload_model_with(prep, true)
+    }
+
+    /// [`GpuOps::upload_model`] without the dgrad operands, for passes that never run a
+    /// backward (the rollout's decode, the reference forward): where a recipe's backward reads
+    /// other operands than its forward (`-hp`, `-dq`), half the bytes and copies.
+    pub fn upload_model_for_inference(
+        &self,
+        prep: &PreparedModel,
+    ) -> Result<Weights<GpuOps>, CudaError> {
+        self.upload_model_with(prep, false)
+    }
+
+    fn upload_model_with(
+        &self,
+        prep: &PreparedModel,
+        dgrad: bool,
+    ) -> Result<Weights<GpuOps>, CudaError> {
         let one = |x| vec![x];
+        fn parts(ws: &[PreparedWeight], dgrad: bool) -> Result<Vec<Vec<&[f32]>>, CudaError> {
+            let [fwd, bwd] = DeviceWeight::parts(ws)?;
+            Ok(if dgrad { vec![fwd, bwd] } else { vec![fwd] })
+        }
         let mut groups = vec![one(&prep.wte[..]), one(&prep.wpe), one(&prep.final_norm)];
-        groups.extend(DeviceWeight::parts(std::slice::from_ref(
-            &prep.output_layer,
-        ))?);
+        groups.extend(parts(std::slice::from_ref(&prep.output_layer), dgrad)?);
         for l in &prep.layers {
             groups.extend([one(&l.attn_norm[..]), one(&l.mlp_norm)]);
             for ws in [
@@ -141,14 +162,18 @@ impl GpuOps {
                 std::slice::from_ref(&l.shared_fc1),
                 std::slice::from_ref(&l.shared_fc2),
             ] {
-                groups.extend(DeviceWeight::parts(ws)?);
+                groups.extend(parts(ws, dgrad)?);
             }
         }
         let mut bufs = self.lin.staging().upload(&groups)?.into_iter();
         let next = |b: &mut std::vec::IntoIter<_>| b.next().expect("one buffer per group");
         let weight = |b: &mut std::vec::IntoIter<_>, ws: &[_]| {
-            let (w_fwd, w_bwd) = (next(b), next(b));
-            DeviceWeight::from_parts(ws, w_fwd, w_bwd)
+            let w_fwd = next(b);
+            if dgrad {
+                DeviceWeight::from_parts(ws, w_fwd, next(b))
+            } else {
+                DeviceWeight::forward_only(ws, w_fwd)
+            }
         };
         let b = &mut bufs;
         let (wte, wpe, final_norm) = (next(b), next(b), next(b));

@@ -33,6 +33,9 @@ pub struct DeviceWeight {
     /// `None` where every stacked weight's dgrad operand is its forward operand
     /// ([`PreparedWeight::bwd_is_fwd`]): one copy serves both GEMMs.
     w_bwd: Option<CudaSlice<f32>>,
+    /// False for a weight uploaded for forward passes only ([`DeviceWeight::forward_only`]):
+    /// its dgrad operand stayed on the host, so a backward through it is an error.
+    has_dgrad: bool,
     out_dim: usize,
     in_dim: usize,
     batch: usize,
@@ -68,6 +71,21 @@ impl DeviceWeight {
         DeviceWeight {
             w_fwd,
             w_bwd: (!ws.iter().all(PreparedWeight::bwd_is_fwd)).then_some(w_bwd),
+            has_dgrad: true,
+            out_dim,
+            in_dim,
+            batch: ws.len(),
+        }
+    }
+
+    /// `ws` for forward passes only (decode, the reference forward), from the buffer its
+    /// forward operands (`parts(ws)[0]`) were uploaded into.
+    pub fn forward_only(ws: &[PreparedWeight], w_fwd: CudaSlice<f32>) -> Self {
+        let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
+        DeviceWeight {
+            w_fwd,
+            w_bwd: None,
+            has_dgrad: false,
             out_dim,
             in_dim,
             batch: ws.len(),
@@ -207,6 +225,11 @@ impl CudaLinear {
         dx: Option<&mut CudaSlice<f32>>,
         dw: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        if !w.has_dgrad {
+            return Err(CudaError::Shape(
+                "linear backward through a weight uploaded for forward passes only".into(),
+            ));
+        }
         let (n, m) = (cache.n, w.out_dim);
         if dy.len() < w.batch * n * m {
             return Err(CudaError::Shape(format!(
