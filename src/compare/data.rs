@@ -154,17 +154,7 @@ pub fn load_runs(dirs: &[PathBuf], wanted: Wanted<'_>) -> (Vec<RunData>, Vec<Str
     (runs, skipped)
 }
 
-/// The run folders directly under a suite folder (those holding a `manifest.json`), sorted.
-pub fn run_dirs(suite_dir: &Path) -> Result<Vec<PathBuf>, IoError> {
-    let mut out: Vec<PathBuf> = std::fs::read_dir(suite_dir)
-        .map_err(|e| IoError::io(suite_dir, e))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .filter(|p| p.join("manifest.json").is_file())
-        .collect();
-    out.sort();
-    Ok(out)
-}
+pub use crate::store::run_dirs;
 
 #[cfg(test)]
 mod tests {

@@ -4,7 +4,7 @@
 
 use crate::engine::metrics::LayerRecord;
 use crate::io::IoError;
-use crate::store::{Manifest, RunDir, RunStatus};
+use crate::store::{Manifest, RunDir, RunStatus, run_dirs};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -65,18 +65,6 @@ impl RunData {
 /// early) is kept with empty series, so the metadata still lists it.
 pub fn load_runs(suite_dir: &Path) -> Result<Vec<RunData>, IoError> {
     run_dirs(suite_dir)?.iter().map(|d| load_run(d)).collect()
-}
-
-/// The folders under `suite_dir` that hold a manifest, sorted.
-fn run_dirs(suite_dir: &Path) -> Result<Vec<PathBuf>, IoError> {
-    let rd = std::fs::read_dir(suite_dir).map_err(|e| IoError::io(suite_dir, e))?;
-    let mut dirs: Vec<PathBuf> = rd
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .filter(|p| p.is_dir() && p.join("manifest.json").is_file())
-        .collect();
-    dirs.sort();
-    Ok(dirs)
 }
 
 /// The suite's runs as it is now, read from `suite_dir`, and the folders passed over as stale

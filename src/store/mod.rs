@@ -10,6 +10,21 @@ pub mod table;
 
 pub use run::{Manifest, RunDir, RunStatus};
 
+use crate::io::IoError;
+use std::path::{Path, PathBuf};
+
+/// The run folders directly under a suite folder (those holding a `manifest.json`), sorted.
+pub fn run_dirs(suite_dir: &Path) -> Result<Vec<PathBuf>, IoError> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(suite_dir)
+        .map_err(|e| IoError::io(suite_dir, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.join("manifest.json").is_file())
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
 /// A path component that cannot escape its parent.
 pub fn safe_component(s: &str) -> Result<(), String> {
     if s.is_empty() || s.starts_with('.') || s.len() > 200 {

@@ -133,17 +133,12 @@ pub fn is_finished(dir: &Path) -> bool {
 pub fn unplanned_runs(root: &Path, runs: &[RunSpec]) -> Vec<String> {
     let planned: std::collections::BTreeSet<&str> =
         runs.iter().map(|r| r.run_id.as_str()).collect();
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return Vec::new();
-    };
-    let mut out: Vec<String> = entries
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().join("manifest.json").is_file())
-        .filter_map(|e| e.file_name().into_string().ok())
+    crate::store::run_dirs(root)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|d| d.file_name()?.to_str().map(String::from))
         .filter(|name| !planned.contains(name.as_str()))
-        .collect();
-    out.sort();
-    out
+        .collect()
 }
 
 /// An exclusive per-run lock; released on drop. The lock file holds its owner as `PID START`,
