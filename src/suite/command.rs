@@ -86,14 +86,14 @@ pub fn argv(
     cmd.argv.iter().map(|a| fill(a, &vals)).collect()
 }
 
-/// Why the template `element` cannot be filled for `run`, if it cannot.
-pub fn argv_element_error(
+/// Why `template` (an argv element or an `env` value) cannot be filled for `run`, if it cannot.
+pub fn template_error(
     suite: &SuiteSpec,
     run: &RunSpec,
-    element: &str,
+    template: &str,
     out_dir: &Path,
 ) -> Option<String> {
-    fill(element, &placeholders(suite, run, out_dir)).err()
+    fill(template, &placeholders(suite, run, out_dir)).err()
 }
 
 /// The run's environment (`[command] env` and the configuration's `env`) with every placeholder

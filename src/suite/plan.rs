@@ -503,25 +503,22 @@ pub fn expand(s: &SuiteSpec) -> Result<Vec<RunSpec>, SuiteError> {
                 if let Some(cmd) = &s.command {
                     // Every placeholder must resolve for every run, now rather than at 3 a.m.
                     let out_dir = std::path::Path::new("OUT_DIR");
-                    if let Err(e) = super::command::argv(s, cmd, &spec, out_dir) {
-                        let bad = cmd.argv.iter().find(|a| {
-                            super::command::argv_element_error(s, &spec, a, out_dir).is_some()
+                    // The error at the line of the first template that does not fill.
+                    let at_template = |templates: Vec<&String>, e: String| {
+                        let bad = templates.into_iter().find(|t| {
+                            super::command::template_error(s, &spec, t, out_dir).is_some()
                         });
-                        return Err(invalid_at(
-                            s,
-                            bad.map(String::as_str),
-                            format!("config `{}`: [command] argv: {e}", c.name),
-                        ));
-                    }
-                    if let Err(e) = super::command::env(s, &spec, out_dir) {
-                        let bad = spec.env.values().find(|v| {
-                            super::command::argv_element_error(s, &spec, v, out_dir).is_some()
-                        });
-                        return Err(invalid_at(
+                        invalid_at(
                             s,
                             bad.map(String::as_str),
                             format!("config `{}`: [command] {e}", c.name),
-                        ));
+                        )
+                    };
+                    if let Err(e) = super::command::argv(s, cmd, &spec, out_dir) {
+                        return Err(at_template(cmd.argv.iter().collect(), format!("argv: {e}")));
+                    }
+                    if let Err(e) = super::command::env(s, &spec, out_dir) {
+                        return Err(at_template(spec.env.values().collect(), e));
                     }
                 }
                 out.push(spec);
