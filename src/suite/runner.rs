@@ -84,6 +84,17 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// Count a run that ran on `device` and ended with `status`.
+    fn ran(&mut self, device: &str, status: RunStatus) {
+        self.count(status);
+        *self.per_device.entry(device.to_string()).or_default() += 1;
+    }
+
+    /// Whether `device` was reported lost.
+    fn is_lost(&self, device: &str) -> bool {
+        self.lost_devices.iter().any(|(d, _)| d == device)
+    }
+
     /// Count a run that ended with `status`.
     fn count(&mut self, status: RunStatus) {
         match status {
@@ -236,11 +247,7 @@ pub fn run_suite(
         }
     };
     assert!(!backends.is_empty(), "run_suite needs at least one backend");
-    let lost = |name: &str| {
-        summary
-            .lock()
-            .is_ok_and(|s| s.lost_devices.iter().any(|(d, _)| d == name))
-    };
+    let lost = |name: &str| summary.lock().is_ok_and(|s| s.is_lost(name));
     std::thread::scope(|scope| {
         for w in 0..opts.jobs.max(1) {
             let be = backends[w % backends.len()];
@@ -263,15 +270,13 @@ pub fn run_suite(
                     match run_planned(be, suite, run, root, opts, progress) {
                         Outcome::Skipped => bump(&|s| s.skipped += 1),
                         Outcome::Busy => bump(&|s| s.busy += 1),
-                        Outcome::Finished(status) => bump(&|s| {
-                            s.count(status);
-                            *s.per_device.entry(device.clone()).or_default() += 1;
-                        }),
+                        Outcome::Finished(status) => bump(&|s| s.ran(&device, status)),
                         Outcome::DeviceLost(why) => {
+                            // Checked and recorded under one lock: the device's other workers
+                            // may lose it at the same time, and it is reported once.
                             let first = summary.lock().is_ok_and(|mut s| {
-                                s.count(RunStatus::Failed);
-                                *s.per_device.entry(device.clone()).or_default() += 1;
-                                let first = !s.lost_devices.iter().any(|(d, _)| *d == device);
+                                s.ran(&device, RunStatus::Failed);
+                                let first = !s.is_lost(&device);
                                 if first {
                                     s.lost_devices.push((device.clone(), why.clone()));
                                 }
@@ -583,7 +588,7 @@ mod tests {
         }
     }
 
-    /// Four runs of one step; the warm start is cached in `dir` once `warm` has run them.
+    /// Four runs of one step, their store and warm-start cache under `dir`, two workers.
     fn four_runs(dir: &Path) -> (SuiteSpec, Vec<RunSpec>, RunnerOptions) {
         let text = "name = \"lose\"\nseeds = [0, 1, 2, 3]\n[workload]\nsteps = 1\nprompts_per_step = 2\n\
                     [workload.warm_start]\nmax_steps = 2\neval_prompts = 8\n\
