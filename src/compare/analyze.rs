@@ -728,8 +728,9 @@ pub(crate) fn is_kl_type(metric: &str) -> bool {
 /// its arms are compared seed by seed.
 pub const COUPLING_ENGINE: &str = "builtin";
 
-/// The paired values of two arms: per seed both ran, `(x, y)` in seed order. `None` unless both
-/// arms ran exactly the same seeds (at least two).
+/// The paired values of two arms: per seed both ran, `(x, y)` in `x`'s seed order. `None` when
+/// they share fewer than two seeds, or, where their seed sets differ, fewer than
+/// [`min_common_seeds`].
 fn pair_up(
     x: &Arm,
     y: &Arm,

@@ -140,8 +140,9 @@ pub struct RowScratch {
 ///
 /// Three passes over the row, each shaped so LLVM vectorises it (checked with `perf annotate`
 /// on the AVX2 compile): every block's amax; the block scales in one loop per shard (uniform
-/// second-level scale); the encode, a block at a time, its codes then packed in pairs. The encode vectorises only with every lane 32-bit to the end: a byte per code
-/// in between stayed scalar (~60 instructions an element, measured with callgrind).
+/// second-level scale); the encode, a block at a time, its codes then packed in pairs. The
+/// encode vectorises only with every lane 32-bit to the end: a byte per code in between stayed
+/// scalar (~60 instructions an element, measured with callgrind).
 #[inline(always)]
 pub fn quantize_row(
     x: &[f32],
