@@ -285,6 +285,25 @@ fn quantized_input<K: SiteKernels>(
     Ok((x_hp, Some(x_q)))
 }
 
+/// The step [`forward_on`] and [`apply_on`] share: `x` quantized per the site's activation
+/// format and multiplied by `w`'s forward operand into `y`. Returns the quantized input and its
+/// BF16 rounding ([`Quantized`]) for a caller that keeps what a backward needs.
+fn multiply<K: SiteKernels>(
+    k: &K,
+    plan: &SitePlan,
+    x: &K::Buf,
+    shape: Blocks,
+    w: &SiteWeight<'_, K::Buf>,
+    y: &mut K::Buf,
+    counts: Option<&mut K::Counts>,
+) -> Result<Quantized<K>, K::Error> {
+    let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts)?;
+    let input = x_q.as_ref().map_or(x, Borrow::borrow);
+    let dims = (shape.rows, w.in_dim, w.out_dim);
+    k.gemm((input, false), (w.fwd, true), y, dims, w.batch, false)?;
+    Ok((x_hp, x_q))
+}
+
 /// The linear forward on a device: `y[n, m] = x[n, k] · Wᵀ` per block of `w`, with `x`
 /// quantized per the site's activation format. Returns the wgrad operand the backward mode asks
 /// for (`x_bwd`).
@@ -303,16 +322,7 @@ pub fn forward_on<K: SiteKernels>(
         batch: w.batch,
     };
     let len = n * w.in_dim * w.batch;
-    let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts)?;
-    let input = x_q.as_ref().map_or(x, Borrow::borrow);
-    k.gemm(
-        (input, false),
-        (w.fwd, true),
-        y,
-        (n, w.in_dim, w.out_dim),
-        w.batch,
-        false,
-    )?;
+    let (x_hp, x_q) = multiply(k, plan, x, shape, w, y, counts)?;
     let Some(x_hp) = x_hp else {
         // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
         return x_q.map_or_else(|| k.copy(x, len), Ok);
@@ -346,16 +356,7 @@ pub fn apply_on<K: SiteKernels>(
         cols: w.in_dim,
         batch: w.batch,
     };
-    let (_, x_q) = quantized_input(k, plan, x, shape, None)?;
-    let input = x_q.as_ref().map_or(x, Borrow::borrow);
-    k.gemm(
-        (input, false),
-        (w.fwd, true),
-        y,
-        (n, w.in_dim, w.out_dim),
-        w.batch,
-        false,
-    )
+    multiply(k, plan, x, shape, w, y, None).map(|_| ())
 }
 
 /// The linear backward on a device: `dx = dy · W` (written when `dx` is given) and
