@@ -12,6 +12,7 @@ use super::model::{self, ModelConfig, Params, PreparedModel};
 use super::optim::AdamW;
 use super::task::{Split, Task};
 use crate::io::IoError;
+use crate::io::lock::PidLock;
 use crate::recipe::{ModelPlan, SitePlan};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -88,6 +89,14 @@ pub fn key(cfg: &ModelConfig, task: Task, ws: &WarmStartConfig) -> String {
     h[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The lock that lets one process at a time train the warm start cached at `path`.
+fn cache_lock(path: &Path) -> Result<PidLock, IoError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| IoError::io(dir, e))?;
+    let lock = path.with_extension("lock");
+    PidLock::wait(&lock, std::time::Duration::from_millis(200)).map_err(|e| IoError::io(&lock, e))
+}
+
 /// Load the cached warm start or train it (and cache it when `cache_dir` is given).
 pub fn warm_start(
     be: &dyn Backend,
@@ -105,6 +114,12 @@ pub fn warm_start(
     let key = key(cfg, task, ws);
     let path =
         cache_dir.map(|d| d.join(format!("warmstart-{task}-{key}.safetensors").replace(':', "")));
+    // And one at a time across processes sharing the cache (a sweep's worker processes, two
+    // sweeps at once): the others wait for the file instead of training it again.
+    let _one_process = match &path {
+        Some(p) => Some(cache_lock(p)?),
+        None => None,
+    };
     if let Some(p) = path.as_ref().filter(|p| p.exists()) {
         let (params, meta) = checkpoint::load(p, cfg)?;
         let num = |k: &str| {

@@ -1,6 +1,7 @@
-//! File plumbing shared by the commands: `.npy` arrays and atomic writes. Every error names the file.
+//! File plumbing shared by the commands: `.npy` arrays, atomic writes and locks between processes. Every error names the file.
 
 pub mod atomic;
+pub mod lock;
 pub mod npy;
 
 /// An I/O failure with the path it happened on.

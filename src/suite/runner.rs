@@ -2,14 +2,15 @@
 //! says `ok` or `diverged` is finished and skipped on a rerun (`force` redoes it). A run folder is
 //! only ever trusted through its manifest status, which is written last and atomically, so a
 //! killed process leaves a `running` folder that the next invocation redoes from scratch.
-//! Two processes on one store coordinate through per-run lock files (`<run-id>.lock`, created
-//! exclusively, holding the owner's pid; a lock whose process is gone is taken over).
+//! Two processes on one store coordinate through per-run lock files (`<run-id>.lock`, a
+//! [`PidLock`]: a lock whose process is gone is taken over).
 
 use super::plan::RunSpec;
 use super::spec::SuiteSpec;
 use crate::engine::backend::Backend;
 use crate::engine::metrics::StepRecord;
 use crate::io::IoError;
+use crate::io::lock::PidLock;
 use crate::store::{RunDir, RunStatus};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -152,79 +153,6 @@ pub fn unplanned_runs(root: &Path, runs: &[RunSpec]) -> Vec<String> {
         .collect()
 }
 
-/// An exclusive per-run lock; released on drop. The lock file holds its owner as `PID START`,
-/// START being the process start time (field 22 of `/proc/PID/stat`, clock ticks since boot), so
-/// a lock left by a killed process is taken over even when its pid now belongs to another live
-/// process. A lock holding only a pid (or on a system without `/proc`) is trusted while that pid
-/// exists.
-struct RunLock(PathBuf);
-
-impl RunLock {
-    fn acquire(path: &Path) -> Option<RunLock> {
-        // The lock appears with its owner already in it: the owner is written to a private file
-        // that is then hard-linked into place (atomic, fails if the lock exists). Creating the lock
-        // and then writing the pid let another process read an empty lock in between, take it for
-        // stale, delete it and run the same run a second time.
-        let me = std::process::id();
-        let mine = path.with_extension(format!("lock.{me}"));
-        let owner = match process_start(me) {
-            Some(start) => format!("{me} {start}"),
-            None => me.to_string(),
-        };
-        if std::fs::write(&mine, owner).is_err() {
-            return None;
-        }
-        let mut taken = None;
-        for _ in 0..2 {
-            if std::fs::hard_link(&mine, path).is_ok() {
-                taken = Some(RunLock(path.to_path_buf()));
-                break;
-            }
-            let held = std::fs::read_to_string(path)
-                .ok()
-                .is_some_and(|s| owner_alive(&s));
-            if held {
-                break;
-            }
-            let _ = std::fs::remove_file(path); // stale: its owner is gone
-        }
-        let _ = std::fs::remove_file(&mine);
-        taken
-    }
-}
-
-/// Whether the process a lock names (`PID` or `PID START`) is still the one that wrote it.
-fn owner_alive(lock: &str) -> bool {
-    let mut it = lock.split_whitespace();
-    let Some(pid) = it.next().and_then(|p| p.parse::<u32>().ok()) else {
-        return false;
-    };
-    if !Path::new(&format!("/proc/{pid}")).exists() {
-        return false;
-    }
-    match (
-        it.next().and_then(|s| s.parse::<u64>().ok()),
-        process_start(pid),
-    ) {
-        (Some(recorded), Some(now)) => recorded == now,
-        _ => true,
-    }
-}
-
-/// Start time of process `pid` in clock ticks since boot: field 22 of `/proc/PID/stat`, counted
-/// after the `)` that closes the command name (which may itself hold spaces and parentheses).
-fn process_start(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(19)?.parse().ok()
-}
-
-impl Drop for RunLock {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// Run every unfinished run of `runs` with `opts.jobs` workers. Worker `w` computes on
 /// `backends[w % backends.len()]`, so a sweep spreads over every device it is given (one backend
 /// per GPU; with more workers than GPUs, several workers share a GPU). A device that stops
@@ -336,7 +264,7 @@ pub fn run_planned(
         progress(Progress::Skipped { run });
         return Outcome::Skipped;
     }
-    let Some(_lock) = RunLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
+    let Some(_lock) = PidLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
         progress(Progress::Busy { run });
         return Outcome::Busy;
     };
@@ -431,7 +359,7 @@ pub fn reingest_suite(
     let mut sum = Summary::default();
     for run in runs {
         let dir = root.join(&run.run_id);
-        let Some(_lock) = RunLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
+        let Some(_lock) = PidLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
             progress(Progress::Busy { run });
             sum.busy += 1;
             continue;
@@ -645,37 +573,5 @@ mod tests {
         opts.jobs = 1;
         let sum = run_suite(&[&Lost], &suite, &runs, &opts, &|_| {}).unwrap();
         assert_eq!((sum.ok, sum.failed, sum.not_run), (0, 1, 3), "{sum:?}");
-    }
-
-    #[test]
-    fn stale_locks_are_taken_over_and_live_ones_respected() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("r.lock");
-        std::fs::write(&p, "999999999").unwrap(); // no such process
-        let l = RunLock::acquire(&p).expect("stale lock taken over");
-        assert!(
-            RunLock::acquire(&p).is_none(),
-            "our own live lock must block a second taker"
-        );
-        drop(l);
-        assert!(!p.exists());
-    }
-
-    #[test]
-    fn a_lock_whose_pid_was_reused_by_another_process_is_taken_over() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("r.lock");
-        let me = std::process::id();
-        let start = process_start(me).expect("/proc is mounted on Linux");
-        // Our pid is alive, but the lock's writer started at another time: a reused pid.
-        std::fs::write(&p, format!("{me} {}", start + 1)).unwrap();
-        assert!(!owner_alive(&std::fs::read_to_string(&p).unwrap()));
-        let l = RunLock::acquire(&p).expect("lock of a dead owner taken over");
-        let held = std::fs::read_to_string(&p).unwrap();
-        assert_eq!(held, format!("{me} {start}"));
-        assert!(owner_alive(&held));
-        drop(l);
-        assert!(owner_alive(&me.to_string()), "a pid-only lock is trusted");
-        assert!(!owner_alive("garbage"));
     }
 }
