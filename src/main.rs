@@ -74,6 +74,7 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Recipe(cmd) => cli::engine::recipe_cmd(cmd),
         Command::Suite(cmd) => cli::suite::suite_cmd(cmd),
         Command::Run(args) => cli::suite::run_cmd(args),
+        Command::SweepWorker => cli::workers::worker_cmd(),
         Command::Runs(cmd) => cli::suite::runs_cmd(cmd),
         Command::Ingest(args) => cli::suite::ingest_cmd(args),
         Command::Compare(args) => cli::compare::compare_cmd(args),

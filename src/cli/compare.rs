@@ -470,9 +470,12 @@ pub struct NightlyArgs {
     /// Run store root (runs, compare.json, verdict and the nights' history go under `<store>/<suite>/`).
     #[arg(long, default_value = "runs")]
     pub store: PathBuf,
-    /// Parallel runs (default: one per core; on GPUs four per GPU).
+    /// Parallel runs, over all processes (default: one per core; on GPUs four per process).
     #[arg(long)]
     pub jobs: Option<usize>,
+    /// Worker processes per device (default: 2 per GPU, 1 on the CPU); see `lockstep run`.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub processes: Option<u16>,
     /// Compare what is in the store without running anything.
     #[arg(long)]
     pub no_run: bool,
@@ -520,6 +523,7 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         suite: a.suite.clone(),
         store: a.store.clone(),
         jobs: a.jobs,
+        processes: a.processes,
         force: false,
         reingest: false,
         device: a.device.clone(),

@@ -9,6 +9,7 @@ pub mod quantize;
 pub mod report;
 pub mod slurm;
 pub mod suite;
+pub mod workers;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +32,9 @@ pub enum Command {
     Suite(suite::SuiteCommand),
     /// Run every unfinished run of a suite into the run store (resumable).
     Run(suite::RunArgs),
+    /// One worker process of `lockstep run --processes N`: its share of the runs comes on stdin.
+    #[command(hide = true)]
+    SweepWorker,
     /// Import runs made elsewhere (a tree of metrics files) into the run store.
     Ingest(suite::IngestArgs),
     /// Inspect the run store.

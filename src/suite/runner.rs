@@ -64,7 +64,7 @@ pub enum Progress<'a> {
 }
 
 /// Counts at the end.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Summary {
     pub ok: usize,
     pub skipped: usize,

@@ -1,0 +1,247 @@
+//! `lockstep run --processes N`: a sweep split over worker processes gives the runs one process
+//! gives, a worker that dies fails its runs and the sweep, and every worker stops when the sweep
+//! is stopped or its parent is killed. On the CPU engine (the split is the same on GPUs, where it
+//! is the default).
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const EXE: &str = env!("CARGO_BIN_EXE_lockstep");
+
+/// Two configurations x two seeds of the tiny model, `steps` steps each.
+fn suite(dir: &Path, steps: usize) -> std::path::PathBuf {
+    let text = format!(
+        "name = \"wp\"\nseeds = [0, 1]\n[workload]\nmodel = \"tiny\"\nsteps = {steps}\n\
+         prompts_per_step = 4\nsamples_per_prompt = 2\n[workload.warm_start]\nmax_steps = 2\n\
+         eval_prompts = 8\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[[configs]]\n\
+         name = \"mxfp8\"\nrecipe = \"mxfp8\"\n"
+    );
+    let p = dir.join("wp.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn lockstep(dir: &Path) -> Command {
+    let mut c = Command::new(EXE);
+    c.current_dir(dir).env("LOCKSTEP_CACHE", dir.join("cache"));
+    c
+}
+
+/// A step's scalars as (name, bits).
+type Bits = Vec<(String, u64)>;
+
+/// Every run's step records without the wall-clock `perf/` values, as bits.
+fn metrics(store: &Path) -> Vec<(String, Vec<Bits>)> {
+    let mut runs: Vec<_> = std::fs::read_dir(store.join("wp"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| {
+            let rd = lockstep::store::RunDir::open(&e.path());
+            let steps = rd
+                .read_scalars()
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    r.scalars
+                        .iter()
+                        .filter(|(k, _)| !k.starts_with("perf/"))
+                        .map(|(k, v)| (k.clone(), v.to_bits()))
+                        .collect()
+                })
+                .collect();
+            (e.file_name().to_string_lossy().into_owned(), steps)
+        })
+        .collect();
+    runs.sort();
+    runs
+}
+
+#[test]
+fn worker_processes_make_the_runs_one_process_makes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = suite(tmp.path(), 3);
+    let run = |store: &str, processes: &str| {
+        let out = lockstep(tmp.path())
+            .args(["run", s.to_str().unwrap(), "--store", store, "--jobs", "2"])
+            .args(["--processes", processes])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let split = run("split", "2");
+    assert!(split.contains("2 workers in 2 processes on cpu"), "{split}");
+    assert_eq!(split.matches("worker process ").count(), 2, "{split}");
+    assert!(
+        split.contains("[4/4]"),
+        "one board counts every process's runs: {split}"
+    );
+    assert!(
+        split.contains("done in") && split.contains(": 4 ok, 0 skipped, 0 failed"),
+        "{split}"
+    );
+    run("one", "1");
+    let (a, b) = (
+        metrics(&tmp.path().join("split")),
+        metrics(&tmp.path().join("one")),
+    );
+    assert_eq!(a.len(), 4);
+    assert_eq!(a, b, "the same bits in worker processes and in one process");
+    let warm: Vec<_> = std::fs::read_dir(tmp.path().join("cache"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+        .collect();
+    assert_eq!(warm.len(), 1, "one warm start, shared");
+}
+
+/// Start a sweep in 2 worker processes; returns it and the workers' pids once both are computing.
+fn start_split_sweep(dir: &Path) -> (Child, Vec<String>, std::sync::mpsc::Receiver<String>) {
+    let s = suite(dir, 100_000);
+    let mut child = lockstep(dir)
+        .args(["run", s.to_str().unwrap(), "--store", "runs", "--jobs", "2"])
+        .args(["--processes", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for pipe in [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    // Both workers computing: step lines of two runs (each worker's first run).
+    let (mut pids, mut stepping) = (Vec::new(), std::collections::BTreeSet::new());
+    let t0 = Instant::now();
+    while stepping.len() < 2 {
+        let line = rx
+            .recv_timeout(Duration::from_secs(120).saturating_sub(t0.elapsed()))
+            .expect("the sweep starts computing");
+        if let Some(rest) = line.strip_prefix("worker process ") {
+            pids.push(rest.split_whitespace().next().unwrap().to_string());
+        }
+        if let Some((run, _)) = line.split_once(" step ") {
+            stepping.insert(run.trim().to_string());
+        }
+    }
+    assert_eq!(pids.len(), 2);
+    (child, pids, rx)
+}
+
+fn wait(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "the sweep did not end within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// True once the process is gone or a zombie.
+fn gone_within(pid: &str, limit: Duration) -> bool {
+    let t0 = Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next());
+        if matches!(state, None | Some("Z") | Some("X")) {
+            return true;
+        }
+        if t0.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn signal(pid: &str, sig: libc::c_int) {
+    // SAFETY: kill only sends a signal, to a process this test started (or its child).
+    unsafe {
+        libc::kill(pid.parse().unwrap(), sig);
+    }
+}
+
+#[test]
+fn a_worker_that_dies_fails_its_runs_and_the_sweep() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut sweep, pids, rx) = start_split_sweep(tmp.path());
+    signal(&pids[0], libc::SIGKILL);
+    // Reported as soon as it is gone; the other worker's runs (100,000 steps) are then stopped.
+    let reported = format!("worker process {} on cpu ended", pids[0]);
+    let mut seen = Vec::new();
+    while !seen.iter().any(|l: &String| l.contains(&reported)) {
+        seen.push(
+            rx.recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no report of the dead worker: {}", seen.join("\n"))),
+        );
+    }
+    signal(&sweep.id().to_string(), libc::SIGTERM);
+    let status = wait(&mut sweep, Duration::from_secs(120));
+    seen.extend(rx.try_iter());
+    let all = seen.join("\n");
+    assert!(!status.success(), "{all}");
+    assert!(all.contains(&reported), "{all}");
+    // The dead worker's run in flight failed and its next one never ran; the other worker's
+    // run in flight was interrupted (its next one, never started, is not counted).
+    assert!(
+        all.contains("1 failed") && all.contains("1 interrupted") && all.contains("1 not run"),
+        "{all}"
+    );
+}
+
+#[test]
+fn stopping_the_sweep_stops_every_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut sweep, pids, rx) = start_split_sweep(tmp.path());
+    signal(&sweep.id().to_string(), libc::SIGTERM);
+    let status = wait(&mut sweep, Duration::from_secs(120));
+    let all: Vec<String> = rx.try_iter().collect();
+    assert_eq!(status.code(), Some(143), "{}", all.join("\n"));
+    for pid in &pids {
+        assert!(
+            gone_within(pid, Duration::from_secs(5)),
+            "worker {pid} left running"
+        );
+    }
+    assert!(
+        all.iter().any(|l| l.contains("2 interrupted")),
+        "{}",
+        all.join("\n")
+    );
+}
+
+#[test]
+fn workers_stop_when_their_parent_is_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut sweep, pids, _rx) = start_split_sweep(tmp.path());
+    sweep.kill().unwrap(); // SIGKILL: no chance to pass anything on
+    sweep.wait().unwrap();
+    for pid in &pids {
+        assert!(
+            gone_within(pid, Duration::from_secs(60)),
+            "worker {pid} outlived its parent"
+        );
+    }
+}
