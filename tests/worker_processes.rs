@@ -89,6 +89,11 @@ fn worker_processes_make_the_runs_one_process_makes() {
         "{split}"
     );
     run("one", "1");
+    let again = run("split", "2");
+    assert!(
+        again.contains(": 0 ok, 4 skipped") && !again.contains("worker process"),
+        "a rerun skips finished runs without starting workers: {again}"
+    );
     let (a, b) = (
         metrics(&tmp.path().join("split")),
         metrics(&tmp.path().join("one")),

@@ -12,7 +12,9 @@
 use anyhow::{Context, Result, bail};
 use lockstep::engine::metrics::StepRecord;
 use lockstep::store::RunStatus;
-use lockstep::suite::runner::{Progress, RunnerOptions, Summary, run_suite, suite_dir};
+use lockstep::suite::runner::{
+    Progress, RunnerOptions, Summary, is_finished, run_suite, suite_dir,
+};
 use lockstep::suite::{RunSpec, SuiteSpec};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -180,10 +182,22 @@ pub fn run(
     split: &Split,
     on_event: &dyn Fn(Progress<'_>),
 ) -> Result<Summary> {
+    // Finished runs are skipped here: a worker is started (and a device opened) only for work.
+    let root = suite_dir(&opts.store, &s.name)?;
+    let mut total = Summary::default();
+    let mut todo = Vec::new();
+    for r in runs {
+        if !opts.force && is_finished(&root.join(&r.run_id)) {
+            on_event(Progress::Skipped { run: r });
+            total.skipped += 1;
+        } else {
+            todo.push(r.clone());
+        }
+    }
     let slots: Vec<&String> = (0..split.per_device)
         .flat_map(|_| split.devices.iter())
         .collect();
-    let shares = deal(runs, slots.len());
+    let shares = deal(&todo, slots.len());
     let jobs_each = (split.jobs / shares.len().max(1)).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores_each = (cores / shares.len().max(1)).max(1);
@@ -216,8 +230,6 @@ pub fn run(
         );
     }
     follow(&mut workers, runs, on_event)?;
-    let root = suite_dir(&opts.store, &s.name)?;
-    let mut total = Summary::default();
     for w in &mut workers {
         let sum = match w.summary.take() {
             Some(sum) => sum,
