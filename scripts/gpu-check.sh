@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 7's GPU checks in one device call (see docs/cuda.md): every GPU test binary, memcheck on
-# the newest ones, and the benchmarks with their side-by-side ratios. Logs go to OUT, four files
-# (the device tool brings back at most eight): machine.txt, tests.log, memcheck.log, bench.log.
+# the newest ones, the benchmarks with their side-by-side ratios, and a sweep in worker processes
+# against one process. Logs go to OUT, five files: machine.txt, tests.log, memcheck.log,
+# bench.log, workers.log. Run from the repository root (the last check reads scripts/).
 # Usage: gpu-check.sh DIR OUT [quick], DIR the unpacked bundle of scripts/gpu-bundle.sh; `quick`
 # runs the tests only.
 set -uo pipefail
@@ -39,5 +40,19 @@ fi
   "$DIR/lockstep" bench step --device cuda --model small --steps 3 --recipe nvfp4-dq
   "$DIR/lockstep" bench forward --device cuda --reps 10 --recipes bf16,nvfp4-dq,mxfp8,fp8-block
 } > "$OUT/bench.log" 2>&1 || status=1
+# A sweep in worker processes (the GPU default, 2 per GPU) against the same sweep in one process:
+# every run ok, the same metrics (scripts/same-metrics.py, from the repository root).
+{
+  W=/tmp/gpu-check-workers
+  rm -rf "$W" && mkdir -p "$W"
+  printf '%s\n' 'name = "workers"' 'seeds = [0, 1, 2]' '[workload]' 'model = "small"' 'steps = 5' \
+    '[workload.warm_start]' 'max_steps = 20' '[[configs]]' 'name = "bf16"' 'recipe = "bf16"' \
+    '[[configs]]' 'name = "nvfp4-dq"' 'recipe = "nvfp4-dq"' > "$W/workers.toml"
+  export LOCKSTEP_CACHE=$W/cache
+  "$DIR/lockstep" run "$W/workers.toml" --device cuda --store "$W/split" | grep -E '^(suite|worker|done)'
+  "$DIR/lockstep" run "$W/workers.toml" --device cuda --processes 1 --store "$W/one" | grep -E '^done'
+  [ -f scripts/same-metrics.py ] && python3 scripts/same-metrics.py "$W/one" "$W/split" workers | tail -1
+} > "$OUT/workers.log" 2>&1 || status=1
+cat "$OUT/workers.log"
 cat "$OUT/bench.log"
 exit $status

@@ -24,27 +24,31 @@ sweep() { # NAME ARGS...: one timed `lockstep run` of the nightly suite into sto
 {
   # The first sweep also trains the warm start into the cache the others reuse.
   sweep prime --device cuda
-  sweep one-j1 --device cuda:0 --jobs 1
-  sweep all-j2 --device cuda --jobs 2
-  sweep one-j4 --device cuda:0 --jobs 4
-  sweep all-j8 --device cuda --jobs 8
+  # One process (the layout before worker processes), then the default: 2 processes per GPU
+  # of 4 workers each.
+  sweep one-j1 --device cuda:0 --jobs 1 --processes 1
+  sweep all-j2 --device cuda --jobs 2 --processes 1
+  sweep one-j4 --device cuda:0 --jobs 4 --processes 1
+  sweep all-j8 --device cuda --jobs 8 --processes 1
+  sweep one-default --device cuda:0
+  sweep all-default --device cuda
   echo "==== two processes on one store, one per GPU, 4 workers each"
   start=$(date +%s.%N)
-  "$L" run suites/nightly.toml --store "$S/procs" --device cuda:0 --jobs 4 > "$S/p0.log" 2>&1 &
-  "$L" run suites/nightly.toml --store "$S/procs" --device cuda:1 --jobs 4 > "$S/p1.log" 2>&1 &
+  "$L" run suites/nightly.toml --store "$S/procs" --device cuda:0 --jobs 4 --processes 1 > "$S/p0.log" 2>&1 &
+  "$L" run suites/nightly.toml --store "$S/procs" --device cuda:1 --jobs 4 --processes 1 > "$S/p1.log" 2>&1 &
   wait
   end=$(date +%s.%N)
   python3 -c "print(f'both done in {$end - $start:.1f}s')"
   grep -h '^done in' "$S/p0.log" "$S/p1.log"
   grep -h -c ' start ' "$S/p0.log" "$S/p1.log"
   echo "==== same metrics as cuda:0 alone (one-j1)?"
-  for s in prime all-j2 one-j4 all-j8 procs; do python3 scripts/same-metrics.py "$S/one-j1" "$S/$s" nightly || status=1; done
-  echo "==== devices recorded (all-j8)"
+  for s in prime all-j2 one-j4 all-j8 one-default all-default procs; do python3 scripts/same-metrics.py "$S/one-j1" "$S/$s" nightly || status=1; done
+  echo "==== devices recorded (all-default)"
   python3 -c 'import collections, glob, json, sys
 n = collections.Counter()
 for f in glob.glob(sys.argv[1] + "/nightly/*/manifest.json"):
     m = json.load(open(f)); n[(m["device"], m["extra"].get("gpu"))] += 1
-for k, v in sorted(n.items()): print(v, *k)' "$S/all-j8"
+for k, v in sorted(n.items()): print(v, *k)' "$S/all-default"
   echo "==== a device that is not visible"
   CUDA_VISIBLE_DEVICES=1 "$L" run suites/nightly.toml --store "$S/hidden" --device cuda:0,cuda:1; echo "exit $?"
 } > "$OUT/sweeps.log" 2>&1
