@@ -250,3 +250,41 @@ fn workers_stop_when_their_parent_is_killed() {
         );
     }
 }
+
+#[test]
+fn bench_sweep_times_each_layout_and_checks_their_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = suite(tmp.path(), 2);
+    let out = lockstep(tmp.path())
+        .args([
+            "bench",
+            "sweep",
+            s.to_str().unwrap(),
+            "--layouts",
+            "1x1,2x1",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("4 runs, 8 run-steps on cpu"), "{text}");
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("1x1 ") || l.starts_with("2x1 "))
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    assert!(
+        rows[0].ends_with("reference") && rows[1].ends_with("identical"),
+        "{text}"
+    );
+    let bad = lockstep(tmp.path())
+        .args(["bench", "sweep", s.to_str().unwrap(), "--layouts", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("use PxJ"));
+}

@@ -2,6 +2,7 @@
 //! flags to validated library calls. Exit codes are defined once, in `main.rs`.
 
 pub mod bench;
+pub mod bench_sweep;
 pub mod compare;
 pub mod engine;
 pub mod progress;
@@ -103,6 +104,10 @@ pub enum BenchCommand {
     /// The policy forward at the benchmark shape on this host's CPU and, with --device cuda, the
     /// device-resident forward next to it.
     Forward(bench::ForwardArgs),
+    /// Sweep throughput: a suite's runs (default the nightly suite) through worker layouts
+    /// (processes x workers) in one call, warm start cached first: wall time, run-steps per second,
+    /// the ratio to the first layout and whether every layout gives its metrics bit for bit.
+    Sweep(bench_sweep::SweepArgs),
     /// Compare synthetic runs (default 1,000 runs x 1,000 steps, read back from run folders) and print
     /// the load, statistics and compare.json times against the 5 s target.
     Compare {

@@ -1,0 +1,265 @@
+//! `lockstep bench sweep`: a suite's runs through several worker layouts (processes x workers)
+//! in one call, so the ratios compare like with like on one machine. The warm start is trained
+//! (and cached) before the first layout; each layout is a `lockstep run` of its own into a fresh
+//! store, timed from start to exit. Prints wall time, run-steps per second, the ratio to the first
+//! layout, and whether every layout's runs hold the first one's metrics bit for bit.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use lockstep::engine::metrics::StepRecord;
+use lockstep::suite::{RunSpec, expand, load};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// Suite file (TOML) whose runs are swept.
+    #[arg(default_value = "suites/nightly.toml")]
+    pub suite: PathBuf,
+    /// cpu, cuda (every visible GPU) or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Layouts to time, `PxJ` = P worker processes per device with J workers each (default: on
+    /// the CPU 1xN, N = cores; on GPUs 1x1,1x4,2x4).
+    #[arg(long, value_delimiter = ',')]
+    pub layouts: Vec<String>,
+}
+
+/// `P` processes per device, `J` workers each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Layout {
+    processes: usize,
+    workers: usize,
+}
+
+fn parse_layout(s: &str) -> Result<Layout> {
+    let parsed = s
+        .trim()
+        .split_once('x')
+        .and_then(|(p, j)| Some((p.parse().ok()?, j.parse().ok()?)));
+    match parsed {
+        Some((processes, workers)) if processes > 0 && workers > 0 => {
+            Ok(Layout { processes, workers })
+        }
+        _ => bail!("layout `{s}`: use PxJ, P processes per device of J workers each, e.g. 2x4"),
+    }
+}
+
+pub fn sweep(args: &SweepArgs) -> Result<bool> {
+    let s = load(&args.suite)?;
+    if s.engine != "builtin" {
+        bail!(
+            "bench sweep times the built-in engine; suite `{}` uses the {} engine",
+            s.name,
+            s.engine
+        );
+    }
+    let runs = expand(&s)?;
+    let devices = lockstep::engine::backend::sweep_devices(&args.device)?;
+    let on_gpu = devices
+        .iter()
+        .any(|d| *d != lockstep::engine::backend::Device::Cpu);
+    let layouts: Vec<Layout> = if args.layouts.is_empty() {
+        if on_gpu {
+            vec![
+                Layout {
+                    processes: 1,
+                    workers: 1,
+                },
+                Layout {
+                    processes: 1,
+                    workers: 4,
+                },
+                Layout {
+                    processes: 2,
+                    workers: 4,
+                },
+            ]
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            vec![Layout {
+                processes: 1,
+                workers: cores,
+            }]
+        }
+    } else {
+        args.layouts
+            .iter()
+            .map(|l| parse_layout(l))
+            .collect::<Result<_>>()?
+    };
+    let tmp = Scratch::new()?;
+    let cache = tmp.path().join("cache");
+    let t0 = Instant::now();
+    prime_warm_starts(&runs, &args.device, &cache)?;
+    let run_steps: usize = runs.iter().map(|r| r.run.steps).sum();
+    println!(
+        "suite {}: {} runs, {run_steps} run-steps on {}; warm start trained and cached in {:.1} s",
+        s.name,
+        runs.len(),
+        args.device,
+        t0.elapsed().as_secs_f64()
+    );
+    println!(
+        "{:<10} {:>9} {:>14} {:>9}  metrics",
+        "layout", "wall", "run-steps/s", "vs first"
+    );
+    let mut first: Option<(f64, PathBuf)> = None;
+    let mut all_ok = true;
+    for l in &layouts {
+        let store = tmp.path().join(format!("{}x{}", l.processes, l.workers));
+        let secs = time_run(&args.suite, &store, &args.device, *l, devices.len(), &cache)?;
+        let same = match &first {
+            None => "reference".to_string(),
+            Some((_, reference)) => match same_metrics(&runs, &s.name, reference, &store) {
+                Ok(()) => "identical".to_string(),
+                Err(why) => {
+                    all_ok = false;
+                    format!("DIFFER: {why}")
+                }
+            },
+        };
+        let ratio = first.as_ref().map_or(1.0, |(f, _)| f / secs);
+        println!(
+            "{:<10} {:>8.1}s {:>14.1} {:>8.2}x  {same}",
+            format!("{}x{}", l.processes, l.workers),
+            secs,
+            run_steps as f64 / secs,
+            ratio
+        );
+        first.get_or_insert((secs, store));
+    }
+    Ok(all_ok)
+}
+
+/// A scratch folder for the sweeps' stores and cache, removed when the benchmark ends.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Result<Scratch> {
+        let p = std::env::temp_dir().join(format!("lockstep-bench-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&p).with_context(|| format!("{}", p.display()))?;
+        Ok(Scratch(p))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Train every warm start the runs need into `cache`, so no layout's time includes one.
+fn prime_warm_starts(runs: &[RunSpec], device: &str, cache: &Path) -> Result<()> {
+    let first = lockstep::engine::backend::sweep_devices(device)?
+        .into_iter()
+        .next()
+        .context("no device to train the warm start on")?;
+    let be = lockstep::engine::backend::open(first)?;
+    let mut done = std::collections::BTreeSet::new();
+    for r in runs {
+        let key = lockstep::engine::warmstart::key(&r.run.model, r.run.task, &r.run.warm_start);
+        if done.insert(key) {
+            lockstep::engine::warmstart::warm_start(
+                be.as_ref(),
+                &r.run.model,
+                r.run.task,
+                &r.run.warm_start,
+                Some(cache),
+                |_| {},
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Seconds a `lockstep run` of `suite` into `store` takes with layout `l`, all of its runs ok.
+fn time_run(
+    suite: &Path,
+    store: &Path,
+    device: &str,
+    l: Layout,
+    devices: usize,
+    cache: &Path,
+) -> Result<f64> {
+    let exe = std::env::current_exe().context("cannot find the lockstep binary")?;
+    let jobs = l.processes * l.workers * devices;
+    let t0 = Instant::now();
+    let out = Command::new(exe)
+        .arg("run")
+        .arg(suite)
+        .arg("--store")
+        .arg(store)
+        .args(["--device", device])
+        .args(["--jobs", &jobs.to_string()])
+        .args(["--processes", &l.processes.to_string()])
+        .env("LOCKSTEP_CACHE", cache)
+        .output()
+        .context("cannot start lockstep run")?;
+    let secs = t0.elapsed().as_secs_f64();
+    if !out.status.success() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = text
+            .lines()
+            .chain(err.lines())
+            .filter(|l| !l.trim().is_empty())
+            .next_back();
+        bail!(
+            "layout {}x{}: lockstep run failed ({}): {}",
+            l.processes,
+            l.workers,
+            out.status,
+            last.unwrap_or("no output")
+        );
+    }
+    Ok(secs)
+}
+
+/// Every run's step records in `b` hold `a`'s values bit for bit (wall-clock `perf/` aside).
+fn same_metrics(runs: &[RunSpec], suite: &str, a: &Path, b: &Path) -> Result<(), String> {
+    let read = |store: &Path, id: &str| -> Result<Vec<StepRecord>, String> {
+        lockstep::store::RunDir::open(&store.join(suite).join(id))
+            .read_scalars()
+            .map_err(|e| e.to_string())
+    };
+    let bits = |r: &StepRecord| -> Vec<(String, u64)> {
+        r.scalars
+            .iter()
+            .filter(|(k, _)| !k.starts_with("perf/"))
+            .map(|(k, v)| (k.clone(), v.to_bits()))
+            .collect()
+    };
+    for r in runs {
+        let (x, y) = (read(a, &r.run_id)?, read(b, &r.run_id)?);
+        if x.len() != y.len() || x.iter().zip(&y).any(|(p, q)| bits(p) != bits(q)) {
+            return Err(format!("{} seed {}", r.config, r.seed));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_parse_and_bad_ones_say_the_form() {
+        assert_eq!(
+            parse_layout("2x4").unwrap(),
+            Layout {
+                processes: 2,
+                workers: 4
+            }
+        );
+        for bad in ["2", "0x4", "2x0", "ax4", "2x4x1"] {
+            let e = parse_layout(bad).unwrap_err().to_string();
+            assert!(e.contains("use PxJ"), "{bad}: {e}");
+        }
+    }
+}
