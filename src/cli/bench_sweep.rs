@@ -208,8 +208,7 @@ fn time_run(
         let last = text
             .lines()
             .chain(err.lines())
-            .filter(|l| !l.trim().is_empty())
-            .next_back();
+            .rfind(|l| !l.trim().is_empty());
         bail!(
             "layout {}x{}: lockstep run failed ({}): {}",
             l.processes,
