@@ -212,9 +212,12 @@ pub fn run_local(
         eprintln!("warning: {e}; the sweep runs on the other devices");
     }
     let on_gpu = backends.iter().any(|b| b.name().starts_with("cuda"));
-    let processes = args
-        .processes
-        .map_or(if on_gpu { 2 } else { 1 }, usize::from);
+    let exclusive: Vec<String> = backends
+        .iter()
+        .filter(|b| b.one_process_only())
+        .map(|b| b.name())
+        .collect();
+    let processes = worker_processes(args.processes, on_gpu, &exclusive)?;
     let jobs = args
         .jobs
         .unwrap_or_else(|| default_jobs(on_gpu, backends.len() * processes));
@@ -383,6 +386,22 @@ fn usable_devices<B>(
     match (usable.is_empty(), left_out.is_empty()) {
         (true, false) => Err(left_out.swap_remove(0)),
         _ => Ok((usable, left_out)),
+    }
+}
+
+/// Worker processes per device: `--processes`, else 2 on GPUs (their driver calls then queue on
+/// two locks, not one) and 1 on the CPU; 1 where a GPU takes one process at a time
+/// (exclusive-process mode: the devices named in `exclusive`), and an error if more were asked
+/// there.
+fn worker_processes(asked: Option<u16>, on_gpu: bool, exclusive: &[String]) -> Result<usize> {
+    match asked.map(usize::from) {
+        Some(n) if n > 1 && !exclusive.is_empty() => bail!(
+            "--processes {n}: {} takes one process at a time (exclusive-process compute mode); use --processes 1",
+            exclusive.join(", ")
+        ),
+        Some(n) => Ok(n),
+        None if on_gpu && exclusive.is_empty() => Ok(2),
+        None => Ok(1),
     }
 }
 
@@ -635,6 +654,21 @@ mod tests {
                 hint: String::new(),
             },
         }
+    }
+
+    #[test]
+    fn two_worker_processes_per_gpu_unless_a_card_takes_one_process() {
+        let none: Vec<String> = Vec::new();
+        let excl = vec!["cuda:1".to_string()];
+        assert_eq!(worker_processes(None, true, &none).unwrap(), 2);
+        assert_eq!(worker_processes(None, false, &none).unwrap(), 1);
+        assert_eq!(worker_processes(None, true, &excl).unwrap(), 1);
+        assert_eq!(worker_processes(Some(3), false, &none).unwrap(), 3);
+        assert_eq!(worker_processes(Some(1), true, &excl).unwrap(), 1);
+        let e = worker_processes(Some(2), true, &excl)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cuda:1") && e.contains("--processes 1"), "{e}");
     }
 
     #[test]

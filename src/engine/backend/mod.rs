@@ -120,6 +120,12 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Whether the device takes one process at a time (a GPU in exclusive-process compute mode,
+    /// as shared clusters set them): a sweep then keeps all its workers in one process.
+    fn one_process_only(&self) -> bool {
+        false
+    }
+
     /// `Err(why)` when the device no longer computes (a sticky fault, a lost card): the sweep
     /// runner asks after a failed run and stops giving that device runs.
     fn health(&self) -> Result<(), String> {

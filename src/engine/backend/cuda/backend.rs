@@ -207,6 +207,10 @@ impl Backend for CudaBackend {
         self.dev.health().map_err(|e| e.to_string())
     }
 
+    fn one_process_only(&self) -> bool {
+        self.dev.exclusive_process()
+    }
+
     fn decoder<'a>(
         &'a self,
         prep: &'a PreparedModel,

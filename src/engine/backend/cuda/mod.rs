@@ -196,6 +196,15 @@ impl CudaDevice {
         ))
     }
 
+    /// Whether the card is in exclusive-process compute mode (`nvidia-smi -c EXCLUSIVE_PROCESS`):
+    /// a second process cannot open it while this one holds it. Unknown counts as no.
+    pub fn exclusive_process(&self) -> bool {
+        use cudarc::driver::sys::{CUcomputemode, CUdevice_attribute as A};
+        self.ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)
+            .is_ok_and(|m| m == CUcomputemode::CU_COMPUTEMODE_EXCLUSIVE_PROCESS as i32)
+    }
+
     /// `NVIDIA H200, GPU-…, PCI 0000:18:00.0`: what a manifest records to name the card.
     pub fn hardware(&self) -> String {
         let or_unknown = |r: Result<String, CudaError>| r.unwrap_or_else(|_| "unknown".into());
