@@ -150,6 +150,20 @@ struct Worker {
     status: Option<std::process::ExitStatus>,
 }
 
+impl Drop for Worker {
+    /// A worker not yet reaped when the sweep ends early (an error in this process) is stopped
+    /// and waited for: nothing lockstep started outlives it.
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            // SAFETY: kill only sends a signal to our own child, not yet reaped.
+            unsafe {
+                libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+            }
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// How to split a sweep over processes.
 pub struct Split {
     /// The devices, by name (`cuda:0`, `cpu`).
