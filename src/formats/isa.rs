@@ -111,17 +111,3 @@ pub(crate) fn prefetch(p: *const f32) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
-
-/// Asks the CPU for the cache line holding `p` in a state it can write (`prefetchw`), so a
-/// later store to it does not wait for the line to be read from memory first. A hint only, as
-/// [`prefetch`]. No-op off x86-64.
-#[inline(always)]
-pub(crate) fn prefetch_write(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing into the program and cannot fault.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast())
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}

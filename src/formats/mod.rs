@@ -11,7 +11,6 @@
 //! - [`golden`]: the conformance runner behind `lockstep quantize --check` and the tests.
 
 pub mod bf16;
-pub mod columns;
 pub mod e2m1;
 pub mod e8m0;
 pub mod fp8;

@@ -81,20 +81,13 @@ pub fn block_scale(x: &[f32], g: &GlobalScale) -> (u8, f32) {
 /// decoded arithmetically rather than from the table, so a loop over blocks vectorises.
 #[inline(always)]
 pub fn scale_from_amax(vec_max: f32, g: &GlobalScale) -> (u8, f32) {
-    scale_from_parts(vec_max, g.s_enc, g.s_dec)
-}
-
-/// [`scale_from_amax`] with the second-level scale as its two parts, so a loop over columns
-/// of different scales reads them as plain float arrays.
-#[inline(always)]
-pub fn scale_from_parts(vec_max: f32, s_enc: f32, s_dec: f32) -> (u8, f32) {
-    let mult = s_enc * RCP_6;
+    let mult = g.s_enc * RCP_6;
     let mut ds = vec_max * mult;
     if !ds.is_nan() {
         ds = ds.min(f32::MAX).clamp(-448.0, 448.0);
     }
     let scale = e4m3_from_f32_sat(ds);
-    let mut enc = 1.0f32 / (e4m3_decode(scale) * s_dec);
+    let mut enc = 1.0f32 / (e4m3_decode(scale) * g.s_dec);
     if !enc.is_nan() {
         enc = enc.min(f32::MAX);
     }
@@ -124,7 +117,7 @@ pub fn encode(v: f32, enc: f32) -> (u8, bool, bool) {
 
 /// [`encode`] with the code in a 32-bit lane (see [`e2m1_code_u32`]).
 #[inline(always)]
-pub(crate) fn encode_u32(v: f32, enc: f32) -> (u32, bool, bool) {
+fn encode_u32(v: f32, enc: f32) -> (u32, bool, bool) {
     let s = v * enc;
     // e2m1 saturates itself, so this equals TE's clamp to [-6, 6] followed by the table.
     let c = e2m1_code_u32(s, E2m1Convention::TeRef);

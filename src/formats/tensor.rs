@@ -16,7 +16,6 @@
 //! tensor-level scales), so results are identical whatever the thread count.
 
 use super::bf16::{bf16_from_f32, bf16_to_f32};
-use super::columns::{self, STRIP, Strip};
 use super::e2m1::unpack_fp4;
 use super::fp8_block::{self, Fp8BlockVariant, TILE};
 use super::isa::{Isa, per_isa};
@@ -604,10 +603,6 @@ pub fn quantize(
         // MXFP8 and NVFP4 columns are transposed a band of columns at a time into a per-thread
         // buffer that stays in cache, never as a whole second copy of the tensor.
         QuantFormat::Mxfp8 { elem, rule } => quantize_mxfp8(src, elem, rule),
-        // NVFP4 columns are quantized down the input's rows (`columns`), no FP32 transpose.
-        QuantFormat::Nvfp4 { second, shards } if axis == Axis::Col => {
-            quantize_nvfp4_cols(src, second, shards, Isa::best())
-        }
         // Per token, each row's amax is taken in its row's pass (the row is then in cache for
         // the encode); per tensor, the whole tensor's amax must be known first.
         QuantFormat::Nvfp4 {
@@ -815,128 +810,6 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
     let mut q = empty(QuantFormat::Mxfp8 { elem, rule });
     q.codes = codes;
     q.scales = Scales::E8m0(scales);
-    q.stats = stats;
-    q
-}
-
-/// Input columns per parallel task of the NVFP4 column quantizer: 1 KiB of every input row.
-const COL_WIDE: usize = 256;
-/// Input rows that task quantizes across its width before moving down: every column then gets
-/// 64 contiguous code bytes (a cache line) at a time, and the rows are read in 1 KiB runs.
-/// (1024 x 64 and 128-column strips down the whole height measured no faster.)
-const COL_PANEL: usize = 128;
-
-/// Runs `kernel(j0, p0, strip, dest)` (the tile's first column in the task and first input
-/// row) over the tiles of a column task: input columns `c0..c0 + width`
-/// of `src`, whose codes (`code_stride` bytes a column) and
-/// scales (one per `block` rows, a column's contiguous) are `codes` and `scales`, a panel of [`COL_PANEL`] rows at a time,
-/// [`columns::STRIP`] columns at a time across it.
-#[allow(clippy::too_many_arguments)]
-fn column_tiles(
-    src: Blocked,
-    c0: usize,
-    width: usize,
-    block: usize,
-    codes: &mut [u8],
-    code_stride: usize,
-    scales: &mut [u8],
-    mut kernel: impl FnMut(usize, usize, Strip, columns::Dest) -> QuantStats,
-) -> QuantStats {
-    let (rows, cols) = (src.rows, src.cols);
-    let nbr = rows / block;
-    let mut st = QuantStats::default();
-    for p0 in (0..rows).step_by(COL_PANEL) {
-        for j0 in (0..width).step_by(STRIP) {
-            let strip = Strip {
-                x: &src.x[p0 * cols + c0 + j0..],
-                stride: cols,
-                rows: COL_PANEL.min(rows - p0),
-                width: STRIP.min(width - j0),
-            };
-            let dest = columns::Dest {
-                codes: &mut codes[j0 * code_stride + p0 * code_stride / rows..],
-                code_stride,
-                scales: &mut scales[j0 * nbr + p0 / block..],
-                scale_stride: nbr,
-            };
-            st = st.merge(kernel(j0, p0, strip, dest));
-        }
-    }
-    st
-}
-
-/// NVFP4 of the columns of `src` (`src.axis` is `Col`) with the kernels compiled for `isa`,
-/// [`COL_WIDE`] input columns per parallel task ([`column_tiles`], [`columns::nvfp4_strip`]).
-/// Per token, a task's column amaxes are taken down its columns first; per tensor, the whole
-/// tensor's amax.
-fn quantize_nvfp4_cols(
-    src: Blocked,
-    second: SecondScale,
-    shards: usize,
-    isa: Isa,
-) -> QuantizedTensor {
-    let (rows, cols) = (src.rows, src.cols);
-    let nbr = rows / NV_BLOCK;
-    let mut amax = match second {
-        SecondScale::PerTensor => nvfp4_tensor_amax(src, shards),
-        SecondScale::PerToken => vec![0.0f32; cols * shards],
-    };
-    let tensor_globals: Vec<GlobalScale> =
-        amax.iter().map(|a| GlobalScale::from_amax(*a)).collect();
-    let mut packed = vec![0u8; rows * cols / 2];
-    let mut scales = vec![0u8; cols * nbr];
-    // Per tensor, every task reads the same `shards` amaxes; give each a dummy slot to zip.
-    let mut unused = Vec::new();
-    let col_amax: &mut [f32] = match second {
-        SecondScale::PerToken => &mut amax,
-        SecondScale::PerTensor => {
-            unused.resize(cols * shards, 0.0f32);
-            &mut unused
-        }
-    };
-    let stats = packed
-        .par_chunks_mut(COL_WIDE * rows / 2)
-        .zip(scales.par_chunks_mut(COL_WIDE * nbr))
-        .zip(col_amax.par_chunks_mut(COL_WIDE * shards))
-        .enumerate()
-        .map(|(k, ((pband, sband), aband))| {
-            let width = sband.len() / nbr;
-            if second == SecondScale::PerToken {
-                src.token_amax_into(isa, k * COL_WIDE, width, shards, aband);
-            }
-            // `[shard][column]`: each column's (s_enc, s_dec) under each shard's scale.
-            let g = |s: usize, j: usize| match second {
-                SecondScale::PerTensor => tensor_globals[s],
-                SecondScale::PerToken => GlobalScale::from_amax(aband[j * shards + s]),
-            };
-            let all = || (0..shards).flat_map(|s| (0..width).map(move |j| g(s, j)));
-            let s_enc: Vec<f32> = all().map(|g| g.s_enc).collect();
-            let s_dec: Vec<f32> = all().map(|g| g.s_dec).collect();
-            column_tiles(
-                src,
-                k * COL_WIDE,
-                width,
-                NV_BLOCK,
-                pband,
-                rows / 2,
-                sband,
-                |j0, p0, s, d| {
-                    let g = columns::ColumnScales {
-                        s_enc: &s_enc[j0..],
-                        s_dec: &s_dec[j0..],
-                        stride: width,
-                        shard_rows: rows / shards,
-                        row0: p0,
-                    };
-                    columns::nvfp4_strip(isa, s, g, d)
-                },
-            )
-        })
-        .reduce(QuantStats::default, QuantStats::merge);
-    let mut q = empty(QuantFormat::Nvfp4 { second, shards });
-    q.codes = packed;
-    q.scales = Scales::E4m3(scales);
-    q.global_amax = amax;
     q.stats = stats;
     q
 }
@@ -1507,46 +1380,6 @@ mod tests {
                             (st.elements, st.saturated, st.underflowed),
                             (w as u64, sat, under)
                         );
-                    }
-                }
-            }
-        }
-    }
-
-    /// The NVFP4 column kernels ([`quantize_nvfp4_cols`]) of every compile equal row
-    /// quantization of the transpose, on every bit class: the input's columns are the data's
-    /// consecutive runs, so its column blocks are the row test's blocks. Widths that are not a
-    /// multiple of the strip, the register transposes or the 32-column amax chunks run the
-    /// remainders; 2 shards put a shard boundary inside the column panels.
-    #[test]
-    fn nvfp4_column_kernels_equal_row_quantization_on_every_bit_class() {
-        let rows = 320;
-        for data in every_bit_class() {
-            for cols in [1024, 1000, 8] {
-                let xt = &data[..rows * cols];
-                let x = transpose(xt, cols, rows);
-                for (second, shards) in [
-                    (SecondScale::PerToken, 1),
-                    (SecondScale::PerToken, 2),
-                    (SecondScale::PerTensor, 1),
-                    (SecondScale::PerTensor, 2),
-                ] {
-                    let fmt = QuantFormat::Nvfp4 { second, shards };
-                    let want = quantize(xt, cols, rows, &fmt, Axis::Row).unwrap();
-                    let src = Blocked {
-                        x: &x,
-                        rows,
-                        cols,
-                        axis: Axis::Col,
-                    };
-                    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
-                        let got = quantize_nvfp4_cols(src, second, shards, isa);
-                        let what = format!("{isa:?} {second:?} {shards} shards, {cols} columns");
-                        assert!(got.codes == want.codes, "codes: {what}");
-                        assert!(got.scales == want.scales, "scales: {what}");
-                        assert!(got.stats == want.stats, "counts: {what}");
-                        let amax = got.global_amax.iter().zip(&want.global_amax);
-                        assert!(amax.clone().all(|(a, b)| same_f32(*a, *b)), "amax: {what}");
                     }
                 }
             }
