@@ -107,8 +107,11 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
     );
     let mut first: Option<(f64, PathBuf)> = None;
     let mut all_ok = true;
-    for l in &layouts {
-        let store = tmp.path().join(format!("{}x{}", l.processes, l.workers));
+    for (i, l) in layouts.iter().enumerate() {
+        // A store per entry: a layout listed twice is timed twice, not skipped as finished.
+        let store = tmp
+            .path()
+            .join(format!("{i}-{}x{}", l.processes, l.workers));
         let secs = time_run(&args.suite, &store, &args.device, *l, devices.len(), &cache)?;
         let same = match &first {
             None => "reference".to_string(),
@@ -215,6 +218,20 @@ fn time_run(
             l.workers,
             out.status,
             last.unwrap_or("no output")
+        );
+    }
+    // A timing over runs found finished would be meaningless: every run must have run.
+    let text = String::from_utf8_lossy(&out.stdout);
+    let skipped = text
+        .lines()
+        .filter(|l| l.starts_with("done in"))
+        .flat_map(|l| l.split(", "))
+        .find_map(|part| part.strip_suffix(" skipped")?.parse::<usize>().ok());
+    if skipped != Some(0) {
+        bail!(
+            "layout {}x{}: the sweep did not run every run (skipped: {skipped:?})",
+            l.processes,
+            l.workers
         );
     }
     Ok(secs)
