@@ -14,7 +14,7 @@ const EXE: &str = env!("CARGO_BIN_EXE_lockstep");
 fn suite(dir: &Path, steps: usize) -> std::path::PathBuf {
     let text = format!(
         "name = \"wp\"\nseeds = [0, 1]\n[workload]\nmodel = \"tiny\"\nsteps = {steps}\n\
-         prompts_per_step = 4\nsamples_per_prompt = 2\n[workload.warm_start]\nmax_steps = 2\n\
+         prompts_per_step = 4\nsamples_per_prompt = 2\n[workload.warm_start]\nmax_steps = 60\n\
          eval_prompts = 8\n[[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n[[configs]]\n\
          name = \"mxfp8\"\nrecipe = \"mxfp8\"\n"
     );
@@ -106,6 +106,19 @@ fn worker_processes_make_the_runs_one_process_makes() {
         .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
         .collect();
     assert_eq!(warm.len(), 1, "one warm start, shared");
+    // Trained by one process; the other waited for it and loaded it.
+    let trained = std::fs::read_dir(tmp.path().join("split").join("wp"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .filter(|e| {
+            let m = lockstep::store::RunDir::open(&e.path())
+                .read_manifest()
+                .unwrap();
+            m.extra["warm_start"]["cached"] == serde_json::Value::Bool(false)
+        })
+        .count();
+    assert_eq!(trained, 1, "the warm start was trained {trained} times");
 }
 
 /// Start a sweep in 2 worker processes; returns it and the workers' pids once both are computing.
@@ -286,4 +299,27 @@ fn bench_sweep_times_each_layout_and_checks_their_metrics() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("use PxJ"));
+}
+
+#[test]
+fn no_more_processes_than_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = suite(tmp.path(), 1);
+    let out = lockstep(tmp.path())
+        .args([
+            "run",
+            s.to_str().unwrap(),
+            "--jobs",
+            "1",
+            "--processes",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("1 workers on cpu") && !text.contains("worker process"),
+        "one worker runs in this process: {text}"
+    );
 }

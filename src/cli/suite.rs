@@ -221,6 +221,8 @@ pub fn run_local(
     let jobs = args
         .jobs
         .unwrap_or_else(|| default_jobs(on_gpu, backends.len() * processes));
+    // No more processes than workers: `--jobs 1` runs in this process.
+    let processes = processes.min(jobs / backends.len().max(1)).max(1);
     let opts = RunnerOptions {
         store: args.store.clone(),
         jobs,
@@ -231,9 +233,9 @@ pub fn run_local(
     let total = runs.len();
     let start = Instant::now();
     let tty = std::io::stdout().is_terminal();
-    let in_processes = match processes * backends.len() {
+    let in_processes = match processes {
         1 => String::new(),
-        n => format!(" in {n} processes"),
+        p => format!(" in {} processes", p * backends.len()),
     };
     println!(
         "suite {}: {total} runs, {jobs} workers{in_processes} on {}, store {}",

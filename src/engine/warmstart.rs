@@ -115,10 +115,11 @@ pub fn warm_start(
     let path =
         cache_dir.map(|d| d.join(format!("warmstart-{task}-{key}.safetensors").replace(':', "")));
     // And one at a time across processes sharing the cache (a sweep's worker processes, two
-    // sweeps at once): the others wait for the file instead of training it again.
+    // sweeps at once): the others wait for the file instead of training it again. A cached file
+    // is read without the lock, so a read-only cache still serves.
     let _one_process = match &path {
-        Some(p) => Some(cache_lock(p)?),
-        None => None,
+        Some(p) if !p.exists() => Some(cache_lock(p)?),
+        _ => None,
     };
     if let Some(p) = path.as_ref().filter(|p| p.exists()) {
         let (params, meta) = checkpoint::load(p, cfg)?;
