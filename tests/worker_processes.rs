@@ -323,3 +323,43 @@ fn no_more_processes_than_workers() {
         "one worker runs in this process: {text}"
     );
 }
+
+#[test]
+fn command_engine_suites_run_in_worker_processes_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let script = tmp.path().join("launch.sh");
+    std::fs::write(
+        &script,
+        "#!/usr/bin/env bash\nfor i in 0 1 2; do echo \"{\\\"step\\\": $i, \\\"rollout/raw_reward\\\": 0.5}\" >> \"$2/metrics.jsonl\"; done\n[ \"$1\" = ok ] || { echo boom >&2; exit 3; }\n",
+    )
+    .unwrap();
+    let text = format!(
+        "name = \"cmd\"\nengine = \"command\"\nseeds = [0, 1]\n[workload]\nmodel = \"tiny\"\nsteps = 3\n\
+         [command]\nargv = [\"bash\", \"{}\", \"{{mode}}\", \"{{out_dir}}\"]\n\
+         [command.metrics]\nfiles = [\"metrics.jsonl\"]\nstep = \"step\"\n\
+         [[configs]]\nname = \"ok\"\nrecipe = \"bf16\"\n[configs.vars]\nmode = \"ok\"\n\
+         [[configs]]\nname = \"bad\"\nrecipe = \"mxfp8\"\n[configs.vars]\nmode = \"bad\"\n",
+        script.display()
+    );
+    let s = tmp.path().join("cmd.toml");
+    std::fs::write(&s, text).unwrap();
+    let out = lockstep(tmp.path())
+        .args([
+            "run",
+            s.to_str().unwrap(),
+            "--jobs",
+            "2",
+            "--processes",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("in 2 processes"), "{stdout}");
+    assert!(stdout.contains(": 2 ok, 0 skipped, 2 failed"), "{stdout}");
+    assert!(
+        stdout.contains("Failed bad seed 0: exit code 3"),
+        "the failure says why: {stdout}"
+    );
+}

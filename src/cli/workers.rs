@@ -28,6 +28,8 @@ use std::time::Duration;
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Job {
     pub suite: SuiteSpec,
+    /// The suite file (not serialized with the spec; errors and relative paths name it).
+    pub suite_path: PathBuf,
     pub runs: Vec<RunSpec>,
     pub store: PathBuf,
     pub cache: PathBuf,
@@ -100,8 +102,9 @@ impl Event {
 /// `lockstep sweep-worker`: run the [`Job`] on stdin, reporting [`Event`]s on stdout.
 pub fn worker_cmd() -> Result<bool> {
     stop_with_parent();
-    let job: Job = serde_json::from_reader(std::io::stdin().lock())
+    let mut job: Job = serde_json::from_reader(std::io::stdin().lock())
         .context("sweep-worker reads its job from lockstep run on stdin; it is not run by hand")?;
+    job.suite.path = job.suite_path.clone();
     if std::os::unix::process::parent_id() != job.parent {
         bail!("the lockstep run that started this worker is gone");
     }
@@ -224,6 +227,7 @@ pub fn run(
                 .then_some(cores_each / jobs_each);
         let job = Job {
             suite: s.clone(),
+            suite_path: s.path.clone(),
             runs: share,
             store: opts.store.clone(),
             cache: opts.cache.clone(),
