@@ -4,6 +4,8 @@
 //! for a failure, `timeout` (and the whole process group killed) for a hang, and values that look
 //! like shell code passed as plain argv.
 
+mod common;
+use common::gone_within;
 use std::path::Path;
 use std::process::Command;
 
@@ -168,25 +170,6 @@ fn a_launcher_that_succeeds_fails_or_hangs_is_recorded_as_such() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("skip ok seed 0"), "{stdout}");
-}
-
-/// True once the process is gone or a zombie (killed, waiting for init to reap it).
-fn gone_within(pid: &str, limit: std::time::Duration) -> bool {
-    let t0 = std::time::Instant::now();
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat
-            .rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().next());
-        if matches!(state, None | Some("Z") | Some("X")) {
-            return true;
-        }
-        if t0.elapsed() > limit {
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
 }
 
 /// Writes the steps it is asked for, and its environment variables `LS_*` into `out/env.txt`.

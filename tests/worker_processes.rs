@@ -3,6 +3,8 @@
 //! is stopped or its parent is killed. On the CPU engine (the split is the same on GPUs, where it
 //! is the default).
 
+mod common;
+use common::gone_within;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -171,25 +173,6 @@ fn wait(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
             t0.elapsed() < limit,
             "the sweep did not end within {limit:?}"
         );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// True once the process is gone or a zombie.
-fn gone_within(pid: &str, limit: Duration) -> bool {
-    let t0 = Instant::now();
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let state = stat
-            .rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().next());
-        if matches!(state, None | Some("Z") | Some("X")) {
-            return true;
-        }
-        if t0.elapsed() > limit {
-            return false;
-        }
         std::thread::sleep(Duration::from_millis(50));
     }
 }

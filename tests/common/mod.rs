@@ -1,5 +1,5 @@
-//! Helpers shared by the GPU test files (each test crate that says `mod common;` compiles its own
-//! copy, and uses a subset of it).
+//! Helpers shared by the test files (each test crate that says `mod common;` compiles its own
+//! copy, and uses a subset of it): GPU fixtures and comparisons, and whether a process is gone.
 #![allow(dead_code)]
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
@@ -227,4 +227,24 @@ pub fn fault(ordinal: usize) {
         stream.synchronize().is_err(),
         "the planted fault did not fault"
     );
+}
+
+/// True once process `pid` is gone or a zombie (killed, waiting for its parent or init to reap
+/// it), polling until `limit`.
+pub fn gone_within(pid: &str, limit: std::time::Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next());
+        if matches!(state, None | Some("Z") | Some("X")) {
+            return true;
+        }
+        if t0.elapsed() > limit {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
