@@ -1,13 +1,14 @@
 //! A sweep run by several lockstep processes (`lockstep run --processes N`): on a GPU the
 //! workers of one process queue on the CUDA driver's lock, one call at a time, while processes
 //! each have their own. On an H200 the nightly suite took 29.6-33.3 s in one process of 4
-//! workers and 21.1 s in 2 processes of 4 (docs/cuda.md, "Worker processes").
+//! workers and 21.1 s in 2 processes of 4 (docs/cuda.md, "Driver calls per step, and worker
+//! processes").
 //!
 //! The parent splits the planned runs over the processes (round robin, devices taken in turn),
 //! hands each its share on stdin (`lockstep sweep-worker`, hidden) and reads back JSON events,
 //! which drive the one progress board and summary a single-process sweep prints. A worker that
-//! dies without its summary has its unfinished runs counted failed; SIGINT/SIGTERM reach every
-//! worker, and a worker whose parent dies stops itself.
+//! dies without its summary is reported at once: its started runs count as failed, the others as
+//! not run. SIGINT/SIGTERM reach every worker, and a worker whose parent dies stops itself.
 
 use anyhow::{Context, Result, bail};
 use lockstep::engine::metrics::StepRecord;
