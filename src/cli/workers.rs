@@ -218,14 +218,22 @@ pub fn run(
     let shares = deal(&todo, slots.len());
     let jobs_each = (split.jobs / shares.len().max(1)).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cores_each = (cores / shares.len().max(1)).max(1);
+    let processes = shares.len().max(1);
     let exe = std::env::current_exe().context("cannot find the lockstep binary for workers")?;
     let mut workers = Vec::new();
     for (share, device) in shares.into_iter().zip(slots) {
-        // Each GPU worker its own host pool where that leaves it 2 threads (as in one process).
+        // A GPU worker process sizes its host pools as a `lockstep run` of its own would (each
+        // worker its own pool of cores / workers threads, where that is at least 2): the layout
+        // measured, whose host threads mostly wait on the driver. CPU worker processes share the
+        // cores out instead, since they compute on them.
+        let on_gpu = device.as_str() != "cpu";
+        let pool = if on_gpu {
+            cores
+        } else {
+            (cores / processes).max(1)
+        };
         let threads_per_worker =
-            (device.as_str() != "cpu" && jobs_each > 1 && cores_each / jobs_each >= 2)
-                .then_some(cores_each / jobs_each);
+            (on_gpu && jobs_each > 1 && pool / jobs_each >= 2).then_some(pool / jobs_each);
         let job = Job {
             suite: s.clone(),
             suite_path: s.path.clone(),
@@ -238,7 +246,7 @@ pub fn run(
             threads_per_worker,
             parent: std::process::id(),
         };
-        workers.push(start(&exe, job, cores_each)?);
+        workers.push(start(&exe, job, pool)?);
     }
     for w in &workers {
         println!(
@@ -259,7 +267,7 @@ pub fn run(
     Ok(total)
 }
 
-/// Start `lockstep sweep-worker` with `job` on its stdin and `cores` host threads.
+/// Start `lockstep sweep-worker` with `job` on its stdin and a global host pool of `cores` threads.
 fn start(exe: &std::path::Path, job: Job, cores: usize) -> Result<Worker> {
     let mut child = Command::new(exe)
         .arg("sweep-worker")
