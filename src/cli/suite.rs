@@ -412,7 +412,7 @@ fn worker_processes(asked: Option<u16>, on_gpu: bool, exclusive: &[String]) -> R
 /// workers share one pool. On an H200 (16 cores) the nightly suite took 35.0 s against 36.9 s
 /// with a shared pool at 4 workers, 37.1 against 40.6 s at 8; at 16 workers the shared pool was
 /// faster (44.5 against 52.3 s). On the CPU the workers compute on the shared pool.
-fn worker_threads(on_gpu: bool, jobs: usize) -> Option<usize> {
+pub(super) fn worker_threads(on_gpu: bool, jobs: usize) -> Option<usize> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (on_gpu && jobs > 1 && cores / jobs >= 2).then_some(cores / jobs)
 }

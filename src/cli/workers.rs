@@ -222,18 +222,16 @@ pub fn run(
     let exe = std::env::current_exe().context("cannot find the lockstep binary for workers")?;
     let mut workers = Vec::new();
     for (share, device) in shares.into_iter().zip(slots) {
-        // A GPU worker process sizes its host pools as a `lockstep run` of its own would (each
-        // worker its own pool of cores / workers threads, where that is at least 2): the layout
-        // measured, whose host threads mostly wait on the driver. CPU worker processes share the
-        // cores out instead, since they compute on them.
+        // A GPU worker process sizes its host pools as a `lockstep run` of its own would (the
+        // layout measured: its host threads mostly wait on the driver); CPU worker processes,
+        // which compute on the cores, share them out.
         let on_gpu = device.as_str() != "cpu";
         let pool = if on_gpu {
             cores
         } else {
             (cores / processes).max(1)
         };
-        let threads_per_worker =
-            (on_gpu && jobs_each > 1 && pool / jobs_each >= 2).then_some(pool / jobs_each);
+        let threads_per_worker = super::suite::worker_threads(on_gpu, jobs_each);
         let job = Job {
             suite: s.clone(),
             suite_path: s.path.clone(),
@@ -262,7 +260,7 @@ pub fn run(
             Some(sum) => sum,
             None => from_store(&root, &w.runs),
         };
-        add(&mut total, sum);
+        total.absorb(sum);
     }
     Ok(total)
 }
@@ -409,26 +407,6 @@ fn from_store(root: &std::path::Path, runs: &[RunSpec]) -> Summary {
     sum
 }
 
-/// `b`'s counts added to `a`'s.
-fn add(a: &mut Summary, b: Summary) {
-    a.ok += b.ok;
-    a.skipped += b.skipped;
-    a.failed += b.failed;
-    a.diverged += b.diverged;
-    a.busy += b.busy;
-    a.interrupted += b.interrupted;
-    a.timeout += b.timeout;
-    a.not_run += b.not_run;
-    for lost in b.lost_devices {
-        if !a.lost_devices.iter().any(|(d, _)| *d == lost.0) {
-            a.lost_devices.push(lost);
-        }
-    }
-    for (d, n) in b.per_device {
-        *a.per_device.entry(d).or_default() += n;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -498,25 +476,5 @@ mod tests {
             seen.into_inner().unwrap(),
             ["started cuda:1", "step 3", "Diverged Some(\"nan\")"]
         );
-    }
-
-    #[test]
-    fn summaries_add_up_and_a_lost_device_is_named_once() {
-        let mut a = Summary {
-            ok: 2,
-            lost_devices: vec![("cuda:0".into(), "gone".into())],
-            per_device: BTreeMap::from([("cuda:0".to_string(), 2)]),
-            ..Default::default()
-        };
-        let b = Summary {
-            ok: 1,
-            failed: 1,
-            lost_devices: vec![("cuda:0".into(), "gone".into())],
-            per_device: BTreeMap::from([("cuda:0".to_string(), 2)]),
-            ..Default::default()
-        };
-        add(&mut a, b);
-        assert_eq!((a.ok, a.failed, a.lost_devices.len()), (3, 1, 1));
-        assert_eq!(a.per_device["cuda:0"], 4);
     }
 }

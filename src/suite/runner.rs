@@ -96,6 +96,39 @@ impl Summary {
         self.lost_devices.iter().any(|(d, _)| d == device)
     }
 
+    /// Add `other`'s counts to these (the summaries of one sweep's worker processes); a device
+    /// both report lost is named once.
+    pub fn absorb(&mut self, other: Summary) {
+        let Summary {
+            ok,
+            skipped,
+            failed,
+            diverged,
+            busy,
+            interrupted,
+            timeout,
+            not_run,
+            lost_devices,
+            per_device,
+        } = other;
+        self.ok += ok;
+        self.skipped += skipped;
+        self.failed += failed;
+        self.diverged += diverged;
+        self.busy += busy;
+        self.interrupted += interrupted;
+        self.timeout += timeout;
+        self.not_run += not_run;
+        for (device, why) in lost_devices {
+            if !self.is_lost(&device) {
+                self.lost_devices.push((device, why));
+            }
+        }
+        for (d, n) in per_device {
+            *self.per_device.entry(d).or_default() += n;
+        }
+    }
+
     /// Count a run that ended with `status`.
     fn count(&mut self, status: RunStatus) {
         match status {
@@ -573,5 +606,25 @@ mod tests {
         opts.jobs = 1;
         let sum = run_suite(&[&Lost], &suite, &runs, &opts, &|_| {}).unwrap();
         assert_eq!((sum.ok, sum.failed, sum.not_run), (0, 1, 3), "{sum:?}");
+    }
+
+    #[test]
+    fn summaries_add_up_and_a_lost_device_is_named_once() {
+        let mut a = Summary {
+            ok: 2,
+            lost_devices: vec![("cuda:0".into(), "gone".into())],
+            per_device: std::collections::BTreeMap::from([("cuda:0".to_string(), 2)]),
+            ..Default::default()
+        };
+        let b = Summary {
+            ok: 1,
+            failed: 1,
+            lost_devices: vec![("cuda:0".into(), "gone".into())],
+            per_device: std::collections::BTreeMap::from([("cuda:0".to_string(), 2)]),
+            ..Default::default()
+        };
+        a.absorb(b);
+        assert_eq!((a.ok, a.failed, a.lost_devices.len()), (3, 1, 1));
+        assert_eq!(a.per_device["cuda:0"], 4);
     }
 }
