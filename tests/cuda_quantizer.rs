@@ -412,14 +412,7 @@ fn same_seed_gives_identical_metrics_on_the_gpu() {
         )
         .unwrap();
         (0..3)
-            .map(|_| {
-                let r = t.step(be);
-                r.scalars
-                    .iter()
-                    .filter(|(k, _)| !k.starts_with("perf/"))
-                    .map(|(k, v)| (k.clone(), v.to_bits()))
-                    .collect::<Vec<_>>()
-            })
+            .map(|_| t.step(be).deterministic_scalars())
             .collect::<Vec<_>>()
     };
     let a = run(be.as_ref());

@@ -669,16 +669,10 @@ fn r8_a_run_made_in_slurm_equals_the_same_run_made_locally() {
         assert!(ms.extra.contains_key("slurm") && !ml.extra.contains_key("slurm"));
         assert_eq!(sl.len(), ss.len());
         for (a, b) in sl.iter().zip(&ss) {
-            let strip = |r: &lockstep::engine::metrics::StepRecord| {
-                r.scalars
-                    .iter()
-                    .filter(|(k, _)| !k.starts_with("perf/")) // wall-clock times differ
-                    .map(|(k, v)| (k.clone(), v.to_bits()))
-                    .collect::<Vec<_>>()
-            };
+            // Wall-clock `perf/` times differ; everything else must repeat.
             assert_eq!(
-                strip(a),
-                strip(b),
+                a.deterministic_scalars(),
+                b.deterministic_scalars(),
                 "{id} step {}: same bits locally and in Slurm",
                 a.step
             );

@@ -5,6 +5,7 @@
 
 mod common;
 use common::gone_within;
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -31,34 +32,21 @@ fn lockstep(dir: &Path) -> Command {
     c
 }
 
-/// A step's scalars as (name, bits).
-type Bits = Vec<(String, u64)>;
-
-/// Every run's step records without the wall-clock `perf/` values, as bits.
-fn metrics(store: &Path) -> Vec<(String, Vec<Bits>)> {
-    let mut runs: Vec<_> = std::fs::read_dir(store.join("wp"))
+/// Every run's step records without the wall-clock `perf/` values, as bits, by run folder.
+fn metrics(store: &Path) -> Vec<(String, Vec<BTreeMap<String, u64>>)> {
+    lockstep::store::run_dirs(&store.join("wp"))
         .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().is_dir())
-        .map(|e| {
-            let rd = lockstep::store::RunDir::open(&e.path());
-            let steps = rd
+        .into_iter()
+        .map(|d| {
+            let steps = lockstep::store::RunDir::open(&d)
                 .read_scalars()
                 .unwrap()
                 .iter()
-                .map(|r| {
-                    r.scalars
-                        .iter()
-                        .filter(|(k, _)| !k.starts_with("perf/"))
-                        .map(|(k, v)| (k.clone(), v.to_bits()))
-                        .collect()
-                })
+                .map(|r| r.deterministic_scalars())
                 .collect();
-            (e.file_name().to_string_lossy().into_owned(), steps)
+            (d.file_name().unwrap().to_string_lossy().into_owned(), steps)
         })
-        .collect();
-    runs.sort();
-    runs
+        .collect()
 }
 
 #[test]

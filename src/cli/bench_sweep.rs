@@ -244,16 +244,12 @@ fn same_metrics(runs: &[RunSpec], suite: &str, a: &Path, b: &Path) -> Result<(),
             .read_scalars()
             .map_err(|e| e.to_string())
     };
-    let bits = |r: &StepRecord| -> Vec<(String, u64)> {
-        r.scalars
-            .iter()
-            .filter(|(k, _)| !k.starts_with("perf/"))
-            .map(|(k, v)| (k.clone(), v.to_bits()))
-            .collect()
-    };
     for r in runs {
         let (x, y) = (read(a, &r.run_id)?, read(b, &r.run_id)?);
-        if x.len() != y.len() || x.iter().zip(&y).any(|(p, q)| bits(p) != bits(q)) {
+        let differ = |(p, q): (&StepRecord, &StepRecord)| {
+            p.deterministic_scalars() != q.deterministic_scalars()
+        };
+        if x.len() != y.len() || x.iter().zip(&y).any(differ) {
             return Err(format!("{} seed {}", r.config, r.seed));
         }
     }
