@@ -36,8 +36,9 @@ use std::sync::Arc;
 pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there and the trainer's forward \
     and backward run there; weight preparation, the loss and AdamW stay on this host's CPU. Runs \
     sharing a GPU overlap little (the many small launches of each step queue behind one \
-    another): on an H200 the nightly suite's 30 runs took 55 s with one worker, 35-37 s with \
-    4-8 and 52 s with 16; the default is 4 workers per GPU (--jobs to change; docs/cuda.md)";
+    another on a process's driver lock): on an H200 the nightly suite's 30 runs took 55 s with \
+    one worker, 30-35 s with 4 in one process and 21 s in 2 processes of 4, the default \
+    (--processes and --jobs to change; docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
