@@ -264,6 +264,12 @@ fn bench_sweep_times_each_layout_and_checks_their_metrics() {
     assert_eq!(rows.len(), 3, "{text}");
     assert!(rows[0].ends_with("reference"), "{text}");
     assert!(rows[1..].iter().all(|r| r.ends_with("identical")), "{text}");
+    // The GEMM rate column: the runs recorded their arithmetic, so it is positive.
+    let gflops: Vec<f64> = rows
+        .iter()
+        .map(|r| r.split_whitespace().nth(4).unwrap().parse().unwrap())
+        .collect();
+    assert!(gflops.iter().all(|t| *t > 0.0), "{text}");
     let bad = lockstep(tmp.path())
         .args(["bench", "sweep", s.to_str().unwrap(), "--layouts", "2"])
         .output()

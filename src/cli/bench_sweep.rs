@@ -2,7 +2,9 @@
 //! in one call, so the ratios compare like with like on one machine. The warm start is trained
 //! (and cached) before the first layout; each layout is a `lockstep run` of its own into a fresh
 //! store, timed from start to exit. Prints wall time, run-steps per second, the ratio to the first
-//! layout, and whether every layout's runs hold the first one's metrics bit for bit.
+//! layout, the GEMM arithmetic per second (`perf/gemm_flops` over the wall time) with the share of
+//! the device's FP32 peak it is, and whether every layout's runs hold the first one's metrics bit
+//! for bit.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -92,7 +94,14 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
     let tmp = Scratch::new()?;
     let cache = tmp.path().join("cache");
     let t0 = Instant::now();
-    prime_warm_starts(&runs, &args.device, &cache)?;
+    let first_device = *devices
+        .first()
+        .context("no device to train the warm start on")?;
+    let be = lockstep::engine::backend::open(first_device)?;
+    prime_warm_starts(&runs, be.as_ref(), &cache)?;
+    // Every device of a sweep is taken to be the first one's kind.
+    let peak = be.fp32_peak_flops().map(|p| p * devices.len() as f64);
+    drop(be);
     let run_steps: usize = runs.iter().map(|r| r.run.steps).sum();
     println!(
         "suite {}: {} runs, {run_steps} run-steps on {}; warm start trained and cached in {:.1} s",
@@ -102,11 +111,12 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
         t0.elapsed().as_secs_f64()
     );
     println!(
-        "{:<10} {:>9} {:>14} {:>9}  metrics",
-        "layout", "wall", "run-steps/s", "vs first"
+        "{:<10} {:>9} {:>14} {:>9} {:>13}  metrics",
+        "layout", "wall", "run-steps/s", "vs first", "GEMM GFLOP/s"
     );
     let mut first: Option<(f64, PathBuf)> = None;
     let mut all_ok = true;
+    let mut best_gflops: f64 = 0.0;
     for (i, l) in layouts.iter().enumerate() {
         // A store per entry: a layout listed twice is timed twice, not skipped as finished.
         let store = tmp
@@ -124,16 +134,44 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
             },
         };
         let ratio = first.as_ref().map_or(1.0, |(f, _)| f / secs);
+        let gflops = gemm_flops(&runs, &s.name, &store)? / secs / 1e9;
         println!(
-            "{:<10} {:>8.1}s {:>14.1} {:>8.2}x  {same}",
+            "{:<10} {:>8.1}s {:>14.1} {:>8.2}x {:>13.1}  {same}",
             format!("{}x{}", l.processes, l.workers),
             secs,
             run_steps as f64 / secs,
-            ratio
+            ratio,
+            gflops
         );
+        best_gflops = best_gflops.max(gflops);
         first.get_or_insert((secs, store));
     }
+    match peak {
+        Some(p) => println!(
+            "GEMM FLOPs from the model's shapes and the rows each step ran (attention, norms and quantizers left out): the best layout reaches {:.2} % of the FP32 peak ({:.1} TFLOP/s)",
+            100.0 * best_gflops * 1e9 / p,
+            p / 1e12
+        ),
+        None => println!(
+            "GEMM FLOPs from the model's shapes and the rows each step ran (attention, norms and quantizers left out); no FP32 peak is known for {}",
+            args.device
+        ),
+    }
     Ok(all_ok)
+}
+
+/// The GEMM FLOPs every run's steps in `store` recorded (`perf/gemm_flops`).
+fn gemm_flops(runs: &[RunSpec], suite: &str, store: &Path) -> Result<f64> {
+    let mut total = 0.0;
+    for r in runs {
+        let dir = store.join(suite).join(&r.run_id);
+        let steps = lockstep::store::RunDir::open(&dir).read_scalars()?;
+        total += steps
+            .iter()
+            .filter_map(|rec| rec.get("perf/gemm_flops"))
+            .sum::<f64>();
+    }
+    Ok(total)
 }
 
 /// A scratch folder for the sweeps' stores and cache, removed when the benchmark ends.
@@ -158,18 +196,17 @@ impl Drop for Scratch {
 }
 
 /// Train every warm start the runs need into `cache`, so no layout's time includes one.
-fn prime_warm_starts(runs: &[RunSpec], device: &str, cache: &Path) -> Result<()> {
-    let first = lockstep::engine::backend::sweep_devices(device)?
-        .into_iter()
-        .next()
-        .context("no device to train the warm start on")?;
-    let be = lockstep::engine::backend::open(first)?;
+fn prime_warm_starts(
+    runs: &[RunSpec],
+    be: &dyn lockstep::engine::backend::Backend,
+    cache: &Path,
+) -> Result<()> {
     let mut done = std::collections::BTreeSet::new();
     for r in runs {
         let key = lockstep::engine::warmstart::key(&r.run.model, r.run.task, &r.run.warm_start);
         if done.insert(key) {
             lockstep::engine::warmstart::warm_start(
-                be.as_ref(),
+                be,
                 &r.run.model,
                 r.run.task,
                 &r.run.warm_start,

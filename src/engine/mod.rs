@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod contract;
+pub mod cost;
 pub mod device;
 pub mod layout;
 pub mod linear;

@@ -29,6 +29,8 @@ pub struct Rollout {
     pub routing: Routing,
     /// Sequences that hit `max_new` without `<eos>`.
     pub truncated: Vec<bool>,
+    /// Token rows the decoder ran (a shared prompt once, then every sequence each position).
+    pub decoded_rows: usize,
 }
 
 impl Rollout {
@@ -199,6 +201,7 @@ fn generate_with(
     let positions = t.saturating_sub(1).max(1);
     let seqs = if shared > 0 { prompts.len() } else { b };
     let mut dec = decoder(be, prep, seqs, positions);
+    let mut decoded_rows = seqs * shared;
     if shared > 0 {
         let input: Vec<u32> = prompts.iter().flat_map(|p| p[..shared].to_vec()).collect();
         for routing in dec.feed(&input, shared) {
@@ -209,6 +212,7 @@ fn generate_with(
     for pos in shared..t.saturating_sub(1) {
         let input: Vec<u32> = (0..b).map(|s| tokens[s * t + pos]).collect();
         let (logits, routing) = dec.step(&input);
+        decoded_rows += b;
         steps.push(routing);
         let next = pos + 1;
         if next < prompt_len {
@@ -244,6 +248,7 @@ fn generate_with(
             // so replay covers the full [B, T-1] block the trainer reads.
             let rest = (pos + 1)..t.saturating_sub(1);
             if !rest.is_empty() {
+                decoded_rows += b * rest.len();
                 let input: Vec<u32> = (0..b)
                     .flat_map(|s| tokens[s * t..][rest.clone()].to_vec())
                     .collect();
@@ -267,6 +272,7 @@ fn generate_with(
         logprobs,
         routing,
         truncated,
+        decoded_rows,
     }
 }
 
@@ -303,6 +309,12 @@ mod tests {
             assert_eq!(bits(&shared), bits(&each));
             assert_eq!(shared.routing, each.routing);
             assert_eq!(shared.response_len, each.response_len);
+            // 3 prompts' first 5 positions once, then 12 sequences x positions 5..10; without
+            // sharing, 12 sequences x positions 0..10, whenever the samples stop.
+            assert_eq!(
+                (shared.decoded_rows, each.decoded_rows),
+                (3 * 5 + 12 * 5, 12 * 10)
+            );
         }
     }
 

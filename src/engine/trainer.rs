@@ -12,6 +12,7 @@
 
 use super::backend::Backend;
 use super::contract;
+use super::cost;
 use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
 use super::model::{self, ModelConfig, Params, PreparedModel, Routing, TrainPass};
@@ -533,6 +534,9 @@ impl Trainer {
         let (mut upd_sq, mut w_sq) = (0.0f64, 0.0f64);
         let mut diverged = false;
         let (mut backward_time, mut optimizer_time) = (0.0, 0.0);
+        // Forwards over `layout`'s rows (the reference and the first policy forward so far) and
+        // backwards, for the step's GEMM work.
+        let (mut forwards, mut backwards) = (2, 0);
         for k in 0..mb {
             let seqs: Vec<usize> = (0..b)
                 .filter(|s| (s / c.samples_per_prompt) * mb / groups.max(1) == k)
@@ -543,6 +547,7 @@ impl Trainer {
                 None => {
                     fresh = PreparedModel::new(&self.params, &self.plan)
                         .expect("plan checked at construction");
+                    forwards += 1;
                     policy_forward(be, &fresh, &rows, &layout, replay)
                 }
             };
@@ -605,6 +610,7 @@ impl Trainer {
             let t_bwd = Instant::now();
             let grads = cache.backward(&layout.fold(&dlogits, v));
             backward_time += t_bwd.elapsed().as_secs_f64();
+            backwards += 1;
             let t_opt = Instant::now();
             // Norms per site and layer, global norm (before clipping).
             let mut sq_total = 0.0f64;
@@ -648,6 +654,13 @@ impl Trainer {
         // gradient norms with the optimizer.
         rec.set("perf/train_backward_time", backward_time);
         rec.set("perf/optimizer_time", optimizer_time);
+        // The step's matrix arithmetic: the rollout's decoded rows and these passes (the held-out
+        // evaluation's decode is left out).
+        let (fwd_rows, bwd_rows) = (layout.rows() * forwards, layout.rows() * backwards);
+        rec.set(
+            "perf/gemm_flops",
+            cost::gemm_flops(&cfg, ro.decoded_rows + fwd_rows, bwd_rows),
+        );
         rec.set("train/loss", loss_sum);
         rec.set("train/pg_clipfrac", clip_n / n_tok);
         rec.set("train/ppo_kl", ppo_kl / n_tok);

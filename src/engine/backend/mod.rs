@@ -120,6 +120,11 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// The device's FP32 peak in FLOP/s, where it is known (a GPU's, from its SMs and clock).
+    fn fp32_peak_flops(&self) -> Option<f64> {
+        None
+    }
+
     /// Whether the device takes one process at a time (a GPU in exclusive-process compute mode,
     /// as shared clusters set them): a sweep then keeps all its workers in one process.
     fn one_process_only(&self) -> bool {

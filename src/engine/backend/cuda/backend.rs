@@ -203,6 +203,10 @@ impl Backend for CudaBackend {
         Some(self.dev.hardware())
     }
 
+    fn fp32_peak_flops(&self) -> Option<f64> {
+        self.dev.fp32_peak_flops()
+    }
+
     fn health(&self) -> Result<(), String> {
         self.dev.health().map_err(|e| e.to_string())
     }

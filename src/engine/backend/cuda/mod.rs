@@ -206,6 +206,25 @@ impl CudaDevice {
             .is_ok_and(|m| m == CUcomputemode::CU_COMPUTEMODE_EXCLUSIVE_PROCESS as i32)
     }
 
+    /// The card's FP32 peak in FLOP/s: SMs x boost clock x FP32 lanes per SM x 2 (a fused
+    /// multiply-add). `None` for an architecture whose lane count is not listed here.
+    pub fn fp32_peak_flops(&self) -> Option<f64> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        // FP32 lanes per SM: Volta, Turing and the A100 have 64; consumer Ampere, Ada, Hopper
+        // and Blackwell 128.
+        let lanes = match self.cc {
+            (7, _) | (8, 0) => 64.0,
+            (8, _) | (9, _) | (10, _) | (12, _) => 128.0,
+            _ => return None,
+        };
+        let sms = self
+            .ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .ok()?;
+        let khz = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).ok()?;
+        Some(f64::from(sms) * f64::from(khz) * 1e3 * lanes * 2.0)
+    }
+
     /// `NVIDIA H200, GPU-…, PCI 0000:18:00.0`: what a manifest records to name the card.
     pub fn hardware(&self) -> String {
         let or_unknown = |r: Result<String, CudaError>| r.unwrap_or_else(|_| "unknown".into());
