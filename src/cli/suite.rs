@@ -203,26 +203,28 @@ pub fn run_local(
     runs: &[lockstep::suite::RunSpec],
     args: &RunArgs,
 ) -> Result<bool> {
-    let opened = lockstep::engine::backend::sweep_devices(&args.device)?
-        .into_iter()
-        .map(lockstep::engine::backend::open)
-        .collect();
-    let (backends, unavailable) = usable_devices(opened)?;
+    use lockstep::engine::backend::{Device, describe, open};
+    // The devices are described first, without compiling kernels: in worker processes only the
+    // workers need them.
+    let devices = lockstep::engine::backend::sweep_devices(&args.device)?;
+    let described = devices.iter().map(|d| describe(*d).map(|i| (*d, i))).collect();
+    let (usable, unavailable) = usable_devices(described)?;
     for e in &unavailable {
         eprintln!("warning: {e}; the sweep runs on the other devices");
     }
-    let on_gpu = backends.iter().any(|b| b.name().starts_with("cuda"));
-    let exclusive: Vec<String> = backends
+    let (devices, infos): (Vec<Device>, Vec<_>) = usable.into_iter().unzip();
+    let on_gpu = devices.iter().any(|d| *d != Device::Cpu);
+    let exclusive: Vec<String> = infos
         .iter()
-        .filter(|b| b.one_process_only())
-        .map(|b| b.name())
+        .filter(|i| i.one_process_only)
+        .map(|i| i.name.clone())
         .collect();
     let processes = worker_processes(args.processes, on_gpu, &exclusive)?;
     let jobs = args
         .jobs
-        .unwrap_or_else(|| default_jobs(on_gpu, backends.len() * processes));
+        .unwrap_or_else(|| default_jobs(on_gpu, devices.len() * processes));
     // No more processes than workers: `--jobs 1` runs in this process.
-    let processes = processes.min(jobs / backends.len().max(1)).max(1);
+    let processes = processes.min(jobs / devices.len().max(1)).max(1);
     let opts = RunnerOptions {
         store: args.store.clone(),
         jobs,
@@ -235,21 +237,21 @@ pub fn run_local(
     let tty = std::io::stdout().is_terminal();
     let in_processes = match processes {
         1 => String::new(),
-        p => format!(" in {} processes", p * backends.len()),
+        p => format!(" in {} processes", p * infos.len()),
     };
     println!(
         "suite {}: {total} runs, {jobs} workers{in_processes} on {}, store {}",
         s.name,
-        backends
+        infos
             .iter()
-            .map(|b| b.name())
+            .map(|i| i.name.as_str())
             .collect::<Vec<_>>()
             .join(", "),
         args.store.display()
     );
-    for b in &backends {
-        if let Some(hw) = b.hardware() {
-            println!("  {} = {hw}", b.name());
+    for i in &infos {
+        if let Some(hw) = &i.hardware {
+            println!("  {} = {hw}", i.name);
         }
     }
     static GPU_NOTE_SHOWN: std::sync::Once = std::sync::Once::new();
@@ -264,10 +266,8 @@ pub fn run_local(
         }
     };
     lockstep::suite::interrupt::install();
-    let names: Vec<String> = backends.iter().map(|b| b.name()).collect();
+    let names: Vec<String> = infos.iter().map(|i| i.name.clone()).collect();
     let sum = if processes > 1 {
-        // Each worker process opens its own device: this one lets go of its handles first.
-        drop(backends);
         let split = super::workers::Split {
             devices: names.clone(),
             per_device: processes,
@@ -275,6 +275,11 @@ pub fn run_local(
         };
         super::workers::run(s, runs, &opts, &split, &progress)?
     } else {
+        // A card can still fail here (its cuBLAS handle, a kernel module): the others go on.
+        let (backends, unavailable) = usable_devices(devices.into_iter().map(open).collect())?;
+        for e in &unavailable {
+            eprintln!("warning: {e}; the sweep runs on the other devices");
+        }
         let refs: Vec<&dyn lockstep::engine::backend::Backend> =
             backends.iter().map(|b| b.as_ref()).collect();
         run_suite(&refs, s, runs, &opts, &progress)?

@@ -106,6 +106,34 @@ pub fn open(device: Device) -> Result<Box<dyn Backend>, DeviceError> {
     }
 }
 
+/// What a sweep needs to know of a device before it decides how to split the work: what
+/// [`Backend::name`], [`Backend::hardware`] and [`Backend::one_process_only`] would say, read
+/// without compiling kernels (a sweep in worker processes leaves that to the workers).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub hardware: Option<String>,
+    pub one_process_only: bool,
+}
+
+/// [`DeviceInfo`] of `device`; the same errors as [`open`] for a device that cannot be opened.
+pub fn describe(device: Device) -> Result<DeviceInfo, DeviceError> {
+    match device {
+        Device::Cpu => Ok(DeviceInfo {
+            name: device.to_string(),
+            hardware: None,
+            one_process_only: false,
+        }),
+        Device::Cuda(i) => cuda::CudaDevice::open(i)
+            .map(|d| DeviceInfo {
+                name: device.to_string(),
+                hardware: Some(d.hardware()),
+                one_process_only: d.exclusive_process(),
+            })
+            .map_err(|err| DeviceError::Cuda { device, err }),
+    }
+}
+
 /// The passes of the engine on one device. Each is the same model (`model::pass`) on that
 /// device's op set, so devices agree to their GEMM summation order; a device failure is an
 /// [`OpError`], which callers that cannot return it turn into a panic naming the device

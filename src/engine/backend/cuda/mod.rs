@@ -28,8 +28,10 @@ pub mod train;
 pub use backend::CudaBackend;
 pub use quant::{CudaQuantizer, DeviceQuantized};
 
-use cudarc::driver::{CudaContext, DriverError};
-use std::sync::Arc;
+use cudarc::driver::{CudaContext, CudaModule, DriverError};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
 
 /// What `lockstep run` and `run-one` print (to stderr) when they compute on a GPU, so nobody takes
 /// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
@@ -114,13 +116,18 @@ pub fn device_count() -> Result<usize, CudaError> {
     }
 }
 
-/// One opened GPU: its context, name and compute capability.
+/// One opened GPU: its context, name and compute capability, and the kernel modules compiled
+/// for it so far.
 #[derive(Debug)]
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     ordinal: usize,
     name: String,
     cc: (i32, i32),
+    /// Each module compiled once per device, by name and a hash of its source: every op set (one
+    /// per concurrent worker) loads its functions from the same module instead of running NVRTC
+    /// again. A module's functions may be launched on several streams at once.
+    modules: Mutex<HashMap<&'static str, (u64, Arc<CudaModule>)>>,
 }
 
 impl CudaDevice {
@@ -148,6 +155,7 @@ impl CudaDevice {
             ordinal,
             name,
             cc,
+            modules: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -257,12 +265,35 @@ impl CudaDevice {
     }
 
     /// Compile `src` with the exact-arithmetic options: no FMA contraction, no flush to zero, IEEE
-    /// division and square root (the spec's FP32 arithmetic; fast-math would change codes).
+    /// division and square root (the spec's FP32 arithmetic; fast-math would change codes). A
+    /// module already compiled on this device from the same source is returned as it is.
     pub(crate) fn compile(
         &self,
         module: &'static str,
         src: &str,
-    ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+    ) -> Result<Arc<CudaModule>, CudaError> {
+        let hash = {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            src.hash(&mut h);
+            h.finish()
+        };
+        // Held while compiling: op sets made at once wait for the first compile, not repeat it.
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((h, m)) = modules.get(module)
+            && *h == hash
+        {
+            return Ok(m.clone());
+        }
+        let m = self.compile_uncached(module, src)?;
+        modules.insert(module, (hash, m.clone()));
+        Ok(m)
+    }
+
+    fn compile_uncached(
+        &self,
+        module: &'static str,
+        src: &str,
+    ) -> Result<Arc<CudaModule>, CudaError> {
         let opts = cudarc::nvrtc::CompileOptions {
             ftz: Some(false),
             prec_sqrt: Some(true),
@@ -294,7 +325,7 @@ impl CudaDevice {
         &self,
         module: &'static str,
         src: &str,
-    ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+    ) -> Result<Arc<CudaModule>, CudaError> {
         self.compile(module, &format!("{}\n{src}", include_str!("prelude.cuh")))
     }
 }
