@@ -7,10 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=$(ls tests/cuda_*.rs tests/model_devices.rs | xargs -n1 basename | sed 's/\.rs$//')
-cargo build --release
+# The fault-injection feature adds the sweep workers' fault hook (multi-gpu-check.sh uses it).
+cargo build --release --features fault-injection
 args=()
 for t in $tests; do args+=(--test "$t"); done
-cargo test --release --no-run "${args[@]}" 2>&1 | grep Executable
+cargo test --release --features fault-injection --no-run "${args[@]}" 2>&1 | grep Executable
 rm -rf target/gpuz/b && mkdir -p target/gpuz/b
 cp target/release/lockstep target/gpuz/b/
 for t in $tests; do

@@ -49,6 +49,31 @@ n = collections.Counter()
 for f in glob.glob(sys.argv[1] + "/nightly/*/manifest.json"):
     m = json.load(open(f)); n[(m["device"], m["extra"].get("gpu"))] += 1
 for k, v in sorted(n.items()): print(v, *k)' "$S/all-default"
+  echo "==== cuda:1 faults 4 s into a sweep over both cards, in worker processes (the default)"
+  LOCKSTEP_PLANT_FAULT=cuda:1 LOCKSTEP_PLANT_FAULT_AFTER=4 "$L" run suites/nightly.toml \
+    --store "$S/fault" --device cuda > "$S/fault.log" 2>&1
+  echo "exit $?"
+  grep -E '^(done in|runs per device|error|warning|worker process|fault-injection)' "$S/fault.log"
+  # Every run of cuda:0 ok and as on cuda:0 alone; cuda:1's failed naming cuda:1, or not run.
+  python3 - "$S/fault" "$S/one-j1" <<'PY' || status=1
+import collections, glob, json, pathlib, sys
+import pyarrow.parquet as pq
+fault, ref = pathlib.Path(sys.argv[1]) / "nightly", pathlib.Path(sys.argv[2]) / "nightly"
+def scalars(run):
+    t = pq.read_table(run / "scalars.parquet").to_pydict()
+    return {k: v for k, v in t.items() if not k.startswith("perf/")}
+n, bad = collections.Counter(), []
+for f in sorted(fault.glob("*/manifest.json")):
+    m = json.load(open(f)); run = f.parent
+    n[(m["device"], m["status"])] += 1
+    if m["device"] == "cuda:0" and (m["status"] != "ok" or scalars(run) != scalars(ref / run.name)):
+        bad.append(f"{run.name}: {m['status']} on cuda:0, or other metrics than cuda:0 alone")
+    if m["status"] == "failed" and "cuda:1" not in (m.get("error") or ""):
+        bad.append(f"{run.name}: failed without naming cuda:1: {m.get('error')}")
+for k, v in sorted(n.items()): print(v, *k)
+print("\n".join(bad) or "cuda:0's runs all ok and as on cuda:0 alone; every failure names cuda:1")
+sys.exit(1 if bad else 0)
+PY
   echo "==== a device that is not visible"
   CUDA_VISIBLE_DEVICES=1 "$L" run suites/nightly.toml --store "$S/hidden" --device cuda:0,cuda:1; echo "exit $?"
 } > "$OUT/sweeps.log" 2>&1

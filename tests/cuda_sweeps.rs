@@ -4,15 +4,19 @@
 //!   (ordinal, model, UUID), and every metric equals the same run's on one card alone, bit for
 //!   bit: the engine repeats across cards of one model, not only on one card. Then a real kernel
 //!   fault on cuda:1 mid-sweep (an out-of-bounds store launched into that card's primary
-//!   context, which the engine shares, so the context is lost as after a hardware fault) fails
-//!   the run in flight there with the card in its error, sends the rest of the sweep to cuda:0
-//!   and leaves every other run's metrics unchanged.
+//!   context, which the engine shares, as after a hardware fault). CUDA's sticky errors are per
+//!   process: on two H200s the fault also failed the run in flight on cuda:0, which is why a
+//!   sweep runs each card in worker processes of its own by default (`scripts/multi-gpu-check.sh`
+//!   faults one card under them). What must hold in one process: the faulted card is reported
+//!   lost, every failed run names its own card, and no run reported `ok` holds other metrics
+//!   than on one card alone.
 //! - One card (any GPU machine): the same fault on cuda:0 during the second of four runs. The
 //!   first run stays `ok`, the second fails naming the card, the card is reported lost, the two
 //!   runs nobody could take count as `not run`, and the lost card's backend drops without a
 //!   panic.
 //!
-//! One test, in that order: a fault ends its card for the rest of the process.
+//! One test: a fault ends CUDA for the rest of the process, so with two cards the one-card part
+//! is left to one-GPU machines.
 
 mod common;
 
@@ -116,10 +120,15 @@ fn sweeps_spread_over_cards_repeat_across_them_and_survive_losing_one() {
     }
     let g0 = CudaBackend::new(0).unwrap();
     match cuda::device_count() {
-        Ok(n) if n >= 2 => two_cards(&g0, CudaBackend::new(1).unwrap()),
-        other => eprintln!("the two-card part skips: {other:?} GPU(s) visible"),
+        Ok(n) if n >= 2 => {
+            two_cards(&g0, CudaBackend::new(1).unwrap());
+            eprintln!("the one-card part skips: the two-card fault ended CUDA in this process");
+        }
+        other => {
+            eprintln!("the two-card part skips: {other:?} GPU(s) visible");
+            a_card_that_faults_fails_its_run_and_no_later_run_goes_to_it(g0);
+        }
     }
-    a_card_that_faults_fails_its_run_and_no_later_run_goes_to_it(g0);
 }
 
 /// The two-card case of the module doc: `g0` stays healthy, `g1` is lost.
@@ -178,28 +187,40 @@ fn two_cards(g0: &CudaBackend, g1: CudaBackend) {
     };
     let sum = sweep(lost.path(), &[g0, &g1], 2, &plant);
     assert!(*planted.lock().unwrap(), "no run started on cuda:1");
-    assert_eq!((sum.ok, sum.failed, sum.not_run), (5, 1, 0), "{sum:?}");
-    assert_eq!(sum.lost_devices.len(), 1, "{sum:?}");
-    assert_eq!(sum.lost_devices[0].0, "cuda:1");
-    for (id, (status, device, detail, steps)) in outcomes(lost.path()) {
-        match status {
+    assert!(sum.failed >= 1, "{sum:?}");
+    assert_eq!(sum.ok + sum.failed + sum.not_run, 6, "{sum:?}");
+    assert!(
+        sum.lost_devices.iter().any(|(d, _)| d == "cuda:1"),
+        "{sum:?}"
+    );
+    let started = on_card.lock().unwrap().clone();
+    for (id, device) in started {
+        let rd = RunDir::open(&lost.path().join("runs").join("two-gpus").join(&id));
+        let m = rd.read_manifest().unwrap();
+        assert_eq!(m.device, device, "{id}");
+        match m.status {
             RunStatus::Failed => {
-                assert_eq!(device, "cuda:1", "{id}");
-                let error = detail.unwrap_or_default();
+                let error = m.error.unwrap_or_default();
+                let card = if device == "cuda:0" { g0 } else { &g1 };
                 assert!(
-                    error.contains("cuda:1") && error.contains(&uuid(&g1)),
-                    "{id}: error does not name the card: {error}"
+                    error.contains(&device) && error.contains(&uuid(card)),
+                    "{id}: error does not name its card: {error}"
                 );
             }
-            _ => {
+            status => {
                 assert_eq!(status, RunStatus::Ok, "{id}");
+                let steps: Vec<_> = rd
+                    .read_scalars()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s.deterministic_scalars())
+                    .collect();
                 assert_eq!(steps, reference[&id].3, "{id} on {device} changed");
             }
         }
     }
-    // The lost card stays lost; the other still computes.
+    // The faulted card stays lost.
     assert!(g1.health().is_err());
-    assert!(g0.health().is_ok());
 }
 
 /// Four runs of one recipe on the tiny model, for the one-card case.

@@ -207,7 +207,10 @@ pub fn run_local(
     // The devices are described first, without compiling kernels: in worker processes only the
     // workers need them.
     let devices = lockstep::engine::backend::sweep_devices(&args.device)?;
-    let described = devices.iter().map(|d| describe(*d).map(|i| (*d, i))).collect();
+    let described = devices
+        .iter()
+        .map(|d| describe(*d).map(|i| (*d, i)))
+        .collect();
     let (usable, unavailable) = usable_devices(described)?;
     for e in &unavailable {
         eprintln!("warning: {e}; the sweep runs on the other devices");

@@ -100,6 +100,27 @@ impl Event {
     }
 }
 
+/// The fault test hook of the GPU test bundle: with `LOCKSTEP_PLANT_FAULT=cuda:N`, the workers on
+/// that card fault it `LOCKSTEP_PLANT_FAULT_AFTER` seconds (default 3) after they start.
+#[cfg(feature = "fault-injection")]
+fn plant_fault(device: &str) {
+    if std::env::var("LOCKSTEP_PLANT_FAULT").ok().as_deref() != Some(device) {
+        return;
+    }
+    let after = std::env::var("LOCKSTEP_PLANT_FAULT_AFTER")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3.0);
+    let Ok(lockstep::engine::backend::Device::Cuda(ordinal)) = device.parse() else {
+        return;
+    };
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs_f64(after));
+        eprintln!("fault-injection: faulting cuda:{ordinal}");
+        let _ = lockstep::engine::backend::cuda::plant_fault(ordinal);
+    });
+}
+
 /// `lockstep sweep-worker`: run the [`Job`] on stdin, reporting [`Event`]s on stdout.
 pub fn worker_cmd() -> Result<bool> {
     stop_with_parent();
@@ -111,6 +132,8 @@ pub fn worker_cmd() -> Result<bool> {
     }
     lockstep::suite::interrupt::install();
     let be = lockstep::engine::backend::open(job.device.parse()?)?;
+    #[cfg(feature = "fault-injection")]
+    plant_fault(&job.device);
     let opts = RunnerOptions {
         store: job.store.clone(),
         jobs: job.jobs,

@@ -116,6 +116,30 @@ pub fn device_count() -> Result<usize, CudaError> {
     }
 }
 
+/// An out-of-bounds store on `ordinal`'s primary context, which every backend on that card
+/// shares: from then on each call on that context fails, as after a hardware fault. For fault
+/// tests of the sweep (`--features fault-injection`).
+#[cfg(feature = "fault-injection")]
+pub fn plant_fault(ordinal: usize) -> Result<(), CudaError> {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let ctx = CudaContext::new(ordinal)?;
+    let src =
+        r#"extern "C" __global__ void oob(float* p) { p[(1ull << 40) + threadIdx.x] = 1.0f; }"#;
+    let ptx = cudarc::nvrtc::compile_ptx(src).map_err(|e| CudaError::Compile {
+        module: "oob",
+        detail: format!("{e:?}"),
+    })?;
+    let f = ctx.load_module(ptx)?.load_function("oob")?;
+    let stream = ctx.new_stream()?;
+    let buf = stream.alloc_zeros::<f32>(32)?;
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&buf);
+    // SAFETY: deliberately unsafe: the kernel writes far outside `buf` to fault the context.
+    let _ = unsafe { launch.launch(LaunchConfig::for_num_elems(32)) };
+    let _ = stream.synchronize();
+    Ok(())
+}
+
 /// One opened GPU: its context, name and compute capability, and the kernel modules compiled
 /// for it so far.
 #[derive(Debug)]
