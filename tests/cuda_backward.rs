@@ -1,29 +1,30 @@
-//! The backward kernels (`engine::backend::cuda::backward`) against the CPU's backward ops
-//! (`engine::ops`) at the engine's shapes (D 128, F 256, 2272 rows, 8 experts, top-2), each
-//! accumulating into a gradient that already holds values, as the trainer's do.
+//! The backward ops of the op set on a GPU (`GpuOps`) against the CPU's (`CpuOps`), each through
+//! `engine::device::Ops` with one test body per op generic over the device, at the engine's
+//! shapes (D 128, F 256, 2272 rows, 8 experts, top-2); the ops that accumulate do so into a
+//! gradient that already holds values, as the trainer's do.
 //!
 //! Bit-identical to the CPU: RMSNorm (dx and dg), the router, the embedding and attention (their
 //! sums run in one thread in the CPU's order; attention reads the forward's softmax weights, so no
-//! `expf`), and AdamW's parameters. Within a tolerance: SwiGLU (the GPU's `expf`) and
-//! AdamW's FP64 sums of squares (a fixed tree order instead of the CPU's sequential one).
+//! `expf`), and AdamW's parameters (`GpuOps::adamw_step`). Within a tolerance: SwiGLU (the GPU's
+//! `expf`) and AdamW's FP64 sums of squares (a fixed tree order instead of the CPU's sequential
+//! one).
 //!
 //! Each test prints why and returns when no GPU is usable. On a GPU machine:
 //! `cargo test --release --test cuda_backward -- --nocapture`.
 
 mod common;
 
-use common::{StreamIo, assert_rel, max_abs, ragged, same_bits, uniform};
-use cudarc::driver::CudaStream;
-use lockstep::engine::backend::cuda::backward::{AdamStep, CudaBackwardOps, DeviceGroups};
-use lockstep::engine::backend::cuda::ops::DeviceLayout;
-use lockstep::engine::backend::cuda::{CudaDevice, CudaError};
+use common::{Device, StreamIo, assert_rel, max_abs, ragged, same_bits, uniform};
+use lockstep::engine::backend::cuda::CudaDevice;
+use lockstep::engine::backend::cuda::device_ops::{AdamStep, GpuOps};
+use lockstep::engine::device::cpu::CpuOps;
+use lockstep::engine::device::{OpError, OpResult, Ops};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::{ModelConfig, Params};
-use lockstep::engine::ops;
 use lockstep::engine::optim::AdamW;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 const D: usize = 128;
 const F: usize = 256;
@@ -33,26 +34,27 @@ const K: usize = 2;
 /// The benchmark batch's trainer rows.
 const N: usize = 2272;
 
-struct Gpu {
-    ops: CudaBackwardOps,
-    stream: Arc<CudaStream>,
+fn gpu(test: &str) -> Option<&'static GpuOps> {
+    static G: OnceLock<Result<GpuOps, String>> = OnceLock::new();
+    common::gpu_fixture(&G, test, || GpuOps::new(&CudaDevice::open(0)?))
 }
 
-fn gpu(test: &str) -> Option<&'static Gpu> {
-    static G: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    common::gpu_fixture(&G, test, || {
-        let d = CudaDevice::open(0)?;
-        Ok(Gpu {
-            ops: CudaBackwardOps::new(&d)?,
-            stream: d.context().new_stream()?,
-        })
-    })
-}
-
-impl StreamIo for Gpu {
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
+/// (dx, dg) accumulated into `dx0`, `dg0`, with the forward's rstd.
+fn rmsnorm_backward<'a, O: Device<'a>>(
+    o: &O,
+    x: &[f32],
+    gain: &'a [f32],
+    dout: &[f32],
+    (dx0, dg0): (&[f32], &[f32]),
+) -> [Vec<f32>; 2] {
+    let n = x.len() / D;
+    let (x, gain) = (o.upload(x).unwrap(), o.param(gain));
+    let (_, rstd) = o.rmsnorm(&x, &gain, n, D).unwrap();
+    let (mut dx, mut dg) = (o.upload(dx0).unwrap(), o.upload(dg0).unwrap());
+    let dout = o.upload(dout).unwrap();
+    o.rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &gain, &rstd, n, D)
+        .unwrap();
+    [o.to_host(&dx, n * D).unwrap(), o.to_host(&dg, D).unwrap()]
 }
 
 #[test]
@@ -65,28 +67,19 @@ fn rmsnorm_backward_matches_cpu_bit_for_bit() {
         let x = uniform(&mut rng, n * D, 3.0);
         let gain = uniform(&mut rng, D, 1.5);
         let dout = uniform(&mut rng, n * D, 1.0);
-        let (mut out, mut rstd) = (vec![0.0; n * D], vec![0.0; n]);
-        ops::rmsnorm_forward(&mut out, &mut rstd, &x, &gain, n, D);
         // Gradients that already hold values: the kernels must add, not overwrite.
-        let (mut dx, mut dg) = (uniform(&mut rng, n * D, 0.5), uniform(&mut rng, D, 0.5));
-        let (mut gdx, mut gdg) = (g.up(&dx), g.up(&dg));
-        ops::rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &gain, &rstd, n, D);
-        g.ops
-            .rmsnorm_backward(
-                &g.stream,
-                &mut gdx,
-                &mut gdg,
-                &g.up(&dout),
-                &g.up(&x),
-                &g.up(&gain),
-                &g.up(&rstd),
-                n,
-                D,
-            )
-            .unwrap();
-        same_bits(&format!("n {n}: dx"), &g.down(&gdx), &dx).unwrap();
-        same_bits(&format!("n {n}: dg"), &g.down(&gdg), &dg).unwrap();
+        let (dx, dg) = (uniform(&mut rng, n * D, 0.5), uniform(&mut rng, D, 0.5));
+        let [cdx, cdg] = rmsnorm_backward(&CpuOps::new(), &x, &gain, &dout, (&dx, &dg));
+        let [gdx, gdg] = rmsnorm_backward(g, &x, &gain, &dout, (&dx, &dg));
+        same_bits(&format!("n {n}: dx"), &gdx, &cdx).unwrap();
+        same_bits(&format!("n {n}: dg"), &gdg, &cdg).unwrap();
     }
+}
+
+fn swiglu_backward<O: Ops>(o: &O, dout: &[f32], inp: &[f32], n: usize) -> Vec<f32> {
+    let (dout, inp) = (o.upload(dout).unwrap(), o.upload(inp).unwrap());
+    let dinp = o.swiglu_backward(&dout, &inp, n, F).unwrap();
+    o.to_host(&dinp, n * 2 * F).unwrap()
 }
 
 #[test]
@@ -98,15 +91,17 @@ fn swiglu_backward_within_1e_5_of_cpu() {
     let n = N;
     let inp = uniform(&mut rng, n * 2 * F, 6.0);
     let dout = uniform(&mut rng, n * F, 1.0);
-    let mut dinp = uniform(&mut rng, n * 2 * F, 0.5);
-    let mut gd = g.up(&dinp);
-    ops::swiglu_backward(&mut dinp, &dout, &inp, n, F);
-    g.ops
-        .swiglu_backward(&g.stream, &mut gd, &g.up(&dout), &g.up(&inp), n, F)
-        .unwrap();
+    let cpu = swiglu_backward(&CpuOps::new(), &dout, &inp, n);
     // Relative to the largest value: an `expf` ulp moves a term by an ulp of the term, and the
     // value it lands in can be much smaller than the term (cancellation).
-    assert_rel("swiglu dinp", &g.down(&gd), &dinp, max_abs(&dinp), 1e-5);
+    let got = swiglu_backward(g, &dout, &inp, n);
+    assert_rel("swiglu dinp", &got, &cpu, max_abs(&cpu), 1e-5);
+}
+
+fn route_backward<O: Ops>(o: &O, dw: &[f32], ids: &[u32], w: &[f32], n: usize) -> Vec<f32> {
+    let (dw, w) = (o.upload(dw).unwrap(), o.upload(w).unwrap());
+    let dl = o.route_backward(&dw, &o.ids(ids).unwrap(), &w, n, E, K);
+    o.to_host(&dl.unwrap(), n * E).unwrap()
 }
 
 #[test]
@@ -116,45 +111,42 @@ fn router_backward_matches_cpu_bit_for_bit() {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let n = N;
+    let cpu = CpuOps::new();
     let logits = uniform(&mut rng, n * E, 4.0);
-    let (mut probs, mut ids, mut w) = (vec![0.0; n * E], vec![0u32; n * K], vec![0.0; n * K]);
-    ops::router_forward(&mut probs, &mut ids, &mut w, &logits, n, E, K, None);
+    let (ids, w) = cpu.route(&logits, n, E, K, None).unwrap();
     let dw = uniform(&mut rng, n * K, 1.0);
-    let mut dl = uniform(&mut rng, n * E, 0.5);
-    let mut gdl = g.up(&dl);
-    ops::router_backward(&mut dl, &dw, &ids, &w, n, E, K);
-    g.ops
-        .router_backward(
-            &g.stream,
-            &mut gdl,
-            &g.up(&dw),
-            &g.up(&ids),
-            &g.up(&w),
-            n,
-            E,
-            K,
-        )
-        .unwrap();
-    same_bits("router dlogits", &g.down(&gdl), &dl).unwrap();
+    let want = route_backward(&cpu, &dw, &ids, &w, n);
+    same_bits(
+        "router dlogits",
+        &route_backward(g, &dw, &ids, &w, n),
+        &want,
+    )
+    .unwrap();
     // An expert id out of range poisons its row instead of writing outside it.
     let mut bad = ids.clone();
     bad[5 * K] = E as u32;
-    let mut gbad = g.zeros::<f32>(n * E);
-    g.ops
-        .router_backward(
-            &g.stream,
-            &mut gbad,
-            &g.up(&dw),
-            &g.up(&bad),
-            &g.up(&w),
-            n,
-            E,
-            K,
-        )
-        .unwrap();
-    let v = g.down(&gbad);
+    let v = route_backward(g, &dw, &bad, &w, n);
     assert!(v[5 * E..6 * E].iter().all(|x| x.is_nan()), "row 5 not NaN");
     assert!(v[..5 * E].iter().all(|x| !x.is_nan()), "rows 0-4 touched");
+}
+
+/// (dwte, dwpe) accumulated into `tables` from `dout` at `layout`'s positions.
+fn embedding_backward<O: Ops>(
+    o: &O,
+    tables: (&[f32], &[f32]),
+    dout: &[f32],
+    tokens: &[u32],
+    layout: &Layout,
+) -> [Vec<f32>; 2] {
+    let (mut dwte, mut dwpe) = (o.upload(tables.0).unwrap(), o.upload(tables.1).unwrap());
+    let (dout, tok) = (o.upload(dout).unwrap(), o.ids(tokens).unwrap());
+    let rows = o.rows(layout).unwrap();
+    o.embedding_backward(&mut dwte, &mut dwpe, &dout, &tok, &rows, layout.rows(), D)
+        .unwrap();
+    [
+        o.to_host(&dwte, tables.0.len()).unwrap(),
+        o.to_host(&dwpe, tables.1.len()).unwrap(),
+    ]
 }
 
 #[test]
@@ -163,36 +155,19 @@ fn embedding_backward_matches_cpu_bit_for_bit() {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let (n, vocab, npos) = (N, 16, 16);
+    let (vocab, npos) = (16, 16);
     // Few distinct tokens and positions, so each table row sums many rows: the order matters.
+    let layout = Layout::plain(N / 16, 15);
+    let n = layout.rows();
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
-    let positions: Vec<u32> = (0..n).map(|i| (i % 15) as u32).collect();
     let dout = uniform(&mut rng, n * D, 1.0);
-    let mut dwte = uniform(&mut rng, vocab * D, 0.5);
-    let mut dwpe = uniform(&mut rng, npos * D, 0.5);
-    let (mut gte, mut gpe) = (g.up(&dwte), g.up(&dwpe));
-    ops::embedding_backward(
-        &mut dwte,
-        &mut dwpe,
-        &dout,
-        &tokens,
-        |i| positions[i] as usize,
-        D,
-    );
-    g.ops
-        .embedding_backward(
-            &g.stream,
-            &mut gte,
-            &mut gpe,
-            &g.up(&dout),
-            &g.up(&tokens),
-            &g.up(&positions),
-            n,
-            D,
-        )
-        .unwrap();
-    same_bits("dwte", &g.down(&gte), &dwte).unwrap();
-    same_bits("dwpe", &g.down(&gpe), &dwpe).unwrap();
+    let dwte = uniform(&mut rng, vocab * D, 0.5);
+    let dwpe = uniform(&mut rng, npos * D, 0.5);
+    let tables = (&dwte[..], &dwpe[..]);
+    let [cte, cpe] = embedding_backward(&CpuOps::new(), tables, &dout, &tokens, &layout);
+    let [gte, gpe] = embedding_backward(g, tables, &dout, &tokens, &layout);
+    same_bits("dwte", &gte, &cte).unwrap();
+    same_bits("dwpe", &gpe, &cpe).unwrap();
 }
 
 #[test]
@@ -200,51 +175,55 @@ fn backward_shape_errors_name_the_buffer() {
     let Some(g) = gpu("backward_shape_errors_name_the_buffer") else {
         return;
     };
-    let shape = |r: Result<(), CudaError>, what: &str| match r {
-        Err(CudaError::Shape(m)) => assert!(m.contains(what), "{m:?} should name {what}"),
-        other => panic!("expected a Shape error naming {what}, got {other:?}"),
-    };
-    let (n, s) = (4, &g.stream);
-    let (x, gain, rstd) = (g.zeros::<f32>(n * D), g.zeros::<f32>(D), g.zeros::<f32>(n));
-    let (mut dx, mut short) = (g.zeros::<f32>(n * D), g.zeros::<f32>(D - 1));
+    fn shape<T>(r: OpResult<T>, what: &str) {
+        match r {
+            Err(OpError::Shape(m)) => assert!(m.contains(what), "{m:?} should name {what}"),
+            Err(e) => panic!("expected a Shape error naming {what}, got {e:?}"),
+            Ok(_) => panic!("expected a Shape error naming {what}, got Ok"),
+        }
+    }
+    let n = 4;
+    let z = |len: usize| Ops::zeros(g, len).unwrap();
+    let (x, gain, rstd) = (z(n * D), z(D), z(n));
+    let (mut dx, mut short) = (z(n * D), z(D - 1));
     shape(
-        g.ops
-            .rmsnorm_backward(s, &mut dx, &mut short, &x, &x, &gain, &rstd, n, D),
+        g.rmsnorm_backward(&mut dx, &mut short, &x, &x, &gain, &rstd, n, D),
         "dg",
     );
-    let mut dinp = g.zeros::<f32>(n * 2 * F - 1);
+    shape(g.swiglu_backward(&z(n * F), &z(n * 2 * F - 1), n, F), "inp");
     shape(
-        g.ops
-            .swiglu_backward(s, &mut dinp, &g.zeros(n * F), &g.zeros(n * 2 * F), n, F),
-        "dinp",
+        g.swiglu_backward(&z(n * F - 1), &z(n * 2 * F), n, F),
+        "dout",
     );
-    let mut dl = g.zeros::<f32>(n * E);
+    let ids = |len: usize| g.ids(&vec![0; len]).unwrap();
     shape(
-        g.ops.router_backward(
-            s,
-            &mut dl,
-            &g.zeros(n * K),
-            &g.zeros(n * K - 1),
-            &g.zeros(n * K),
-            n,
-            E,
-            K,
-        ),
+        g.route_backward(&z(n * K), &ids(n * K - 1), &z(n * K), n, E, K),
         "ids",
     );
     shape(
-        g.ops.router_backward(
-            s,
-            &mut dl,
-            &g.zeros(n * K),
-            &g.zeros(n * K),
-            &g.zeros(n * K),
-            n,
-            E,
-            E + 1,
-        ),
+        g.route_backward(&z(n * K), &ids(n * K), &z(n * K), n, E, E + 1),
         "top-k",
     );
+}
+
+/// dqkv of attention's backward, the forward's softmax weights `probs` given.
+fn attention_backward<O: Ops>(
+    o: &O,
+    layout: &Layout,
+    qkv: &[f32],
+    probs: &[f32],
+    dout: &[f32],
+) -> Vec<f32> {
+    let rows = o.rows(layout).unwrap();
+    let (qkv, probs, dout) = (
+        o.upload(qkv).unwrap(),
+        o.upload(probs).unwrap(),
+        o.upload(dout).unwrap(),
+    );
+    let dqkv = o
+        .attention_backward(&dout, &qkv, &probs, &rows, H, D)
+        .unwrap();
+    o.to_host(&dqkv, layout.rows() * 3 * D).unwrap()
 }
 
 /// Attention's backward on a plain and two ragged shared-prefix layouts (a key row of a shared
@@ -256,6 +235,7 @@ fn attention_backward_matches_cpu_bit_for_bit() {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let cpu = CpuOps::new();
     let layouts = [
         ("plain", Layout::plain(16, 15)),
         ("ragged 256x16", ragged(&mut rng, 256, 16, 8, 8)),
@@ -264,28 +244,14 @@ fn attention_backward_matches_cpu_bit_for_bit() {
     for (what, layout) in layouts {
         let (n, s) = (layout.rows(), layout.max_context());
         let qkv = uniform(&mut rng, n * 3 * D, 1.0);
-        let (mut out, mut probs) = (vec![0.0; n * D], vec![0.0; n * H * s]);
-        ops::attention_forward(&mut out, &mut probs, &qkv, &layout, H, D);
-        let dout = uniform(&mut rng, n * D, 1.0);
-        let mut dqkv = uniform(&mut rng, n * 3 * D, 0.5);
-        let mut gd = g.up(&dqkv);
-        ops::attention_backward(&mut dqkv, &dout, &qkv, &probs, &layout, H, D);
-        let dl = DeviceLayout::upload(&g.stream, &layout).unwrap();
-        let groups = DeviceGroups::upload(&g.stream, &layout).unwrap();
-        g.ops
-            .attention_backward(
-                &g.stream,
-                &mut gd,
-                &g.up(&dout),
-                &g.up(&qkv),
-                &g.up(&probs),
-                &dl,
-                &groups,
-                H,
-                D,
-            )
+        let (_, probs) = cpu
+            .attention(&qkv, &cpu.rows(&layout).unwrap(), H, D)
             .unwrap();
-        same_bits(&format!("{what}: dqkv"), &g.down(&gd), &dqkv).unwrap();
+        assert_eq!(probs.len(), n * H * s);
+        let dout = uniform(&mut rng, n * D, 1.0);
+        let want = attention_backward(&cpu, &layout, &qkv, &probs, &dout);
+        let got = attention_backward(g, &layout, &qkv, &probs, &dout);
+        same_bits(&format!("{what}: dqkv"), &got, &want).unwrap();
     }
 }
 
@@ -314,15 +280,15 @@ fn adamw_matches_cpu_bit_for_bit() {
             (
                 name.clone(),
                 g.up(t),
-                g.zeros::<f32>(t.len()),
-                g.zeros::<f32>(t.len()),
+                StreamIo::zeros::<f32>(g, t.len()),
+                StreamIo::zeros::<f32>(g, t.len()),
             )
         })
         .collect();
     let dev_grads: Vec<_> = grads.named_tensors().iter().map(|(_, t)| g.up(t)).collect();
     for t in 1..=3 {
         let (upd, wsq) = opt.update(&mut params, &grads, scale, decay);
-        let mut sums = g.zeros::<f64>(2);
+        let mut sums = StreamIo::zeros::<f64>(g, 2);
         for ((name, p, m, v), gr) in dev.iter_mut().zip(&dev_grads) {
             let h = AdamStep {
                 t,
@@ -333,10 +299,7 @@ fn adamw_matches_cpu_bit_for_bit() {
                 scale,
                 weight_decay: decay(name),
             };
-            let n = gr.len();
-            g.ops
-                .adamw_step(&g.stream, p, m, v, gr, n, &h, &mut sums)
-                .unwrap();
+            g.adamw_step(p, m, v, gr, gr.len(), &h, &mut sums).unwrap();
         }
         let s = g.down(&sums);
         assert!(

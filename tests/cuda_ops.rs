@@ -1,10 +1,11 @@
-//! Issue 7 (device-resident engine): the forward-op kernels (`engine::backend::cuda::ops`) against
-//! the CPU ops (`engine::ops`) on random inputs at the engine's shapes (D 128, F 256, up to 4096
-//! rows, 8 experts, top-2, 4 heads, contexts up to 32, plain and ragged shared-prefix layouts).
+//! Issue 7 (device-resident engine): the forward ops of the op set on a GPU (`GpuOps`) against
+//! the CPU's (`CpuOps`), each through `engine::device::Ops` with one test body per op generic
+//! over the device, on random inputs at the engine's shapes (D 128, F 256, up to 4096 rows,
+//! 8 experts, top-2, 4 heads, contexts up to 32, plain and ragged shared-prefix layouts).
 //!
-//! Bit-identical to the CPU: RMSNorm (out and rstd), the embedding, `add_into`, `gather_rows`
-//! and the MoE combine. Within a tolerance (the GPU's `expf` is not glibc's): SwiGLU, attention and
-//! the router, each with its bound stated where it is checked; the router's expert ids are equal
+//! Bit-identical to the CPU: RMSNorm (out and rstd), the embedding, `add_into` and the MoE
+//! combine. Within a tolerance (the GPU's `expf` is not glibc's): SwiGLU, attention and the
+//! router, each with its bound stated where it is checked; the router's expert ids are equal
 //! exactly (ties included). Attention and the router repeat bit for bit run to run.
 //!
 //! Each test prints why and returns when no GPU is usable. On a GPU machine:
@@ -12,15 +13,16 @@
 
 mod common;
 
-use common::{StreamIo, assert_rel, max_abs, ragged, same_bits, uniform};
-use cudarc::driver::CudaStream;
-use lockstep::engine::backend::cuda::ops::{CudaOps, DeviceLayout};
-use lockstep::engine::backend::cuda::{CudaDevice, CudaError};
+use common::{Device, assert_rel, max_abs, ragged, same_bits, uniform};
+use lockstep::engine::backend::cuda::CudaDevice;
+use lockstep::engine::backend::cuda::device_ops::GpuOps;
+use lockstep::engine::device::cpu::CpuOps;
+use lockstep::engine::device::{OpError, OpResult, Ops};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::ops;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 /// The engine's shapes (the `small` model and the benchmark batch).
 const D: usize = 128;
@@ -29,27 +31,26 @@ const H: usize = 4;
 const E: usize = 8;
 const K: usize = 2;
 
-struct Gpu {
-    ops: CudaOps,
-    stream: Arc<CudaStream>,
+/// The shared op set, or `None` (with the reason printed) where there is no GPU.
+fn gpu(test: &str) -> Option<&'static GpuOps> {
+    static G: OnceLock<Result<GpuOps, String>> = OnceLock::new();
+    common::gpu_fixture(&G, test, || GpuOps::new(&CudaDevice::open(0)?))
 }
 
-/// The shared kernels and a stream, or `None` (with the reason printed) where there is no GPU.
-fn gpu(test: &str) -> Option<&'static Gpu> {
-    static G: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    common::gpu_fixture(&G, test, || {
-        let d = CudaDevice::open(0)?;
-        Ok(Gpu {
-            ops: CudaOps::new(&d)?,
-            stream: d.context().new_stream()?,
-        })
-    })
-}
-
-impl StreamIo for Gpu {
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
+fn rmsnorm<'a, O: Device<'a>>(
+    o: &O,
+    x: &[f32],
+    gain: &'a [f32],
+    n: usize,
+    d: usize,
+) -> [Vec<f32>; 2] {
+    let (out, rstd) = o
+        .rmsnorm(&o.upload(x).unwrap(), &o.param(gain), n, d)
+        .unwrap();
+    [
+        o.to_host(&out, n * d).unwrap(),
+        o.to_host(&rstd, n).unwrap(),
+    ]
 }
 
 #[test]
@@ -62,26 +63,24 @@ fn rmsnorm_matches_cpu_bit_for_bit() {
     for (n, d, scale) in [(4096, D, 1.0f32), (1001, 100, 30.0), (1, D, 1e-3)] {
         let x = uniform(&mut rng, n * d, scale);
         let gain = uniform(&mut rng, d, 2.0);
-        let (mut out, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
-        ops::rmsnorm_forward(&mut out, &mut rstd, &x, &gain, n, d);
-        // Buffers one row longer than needed: the op fills the leading n rows only.
-        let (mut dout, mut drstd) = (g.zeros::<f32>((n + 1) * d), g.zeros::<f32>(n + 1));
-        g.ops
-            .rmsnorm_forward(
-                &g.stream,
-                &mut dout,
-                &mut drstd,
-                &g.up(&x),
-                &g.up(&gain),
-                n,
-                d,
-            )
-            .unwrap();
-        let (go, gr) = (g.down(&dout), g.down(&drstd));
-        same_bits(&format!("rmsnorm out {n}x{d}"), &go[..n * d], &out).unwrap();
-        same_bits(&format!("rmsnorm rstd {n}x{d}"), &gr[..n], &rstd).unwrap();
-        assert!(go[n * d..].iter().all(|&v| v == 0.0) && gr[n] == 0.0);
+        let [out, rstd] = rmsnorm(&CpuOps::new(), &x, &gain, n, d);
+        let [go, gr] = rmsnorm(g, &x, &gain, n, d);
+        same_bits(&format!("rmsnorm out {n}x{d}"), &go, &out).unwrap();
+        same_bits(&format!("rmsnorm rstd {n}x{d}"), &gr, &rstd).unwrap();
     }
+}
+
+fn embedding<'a, O: Device<'a>>(
+    o: &O,
+    tokens: &[u32],
+    layout: &Layout,
+    (wte, wpe): (&'a [f32], &'a [f32]),
+) -> Vec<f32> {
+    let n = layout.rows();
+    let rows = o.rows(layout).unwrap();
+    let (wte, wpe) = (o.param(wte), o.param(wpe));
+    let h = o.embedding(&o.ids(tokens).unwrap(), &rows, &wte, &wpe, n, D);
+    o.to_host(&h.unwrap(), n * D).unwrap()
 }
 
 #[test]
@@ -95,43 +94,25 @@ fn embedding_matches_cpu_bit_for_bit_with_layout_positions() {
     let n = layout.rows();
     let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
     let (wte, wpe) = (uniform(&mut rng, v * D, 1.0), uniform(&mut rng, s * D, 1.0));
-    let mut out = vec![0.0; n * D];
-    ops::embedding_forward(&mut out, &tokens, &wte, &wpe, |i| layout.position(i), D);
-    let dl = DeviceLayout::upload(&g.stream, &layout).unwrap();
-    let (dwte, dwpe) = (g.up(&wte), g.up(&wpe));
-    let mut dout = g.zeros::<f32>(n * D);
-    g.ops
-        .embedding_forward(
-            &g.stream,
-            &mut dout,
-            &g.up(&tokens),
-            &dl.positions,
-            &dwte,
-            &dwpe,
-            n,
-            D,
-        )
-        .unwrap();
-    same_bits("embedding", &g.down(&dout), &out).unwrap();
+    let cpu = embedding(&CpuOps::new(), &tokens, &layout, (&wte, &wpe));
+    same_bits(
+        "embedding",
+        &embedding(g, &tokens, &layout, (&wte, &wpe)),
+        &cpu,
+    )
+    .unwrap();
 
     // A token past the vocabulary is a NaN row, not a read outside wte; the other rows are kept.
     let mut bad = tokens.clone();
     bad[3] = v as u32;
-    g.ops
-        .embedding_forward(
-            &g.stream,
-            &mut dout,
-            &g.up(&bad),
-            &dl.positions,
-            &dwte,
-            &dwpe,
-            n,
-            D,
-        )
-        .unwrap();
-    let got = g.down(&dout);
+    let got = embedding(g, &bad, &layout, (&wte, &wpe));
     assert!(got[3 * D..4 * D].iter().all(|x| x.is_nan()));
-    same_bits("embedding rows 0..3", &got[..3 * D], &out[..3 * D]).unwrap();
+    same_bits("embedding rows 0..3", &got[..3 * D], &cpu[..3 * D]).unwrap();
+}
+
+fn swiglu<O: Ops>(o: &O, x: &[f32], n: usize) -> Vec<f32> {
+    let y = o.swiglu(&o.upload(x).unwrap(), n, F).unwrap();
+    o.to_host(&y, n * F).unwrap()
 }
 
 #[test]
@@ -142,14 +123,25 @@ fn swiglu_within_1e_5_of_cpu() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let n = 4096;
     let inp = uniform(&mut rng, n * 2 * F, 6.0);
-    let mut out = vec![0.0; n * F];
-    ops::swiglu_forward(&mut out, &inp, n, F);
-    let mut dout = g.zeros::<f32>(n * F);
-    g.ops
-        .swiglu_forward(&g.stream, &mut dout, &g.up(&inp), n, F)
-        .unwrap();
     // Elementwise, no cancellation: per-element relative error (an `expf` ulp or two, ~3e-7).
-    assert_rel("swiglu", &g.down(&dout), &out, 1e-30, 1e-5);
+    assert_rel(
+        "swiglu",
+        &swiglu(g, &inp, n),
+        &swiglu(&CpuOps::new(), &inp, n),
+        1e-30,
+        1e-5,
+    );
+}
+
+/// (out, probs) of attention over `layout`.
+fn attention<O: Ops>(o: &O, qkv: &[f32], layout: &Layout) -> (Vec<f32>, Vec<f32>) {
+    let (n, s) = (layout.rows(), layout.max_context());
+    let rows = o.rows(layout).unwrap();
+    let (out, probs) = o.attention(&o.upload(qkv).unwrap(), &rows, H, D).unwrap();
+    (
+        o.to_host(&out, n * D).unwrap(),
+        o.to_host(&probs, n * H * s).unwrap(),
+    )
 }
 
 #[test]
@@ -169,20 +161,8 @@ fn attention_matches_cpu_on_plain_and_ragged_layouts_and_repeats() {
         for scale in [1.0f32, 3.0] {
             let what = format!("layout {li} ({n} rows, context {s}), qkv scale {scale}");
             let qkv = uniform(&mut rng, n * 3 * D, scale);
-            let (mut out, mut probs) = (vec![0.0; n * D], vec![0.0; n * H * s]);
-            ops::attention_forward(&mut out, &mut probs, &qkv, layout, H, D);
-            let dl = DeviceLayout::upload(&g.stream, layout).unwrap();
-            let dqkv = g.up(&qkv);
-            let run = || {
-                // Filled with a non-zero value so the zeros past each context are the kernel's.
-                let mut dout = g.up(&vec![7.0f32; n * D]);
-                let mut dprobs = g.up(&vec![7.0f32; n * H * s]);
-                g.ops
-                    .attention_forward(&g.stream, &mut dout, &mut dprobs, &dqkv, &dl, H, D)
-                    .unwrap();
-                (g.down(&dout), g.down(&dprobs))
-            };
-            let (go, gp) = run();
+            let (out, probs) = attention(&CpuOps::new(), &qkv, layout);
+            let (go, gp) = attention(g, &qkv, layout);
             // Probabilities are positive, no cancellation: per element, < 1e-5.
             assert_rel(&format!("{what}: probs"), &gp, &probs, 1e-30, 1e-5);
             for (i, (a, b)) in gp.iter().zip(&probs).enumerate() {
@@ -193,48 +173,40 @@ fn attention_matches_cpu_on_plain_and_ragged_layouts_and_repeats() {
             }
             // Outputs are sums of ± terms that can cancel: error relative to the largest output.
             assert_rel(&format!("{what}: out"), &go, &out, max_abs(&out), 1e-5);
-            let (go2, gp2) = run();
+            let (go2, gp2) = attention(g, &qkv, layout);
             same_bits(&format!("{what}: out run to run"), &go2, &go).unwrap();
             same_bits(&format!("{what}: probs run to run"), &gp2, &gp).unwrap();
         }
     }
 }
 
-/// The CPU router and the GPU router on the same logits; returns (gpu ids, gpu probs, gpu
-/// weights) after checking ids and probs/weights to 1e-5 per element. With `exact_ids` every id
-/// must match; without, a token may differ only where the CPU's probabilities of the two experts
-/// are within 1e-6 of each other (a near tie an `expf` ulp can flip; few in continuous logits),
-/// and its weights are then not compared.
+/// (ids, gate weights) of the router on `logits` `[n, E]`.
+fn route<O: Ops>(o: &O, logits: &[f32], n: usize, replay: Option<&[u32]>) -> (Vec<u32>, Vec<f32>) {
+    let (ids, w) = o
+        .route(&o.upload(logits).unwrap(), n, E, K, replay)
+        .unwrap();
+    let ids = o.ids_to_host(&[&ids], n * K).unwrap().remove(0);
+    (ids, o.to_host(&w, n * K).unwrap())
+}
+
+/// The CPU router and the GPU router on the same logits; returns (gpu ids, gpu weights) after
+/// checking the ids, and the weights to 1e-5 per element. With `exact_ids` every id must match;
+/// without, a token may differ only where the CPU's probabilities of the two experts are within
+/// 1e-6 of each other (a near tie an `expf` ulp can flip; few in continuous logits), and its
+/// weights are then not compared.
 fn check_router(
-    g: &Gpu,
+    g: &GpuOps,
     what: &str,
     logits: &[f32],
     n: usize,
     replay: Option<&[u32]>,
     exact_ids: bool,
-) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
-    let (mut p, mut ids, mut w) = (vec![0.0; n * E], vec![0u32; n * K], vec![0.0; n * K]);
-    ops::router_forward(&mut p, &mut ids, &mut w, logits, n, E, K, replay);
-    let (mut dp, mut dids, mut dw) = (
-        g.zeros::<f32>(n * E),
-        g.zeros::<u32>(n * K),
-        g.zeros::<f32>(n * K),
-    );
-    let drep = replay.map(|r| g.up(r));
-    g.ops
-        .router_forward(
-            &g.stream,
-            &mut dp,
-            &mut dids,
-            &mut dw,
-            &g.up(logits),
-            n,
-            E,
-            K,
-            drep.as_ref(),
-        )
-        .unwrap();
-    let (gp, gids, gw) = (g.down(&dp), g.down(&dids), g.down(&dw));
+) -> (Vec<u32>, Vec<f32>) {
+    let (ids, w) = route(&CpuOps::new(), logits, n, replay);
+    // The CPU's softmax probabilities, to tell near ties (`Ops::route` does not return them).
+    let (mut p, mut pids, mut pw) = (vec![0.0; n * E], vec![0u32; n * K], vec![0.0; n * K]);
+    ops::router_forward(&mut p, &mut pids, &mut pw, logits, n, E, K, replay);
+    let (gids, gw) = route(g, logits, n, replay);
     let mut near_ties = Vec::new();
     for t in 0..n {
         let (gi, ci, pt) = (&gids[t * K..][..K], &ids[t * K..][..K], &p[t * E..][..E]);
@@ -256,8 +228,7 @@ fn check_router(
         "{what}: {} near ties",
         near_ties.len()
     );
-    // Probabilities and renormalized weights are positive ratios: per element, < 1e-5.
-    assert_rel(&format!("{what}: probs"), &gp, &p, 1e-30, 1e-5);
+    // Renormalized weights are positive ratios: per element, < 1e-5.
     let keep = |v: &[f32]| -> Vec<f32> {
         (0..n)
             .filter(|t| !near_ties.contains(t))
@@ -271,7 +242,7 @@ fn check_router(
         1e-30,
         1e-5,
     );
-    (gids, gp, gw)
+    (gids, gw)
 }
 
 #[test]
@@ -288,7 +259,7 @@ fn router_matches_cpu_with_ties_and_replay_and_repeats() {
         .collect();
     tied[..E].fill(0.5); // all equal: experts 0 and 1
     tied[E..2 * E].copy_from_slice(&[0.0, 1.0, 0.0, 1.0, 1.0, -1.0, 0.0, 1.0]); // 1 and 3
-    let (ids, ..) = check_router(g, "tied logits", &tied, n, None, true);
+    let (ids, _) = check_router(g, "tied logits", &tied, n, None, true);
     assert_eq!(&ids[..2 * K], &[0, 1, 1, 3]);
     let tie_rows = (0..n)
         .filter(|t| {
@@ -304,11 +275,10 @@ fn router_matches_cpu_with_ties_and_replay_and_repeats() {
     let first = check_router(g, "random logits", &logits, n, None, false);
     let second = check_router(g, "random logits, again", &logits, n, None, false);
     assert_eq!(first.0, second.0, "router ids run to run");
-    same_bits("router probs run to run", &second.1, &first.1).unwrap();
-    same_bits("router weights run to run", &second.2, &first.2).unwrap();
+    same_bits("router weights run to run", &second.1, &first.1).unwrap();
 
-    // Replay: the ids are forced (including a repeated expert and a reversed pair), the
-    // probabilities and weights still come from these logits.
+    // Replay: the ids are forced (including a repeated expert and a reversed pair), the weights
+    // still come from these logits.
     let replay: Vec<u32> = (0..n)
         .flat_map(|t| match t % 3 {
             0 => [7, 0],
@@ -319,13 +289,19 @@ fn router_matches_cpu_with_ties_and_replay_and_repeats() {
             }
         })
         .collect();
-    let (ids, ..) = check_router(g, "replay", &logits, n, Some(&replay), true);
+    let (ids, _) = check_router(g, "replay", &logits, n, Some(&replay), true);
     assert_eq!(ids, replay);
 }
 
+fn add_into<O: Ops>(o: &O, a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut da = o.upload(a).unwrap();
+    o.add_into(&mut da, &o.upload(b).unwrap(), a.len()).unwrap();
+    o.to_host(&da, a.len()).unwrap()
+}
+
 #[test]
-fn add_into_and_gather_rows_match_cpu_bit_for_bit() {
-    let Some(g) = gpu("add_into_and_gather_rows_match_cpu_bit_for_bit") else {
+fn add_into_matches_cpu_bit_for_bit() {
+    let Some(g) = gpu("add_into_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(6);
@@ -334,69 +310,57 @@ fn add_into_and_gather_rows_match_cpu_bit_for_bit() {
         uniform(&mut rng, n * D, 5.0),
         uniform(&mut rng, n * D, 1e-3),
     );
-    let mut da = g.up(&a);
-    g.ops
-        .add_into(&g.stream, &mut da, &g.up(&b), n * D)
-        .unwrap();
-    let cpu: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
-    same_bits("add_into", &g.down(&da), &cpu).unwrap();
-
-    // An expert's tokens: rows chosen with repeats, out of order.
-    let m = 1500;
-    let rows: Vec<u32> = (0..m).map(|_| rng.random_range(0..n as u32)).collect();
-    let mut dst = g.zeros::<f32>(m * D);
-    let dsrc = g.up(&a);
-    g.ops
-        .gather_rows(&g.stream, &mut dst, &dsrc, &g.up(&rows), m, D)
-        .unwrap();
-    let cpu: Vec<f32> = rows
-        .iter()
-        .flat_map(|&r| a[r as usize * D..][..D].to_vec())
-        .collect();
-    same_bits("gather_rows", &g.down(&dst), &cpu).unwrap();
-
-    // A row index past the source is a NaN row.
-    let mut bad = rows.clone();
-    bad[1] = n as u32;
-    g.ops
-        .gather_rows(&g.stream, &mut dst, &dsrc, &g.up(&bad), m, D)
-        .unwrap();
-    let got = g.down(&dst);
-    assert!(got[D..2 * D].iter().all(|x| x.is_nan()));
-    same_bits("gather_rows row 0", &got[..D], &cpu[..D]).unwrap();
+    let cpu = add_into(&CpuOps::new(), &a, &b);
+    same_bits("add_into", &add_into(g, &a, &b), &cpu).unwrap();
 }
 
-/// `model.rs`'s `moe_forward` tail on the host, as written there: out = shared; for each expert in
-/// id order, for each of its slots in slot order, out[s / k] += weights[s] · y(s); then out += x.
-#[allow(clippy::too_many_arguments)]
+/// `model.rs`'s `moe_forward` tail on the host, as written there, with every expert the identity
+/// (slot s's expert output is its token's row of `xe`): out = shared; for each expert in id
+/// order, for each of its slots in slot order, out[s / k] += weights[s] · xe[s / k]; then
+/// out += x.
 fn moe_combine_cpu(
     shared: &[f32],
-    y_all: &[f32],
-    slot_row: &[u32],
+    xe: &[f32],
     ids: &[u32],
     weights: &[f32],
     x: &[f32],
-    k: usize,
-    d: usize,
 ) -> Vec<f32> {
     let mut out = shared.to_vec();
-    let e = ids.iter().map(|&i| i as usize + 1).max().unwrap_or(0);
-    let mut slots = vec![Vec::new(); e];
-    for (s, &id) in ids.iter().enumerate() {
-        slots[id as usize].push(s);
-    }
-    for expert in &slots {
-        for &s in expert {
-            let gate = weights[s];
-            let y = &y_all[slot_row[s] as usize * d..][..d];
-            out[(s / k) * d..][..d]
+    for expert in 0..E as u32 {
+        for s in (0..ids.len()).filter(|&s| ids[s] == expert) {
+            let y = &xe[(s / K) * D..][..D];
+            out[(s / K) * D..][..D]
                 .iter_mut()
                 .zip(y)
-                .for_each(|(o, &v)| *o += gate * v);
+                .for_each(|(o, &v)| *o += weights[s] * v);
         }
     }
     out.iter_mut().zip(x).for_each(|(a, &b)| *a += b);
     out
+}
+
+/// Dispatch, gather and combine: each expert's batch is its tokens' rows of `xe`, unchanged.
+fn combine<O: Ops>(
+    o: &O,
+    ids: &[u32],
+    w: &[f32],
+    xe: &[f32],
+    shared: &[f32],
+    x: &[f32],
+) -> Vec<f32> {
+    let n = x.len() / D;
+    let dids = o.ids(ids).unwrap();
+    let disp = o.dispatch(&dids, n, K, E).unwrap();
+    let experts = o.gather(&o.upload(xe).unwrap(), &disp, D).unwrap();
+    let (x, shared, w) = (
+        o.upload(x).unwrap(),
+        o.upload(shared).unwrap(),
+        o.upload(w).unwrap(),
+    );
+    let out = o
+        .combine(&x, &shared, &experts, &dids, &disp, &w, (n, K, D))
+        .unwrap();
+    o.to_host(&out, n * D).unwrap()
 }
 
 #[test]
@@ -407,52 +371,31 @@ fn moe_combine_matches_model_order_bit_for_bit() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let n = 4096;
     let logits = uniform(&mut rng, n * E, 3.0);
-    let (mut p, mut ids, mut w) = (vec![0.0; n * E], vec![0u32; n * K], vec![0.0; n * K]);
-    ops::router_forward(&mut p, &mut ids, &mut w, &logits, n, E, K, None);
-    // Some tokens with a repeated expert (possible under replay): slot order breaks the tie.
-    for t in (0..n).step_by(17) {
-        ids[t * K + 1] = ids[t * K];
-    }
+    let (ids, w) = route(&CpuOps::new(), &logits, n, None);
     assert!(
         (0..n).any(|t| ids[t * K] > ids[t * K + 1]),
         "no token lists its experts out of id order; the test would not check the order"
     );
-    // y_all rows grouped by expert, slots in order within each (as the resident forward packs
-    // them); slot_row is the inverse permutation.
-    let mut order = Vec::new();
-    for ei in 0..E as u32 {
-        order.extend((0..n * K).filter(|&s| ids[s] == ei));
-    }
-    let mut slot_row = vec![0u32; n * K];
-    for (r, &s) in order.iter().enumerate() {
-        slot_row[s] = r as u32;
-    }
-    let y_all = uniform(&mut rng, n * K * D, 2.0);
+    let xe = uniform(&mut rng, n * D, 2.0);
     let (shared, x) = (uniform(&mut rng, n * D, 1.0), uniform(&mut rng, n * D, 4.0));
-    let cpu = moe_combine_cpu(&shared, &y_all, &slot_row, &ids, &w, &x, K, D);
-    let mut dout = g.zeros::<f32>(n * D);
-    g.ops
-        .moe_combine(
-            &g.stream,
-            &mut dout,
-            &g.up(&shared),
-            &g.up(&y_all),
-            &g.up(&slot_row),
-            &g.up(&ids),
-            &g.up(&w),
-            &g.up(&x),
-            n,
-            K,
-            D,
-        )
-        .unwrap();
-    let got = g.down(&dout);
-    same_bits("moe_combine", &got, &cpu).unwrap();
+    let want = moe_combine_cpu(&shared, &xe, &ids, &w, &x);
+    same_bits(
+        "moe_combine cpu",
+        &combine(&CpuOps::new(), &ids, &w, &xe, &shared, &x),
+        &want,
+    )
+    .unwrap();
+    same_bits(
+        "moe_combine gpu",
+        &combine(g, &ids, &w, &xe, &shared, &x),
+        &want,
+    )
+    .unwrap();
     // The order is observable: summing the slots in j order instead gives other bits somewhere,
     // so the equality above checks the order, not just the terms.
     let mut j_order = shared.clone();
-    for (s, (&row, &gate)) in slot_row.iter().zip(&w).enumerate() {
-        let y = &y_all[row as usize * D..][..D];
+    for (s, &gate) in w.iter().enumerate() {
+        let y = &xe[(s / K) * D..][..D];
         j_order[(s / K) * D..][..D]
             .iter_mut()
             .zip(y)
@@ -460,7 +403,7 @@ fn moe_combine_matches_model_order_bit_for_bit() {
     }
     j_order.iter_mut().zip(&x).for_each(|(a, &b)| *a += b);
     assert!(
-        same_bits("j order", &j_order, &cpu).is_err(),
+        same_bits("j order", &j_order, &want).is_err(),
         "slot order and id order agree on every element; the order is untested"
     );
 }
@@ -470,51 +413,32 @@ fn short_buffers_and_bad_shapes_are_shape_errors() {
     let Some(g) = gpu("short_buffers_and_bad_shapes_are_shape_errors") else {
         return;
     };
-    let s = &g.stream;
-    let shape = |r: Result<(), CudaError>, what: &str| match r {
-        Err(CudaError::Shape(m)) => assert!(m.contains(what), "{m:?} should name {what}"),
-        other => panic!("expected a Shape error naming {what}, got {other:?}"),
-    };
+    fn shape<T>(r: OpResult<T>, what: &str) {
+        match r {
+            Err(OpError::Shape(m)) => assert!(m.contains(what), "{m:?} should name {what}"),
+            Err(e) => panic!("expected a Shape error naming {what}, got {e:?}"),
+            Ok(_) => panic!("expected a Shape error naming {what}, got Ok"),
+        }
+    }
     let (n, d) = (16, D);
-    let x = g.zeros::<f32>(n * d);
-    let (mut out, mut short) = (g.zeros::<f32>(n * d), g.zeros::<f32>(n * d - 1));
-    let mut rstd = g.zeros::<f32>(n);
-    let gain = g.zeros::<f32>(d);
+    let x = g.zeros(n * d).unwrap();
+    let (mut out, short) = (g.zeros(n * d).unwrap(), g.zeros(n * d - 1).unwrap());
+    let gain = g.zeros(d).unwrap();
+    shape(g.rmsnorm(&short, &gain, n, d), "x");
+    shape(g.rmsnorm(&x, &g.zeros(d - 1).unwrap(), n, d), "g");
+    shape(g.add_into(&mut out, &short, n * d), "src");
+    shape(g.swiglu(&x, n, d), "inp");
+    let rows = g.rows(&Layout::plain(2, 8)).unwrap();
+    shape(g.attention(&x, &rows, H, D), "qkv");
+    shape(g.attention(&x, &rows, 3, D), "multiple");
+    let logits = g.zeros(n * E).unwrap();
+    shape(g.route(&logits, n, E, E + 1, None), "top-k");
     shape(
-        g.ops
-            .rmsnorm_forward(s, &mut short, &mut rstd, &x, &gain, n, d),
-        "out",
-    );
-    shape(g.ops.add_into(s, &mut out, &short, n * d), "src");
-    shape(g.ops.swiglu_forward(s, &mut out, &x, n, d), "inp");
-    let layout = DeviceLayout::upload(s, &Layout::plain(2, 8)).unwrap();
-    let mut probs = g.zeros::<f32>(16 * H * 8);
-    shape(
-        g.ops
-            .attention_forward(s, &mut out, &mut probs, &x, &layout, H, D),
-        "qkv",
-    );
-    shape(
-        g.ops
-            .attention_forward(s, &mut out, &mut probs, &x, &layout, 3, D),
-        "multiple",
-    );
-    let (mut p, mut ids, mut w) = (g.zeros::<f32>(n * E), g.zeros(n * K), g.zeros(n * K));
-    let logits = g.zeros::<f32>(n * E);
-    shape(
-        g.ops
-            .router_forward(s, &mut p, &mut ids, &mut w, &logits, n, E, E + 1, None),
-        "top-k",
-    );
-    let rep = g.zeros::<u32>(n * K - 1);
-    shape(
-        g.ops
-            .router_forward(s, &mut p, &mut ids, &mut w, &logits, n, E, K, Some(&rep)),
+        g.route(&logits, n, E, K, Some(&vec![0; n * K - 1])),
         "replay",
     );
+    shape(g.route(&short, n * d / E, E, K, None), "logits");
     // Nothing was queued by the refused calls, and the right shapes still work.
-    g.ops
-        .rmsnorm_forward(s, &mut out, &mut rstd, &x, &gain, n, d)
-        .unwrap();
-    s.synchronize().unwrap();
+    g.rmsnorm(&x, &gain, n, d).unwrap();
+    g.stream().synchronize().unwrap();
 }

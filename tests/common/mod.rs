@@ -3,7 +3,10 @@
 #![allow(dead_code)]
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::backend::cuda::{self, CudaError};
+use lockstep::engine::device::Ops;
+use lockstep::engine::device::cpu::CpuOps;
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::Routing;
 use lockstep::formats::{Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, SecondScale};
@@ -185,6 +188,30 @@ pub fn ragged(rng: &mut ChaCha8Rng, b: usize, t: usize, n: usize, prefix: usize)
         "the test layout must share prefixes"
     );
     l
+}
+
+/// What a test body generic over the op set needs beyond [`Ops`]: a parameter (norm gain,
+/// embedding table) from host values, which the CPU borrows and a GPU uploads.
+pub trait Device<'a>: Ops {
+    fn param(&self, x: &'a [f32]) -> Self::Param;
+}
+
+impl<'a> Device<'a> for CpuOps<'a> {
+    fn param(&self, x: &'a [f32]) -> &'a [f32] {
+        x
+    }
+}
+
+impl<'a> Device<'a> for GpuOps {
+    fn param(&self, x: &'a [f32]) -> CudaSlice<f32> {
+        self.upload(x).unwrap()
+    }
+}
+
+impl StreamIo for GpuOps {
+    fn stream(&self) -> &Arc<CudaStream> {
+        GpuOps::stream(self)
+    }
 }
 
 /// Copies between the host and a test fixture's stream (a fixture implements `stream`).

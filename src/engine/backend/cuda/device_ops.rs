@@ -3,6 +3,16 @@
 //! [`CudaLinear`] (the one quantizer's device side, cuBLAS GEMMs), all queued on one stream in
 //! program order. No model logic lives here: the passes are `model::pass`.
 //!
+//! Each element-wise or row op's kernel computes what its CPU op (`engine::ops`) computes, in the
+//! CPU's order wherever the CPU sums within a row or column (one thread does that sum), so the
+//! embedding, RMSNorm, `add_into`, the MoE combine and their backwards, the router's backward and
+//! attention's backward give the CPU's bits (attention's backward reads the forward's softmax
+//! weights, so no `expf`, and gathers its key and value gradients over each layout group's query
+//! rows in the CPU's order, [`DeviceGroups`]). Ops that call `expf` (attention, SwiGLU and its
+//! backward, the router) differ from glibc by an ulp or so per `exp` and agree to a tolerance
+//! (`tests/cuda_ops.rs`, `tests/cuda_backward.rs`). Backward ops accumulate into their gradient
+//! buffers as the CPU's do. Shape checks and device-side index checks: [`super::launch`].
+//!
 //! Layout choices that differ from the CPU's, and why they give the same numbers:
 //! - the routed experts run as one capacity-padded batch ([`ExpertBatch`]): expert e owns rows
 //!   `[e·cap, (e+1)·cap)`, its tokens in token order then zero rows, with `cap` the row count
@@ -15,23 +25,22 @@
 //!   gradients agree with the CPU's to a tolerance (`tests/cuda_train.rs` measures it), and run
 //!   to run bit for bit.
 
-use super::backward::{CudaBackwardOps, DeviceGroups};
+use super::launch::{DeviceGroups, DeviceLayout, cfg, cfg_warps, checked, dim, need, shape};
 use super::linear::{CudaLinear, DeviceLinearCache, DeviceWeight};
 use super::moe::ExpertBatch;
-use super::ops::{CudaOps, DeviceLayout, cfg, cfg_warps, dim};
 use super::{CudaDevice, CudaError};
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
 use crate::engine::linear::PreparedWeight;
 use crate::engine::model::PreparedModel;
 use crate::engine::model::pass::{LayerWeights, Weights};
+use crate::engine::ops::RMSNORM_EPS;
 use crate::formats::QuantStats;
 use crate::recipe::SitePlan;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
-
-const TRAIN_SRC: &str = include_str!("train.cu");
-const KV_SRC: &str = include_str!("kv.cu");
 
 /// Expert batch rows are a multiple of this: the largest block a column quantization uses
 /// (FP8 block's 128), so that blocks never straddle two experts.
@@ -43,6 +52,12 @@ impl From<CudaError> for OpError {
             CudaError::Shape(s) => OpError::Shape(s),
             e => OpError::Device(e.to_string()),
         }
+    }
+}
+
+impl From<DriverError> for OpError {
+    fn from(e: DriverError) -> Self {
+        CudaError::from(e).into()
     }
 }
 
@@ -80,33 +95,86 @@ pub struct GpuRows {
     groups: Option<DeviceGroups>,
 }
 
+/// One AdamW update's hyperparameters (`optim::AdamW::update`): step `t` (from 1), the gradient
+/// scale (clipping) and the tensor's weight decay.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamStep {
+    pub t: i32,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub scale: f32,
+    pub weight_decay: f32,
+}
+
+/// The kernels of `ops.cu`, `backward.cu`, `train.cu` and `kv.cu`.
+struct Kernels {
+    embedding: CudaFunction,
+    embedding_backward: CudaFunction,
+    rmsnorm: CudaFunction,
+    rmsnorm_dx: CudaFunction,
+    rmsnorm_dg: CudaFunction,
+    add_into: CudaFunction,
+    swiglu: CudaFunction,
+    swiglu_backward: CudaFunction,
+    attention: CudaFunction,
+    attention_dq: CudaFunction,
+    attention_dkv: CudaFunction,
+    router_topk: CudaFunction,
+    router_replay: CudaFunction,
+    router_backward: CudaFunction,
+    moe_combine: CudaFunction,
+    expert_dy: CudaFunction,
+    expert_dx_scatter: CudaFunction,
+    kv_store: CudaFunction,
+    adamw_step: CudaFunction,
+    adamw_sums: CudaFunction,
+}
+
 /// The op set on one GPU; see the module doc.
 pub struct GpuOps {
     stream: Arc<CudaStream>,
     lin: CudaLinear,
-    k: CudaOps,
-    bwd: CudaBackwardOps,
+    k: Kernels,
     batch: ExpertBatch,
-    expert_dy: CudaFunction,
-    expert_dx_scatter: CudaFunction,
-    kv_store: CudaFunction,
 }
 
 impl GpuOps {
     /// Compile the kernels and open a cuBLAS handle on `dev`, with a stream of their own.
     pub fn new(dev: &Arc<CudaDevice>) -> Result<Self, CudaError> {
         let lin = CudaLinear::new(dev)?;
-        let train = dev.compile_with_prelude("train", TRAIN_SRC)?;
-        let kv = dev.compile("kv", KV_SRC)?;
-        Ok(GpuOps {
-            stream: lin.stream().clone(),
-            lin,
-            k: CudaOps::new(dev)?,
-            bwd: CudaBackwardOps::new(dev)?,
-            batch: ExpertBatch::new(dev)?,
+        let ops = dev.compile_with_prelude("ops", include_str!("ops.cu"))?;
+        let bwd = dev.compile_with_prelude("backward", include_str!("backward.cu"))?;
+        let train = dev.compile_with_prelude("train", include_str!("train.cu"))?;
+        let kv = dev.compile("kv", include_str!("kv.cu"))?;
+        let k = Kernels {
+            embedding: ops.load_function("embedding_forward")?,
+            embedding_backward: bwd.load_function("embedding_backward")?,
+            rmsnorm: ops.load_function("rmsnorm_forward")?,
+            rmsnorm_dx: bwd.load_function("rmsnorm_backward_dx")?,
+            rmsnorm_dg: bwd.load_function("rmsnorm_backward_dg")?,
+            add_into: ops.load_function("add_into")?,
+            swiglu: ops.load_function("swiglu_forward")?,
+            swiglu_backward: bwd.load_function("swiglu_backward")?,
+            attention: ops.load_function("attention_forward")?,
+            attention_dq: bwd.load_function("attention_backward_dq")?,
+            attention_dkv: bwd.load_function("attention_backward_dkv")?,
+            router_topk: ops.load_function("router_topk")?,
+            router_replay: ops.load_function("router_replay")?,
+            router_backward: bwd.load_function("router_backward")?,
+            moe_combine: ops.load_function("moe_combine")?,
             expert_dy: train.load_function("expert_dy")?,
             expert_dx_scatter: train.load_function("expert_dx_scatter")?,
             kv_store: kv.load_function("kv_store")?,
+            adamw_step: bwd.load_function("adamw_step")?,
+            adamw_sums: bwd.load_function("adamw_sums")?,
+        };
+        Ok(GpuOps {
+            stream: lin.stream().clone(),
+            lin,
+            k,
+            batch: ExpertBatch::new(dev)?,
         })
     }
 
@@ -307,6 +375,7 @@ impl Ops for GpuOps {
         (ra, b())
     }
 
+    /// A token or position past its table gives a NaN row, not a read outside the table.
     fn embedding(
         &self,
         tokens: &CudaSlice<u32>,
@@ -316,20 +385,32 @@ impl Ops for GpuOps {
         n: usize,
         d: usize,
     ) -> OpResult<CudaSlice<f32>> {
-        let mut h = self.output(n * d)?;
-        self.k.embedding_forward(
-            &self.stream,
-            &mut h,
-            tokens,
-            &rows.layout.positions,
-            wte,
-            wpe,
-            n,
-            d,
-        )?;
-        Ok(h)
+        let (op, positions) = ("embedding_forward", &rows.layout.positions);
+        let mut out = self.output(n * d)?;
+        if d == 0 {
+            return Err(shape(format!("{op}: d = 0")).into());
+        }
+        let nd = checked(n, d, op, "n x d")?;
+        need(op, "out", out.len(), nd)?;
+        need(op, "tokens", tokens.len(), n)?;
+        need(op, "positions", positions.len(), n)?;
+        let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        let vocab = dim(op, "wte rows", wte.len() / d)?;
+        let npos = dim(op, "wpe rows", wpe.len() / d)?;
+        if nd > 0 {
+            let mut b = self.stream.launch_builder(&self.k.embedding);
+            b.arg(&mut out).arg(tokens).arg(positions).arg(wte).arg(wpe);
+            b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos);
+            // SAFETY: element idx < n*d <= out.len(); row i < n indexes tokens and positions (>= n
+            // each); wte/wpe are read at t*d + c, p*d + c only for t < vocab = wte.len()/d and
+            // p < npos = wpe.len()/d, c < d.
+            unsafe { b.launch(cfg(nd)) }?;
+        }
+        Ok(out)
     }
 
+    /// A thread per column adds the rows in order. A token or position out of range turns column
+    /// c of row 0 of both tables into NaN rather than writing outside them.
     fn embedding_backward(
         &self,
         dwte: &mut CudaSlice<f32>,
@@ -340,12 +421,30 @@ impl Ops for GpuOps {
         n: usize,
         d: usize,
     ) -> OpResult<()> {
-        let pos = &rows.layout.positions;
-        Ok(self
-            .bwd
-            .embedding_backward(&self.stream, dwte, dwpe, dh, tokens, pos, n, d)?)
+        let (op, positions) = ("embedding_backward", &rows.layout.positions);
+        if d == 0 {
+            return Err(shape(format!("{op}: d = 0")).into());
+        }
+        need(op, "dout", dh.len(), checked(n, d, op, "n x d")?)?;
+        need(op, "tokens", tokens.len(), n)?;
+        need(op, "positions", positions.len(), n)?;
+        let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        let vocab = dim(op, "dwte rows", dwte.len() / d)?;
+        let npos = dim(op, "dwpe rows", dwpe.len() / d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(&self.k.embedding_backward);
+        b.arg(dwte).arg(dwpe).arg(dh).arg(tokens).arg(positions);
+        b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos);
+        // SAFETY: a thread per column c < d; dout read at i*d + c, i < n; dwte/dwpe touched at
+        // t*d + c, p*d + c only for t < vocab = dwte.len()/d, p < npos = dwpe.len()/d, or at c
+        // (row 0) when that table has a row.
+        unsafe { b.launch(cfg(d)) }?;
+        Ok(())
     }
 
+    /// The sum of squares runs in one thread in column order.
     fn rmsnorm(
         &self,
         x: &CudaSlice<f32>,
@@ -353,12 +452,29 @@ impl Ops for GpuOps {
         n: usize,
         d: usize,
     ) -> OpResult<(CudaSlice<f32>, CudaSlice<f32>)> {
+        let op = "rmsnorm_forward";
         let (mut out, mut rstd) = (self.output(n * d)?, self.output(n)?);
-        self.k
-            .rmsnorm_forward(&self.stream, &mut out, &mut rstd, x, g, n, d)?;
+        let nd = checked(n, d, op, "n x d")?;
+        need(op, "x", x.len(), nd)?;
+        need(op, "out", out.len(), nd)?;
+        need(op, "rstd", rstd.len(), n)?;
+        need(op, "g", g.len(), d)?;
+        let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        if n > 0 {
+            // The CPU divides by `d as f32` and adds the crate's epsilon: the same FP32 values.
+            let (d_f, eps) = (d as f32, RMSNORM_EPS);
+            let mut b = self.stream.launch_builder(&self.k.rmsnorm);
+            b.arg(&mut out).arg(&mut rstd).arg(x).arg(g);
+            b.arg(&n32).arg(&d32).arg(&d_f).arg(&eps);
+            // SAFETY: a warp per row r < n: x and out are touched at r*d + c, c < d (n*d
+            // elements each, checked), rstd at r < n, g at c < d.
+            unsafe { b.launch(cfg_warps(n)) }?;
+        }
         Ok((out, rstd))
     }
 
+    /// A warp per row with the row's sum in one lane, then a thread per column summing over rows
+    /// in order.
     fn rmsnorm_backward(
         &self,
         dx: &mut CudaSlice<f32>,
@@ -370,21 +486,66 @@ impl Ops for GpuOps {
         n: usize,
         d: usize,
     ) -> OpResult<()> {
-        Ok(self
-            .bwd
-            .rmsnorm_backward(&self.stream, dx, dg, dy, x, g, rstd, n, d)?)
+        let op = "rmsnorm_backward";
+        let nd = checked(n, d, op, "n x d")?;
+        need(op, "dx", dx.len(), nd)?;
+        need(op, "dout", dy.len(), nd)?;
+        need(op, "x", x.len(), nd)?;
+        need(op, "dg", dg.len(), d)?;
+        need(op, "g", g.len(), d)?;
+        need(op, "rstd", rstd.len(), n)?;
+        let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        if nd == 0 {
+            return Ok(());
+        }
+        let d_f = d as f32;
+        let mut b = self.stream.launch_builder(&self.k.rmsnorm_dx);
+        b.arg(&mut *dx).arg(dy).arg(x).arg(g).arg(rstd);
+        b.arg(&n32).arg(&d32).arg(&d_f);
+        // SAFETY: a warp per row r < n: dx, dout, x at r*d + c, c < d (n*d each, checked), g at
+        // c < d, rstd at r < n.
+        unsafe { b.launch(cfg_warps(n)) }?;
+        let mut b = self.stream.launch_builder(&self.k.rmsnorm_dg);
+        b.arg(dg).arg(dy).arg(x).arg(rstd).arg(&n32).arg(&d32);
+        // SAFETY: a thread per column c < d (dg holds d); dout and x read at r*d + c, r < n.
+        unsafe { b.launch(cfg(d)) }?;
+        Ok(())
     }
 
     fn add_into(&self, dst: &mut CudaSlice<f32>, src: &CudaSlice<f32>, n: usize) -> OpResult<()> {
-        Ok(self.k.add_into(&self.stream, dst, src, n)?)
+        let op = "add_into";
+        need(op, "dst", dst.len(), n)?;
+        need(op, "src", src.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let len64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.k.add_into);
+        b.arg(dst).arg(src).arg(&len64);
+        // SAFETY: indices below n <= dst.len(), src.len().
+        unsafe { b.launch(cfg(n)) }?;
+        Ok(())
     }
 
+    /// Within an ulp or two of the CPU (the GPU's `expf`).
     fn swiglu(&self, x: &CudaSlice<f32>, n: usize, f: usize) -> OpResult<CudaSlice<f32>> {
-        let mut act = self.output(n * f)?;
-        self.k.swiglu_forward(&self.stream, &mut act, x, n, f)?;
-        Ok(act)
+        let op = "swiglu_forward";
+        let mut out = self.output(n * f)?;
+        let nf = checked(n, f, op, "n x f")?;
+        need(op, "out", out.len(), nf)?;
+        need(op, "inp", x.len(), checked(nf, 2, op, "n x 2f")?)?;
+        let (n32, f32_) = (dim(op, "n", n)?, dim(op, "f", f)?);
+        if nf > 0 {
+            let mut b = self.stream.launch_builder(&self.k.swiglu);
+            b.arg(&mut out).arg(x).arg(&n32).arg(&f32_);
+            // SAFETY: element idx < n*f <= out.len(); reads at i*2f + c and i*2f + f + c with
+            // i < n, c < f stay below n*2f <= x.len().
+            unsafe { b.launch(cfg(nf)) }?;
+        }
+        Ok(out)
     }
 
+    /// Within an ulp or two of the CPU (`expf`).
     fn swiglu_backward(
         &self,
         dy: &CudaSlice<f32>,
@@ -392,9 +553,21 @@ impl Ops for GpuOps {
         n: usize,
         f: usize,
     ) -> OpResult<CudaSlice<f32>> {
+        let op = "swiglu_backward";
         let mut dx = self.zeros_f(n * 2 * f)?;
-        self.bwd
-            .swiglu_backward(&self.stream, &mut dx, dy, x, n, f)?;
+        let nf = checked(n, f, op, "n x f")?;
+        let n2f = checked(nf, 2, op, "n x 2f")?;
+        need(op, "dinp", dx.len(), n2f)?;
+        need(op, "inp", x.len(), n2f)?;
+        need(op, "dout", dy.len(), nf)?;
+        let (n32, f32_) = (dim(op, "n", n)?, dim(op, "f", f)?);
+        if nf > 0 {
+            let mut b = self.stream.launch_builder(&self.k.swiglu_backward);
+            b.arg(&mut dx).arg(dy).arg(x).arg(&n32).arg(&f32_);
+            // SAFETY: element idx < n*f reads dy[idx] (n*f) and touches dx/x at i*2f + c and
+            // i*2f + f + c, i < n, c < f: below n*2f (checked).
+            unsafe { b.launch(cfg(nf)) }?;
+        }
         Ok(dx)
     }
 
@@ -406,15 +579,15 @@ impl Ops for GpuOps {
         d: usize,
     ) -> OpResult<(CudaSlice<f32>, CudaSlice<f32>)> {
         let dl = &rows.layout;
-        let (mut att, mut probs) = (
+        let outs = (
             self.output(dl.rows * d)?,
             self.output(dl.rows * h * dl.max_context)?,
         );
-        self.k
-            .attention_forward(&self.stream, &mut att, &mut probs, qkv, dl, h, d)?;
-        Ok((att, probs))
+        self.attend(outs, qkv, (qkv, dl.rows), dl, h, d)
     }
 
+    /// dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP))/√Dh, dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO, with the
+    /// CPU's `dot` and its sums in its order.
     fn attention_backward(
         &self,
         dy: &CudaSlice<f32>,
@@ -428,18 +601,50 @@ impl Ops for GpuOps {
             .groups
             .as_ref()
             .ok_or_else(|| OpError::Shape("attention backward over decode rows".into()))?;
-        let mut dqkv = self.zeros_f(rows.layout.rows * 3 * d)?;
-        self.bwd.attention_backward(
-            &self.stream,
-            &mut dqkv,
-            dy,
-            qkv,
-            probs,
-            &rows.layout,
-            groups,
-            h,
-            d,
-        )?;
+        let (op, layout) = ("attention_backward", &rows.layout);
+        let mut dqkv = self.zeros_f(layout.rows * 3 * d)?;
+        if h == 0 || !d.is_multiple_of(h) {
+            return Err(shape(format!("{op}: d = {d} is not a multiple of h = {h}")).into());
+        }
+        let (n, s) = layout.check(op)?;
+        let group_rows = groups.first.len().min(groups.end.len());
+        need(op, "group rows", group_rows, n)?;
+        let nd = checked(n, d, op, "n x d")?;
+        let n3d = checked(nd, 3, op, "n x 3d")?;
+        need(op, "dqkv", dqkv.len(), n3d)?;
+        need(op, "qkv", qkv.len(), n3d)?;
+        need(op, "dout", dy.len(), nd)?;
+        let nh = checked(n, h, op, "n x h")?;
+        let nhs = checked(nh, s, op, "n x h x S")?;
+        need(op, "probs", probs.len(), nhs)?;
+        let (n32, h32, d32, s32) = (
+            dim(op, "rows", n)?,
+            dim(op, "h", h)?,
+            dim(op, "d", d)?,
+            dim(op, "S", s)?,
+        );
+        if nh == 0 || d == 0 || s == 0 {
+            return Ok(dqkv);
+        }
+        let scale: f32 = 1.0 / ((d / h) as f32).sqrt();
+        let mut ds = self.stream.alloc_zeros::<f32>(nhs)?;
+        let mut b = self.stream.launch_builder(&self.k.attention_dq);
+        b.arg(&mut dqkv).arg(&mut ds).arg(dy).arg(qkv).arg(probs);
+        b.arg(&layout.ctx_len).arg(&layout.ctx_keys);
+        b.arg(&n32).arg(&h32).arg(&d32).arg(&s32).arg(&scale);
+        // SAFETY: a warp per (row i < n, head): ds and probs at (i*h + head)*S + j, j < S
+        // (n*h*S each); ctx_keys at i*S + j; qkv read at key rows < n only; dout at i*d + ..
+        // and dqkv at i*3d + .. within n*d and n*3d (checked).
+        unsafe { b.launch(cfg_warps(nh)) }?;
+        let mut b = self.stream.launch_builder(&self.k.attention_dkv);
+        b.arg(&mut dqkv).arg(&ds).arg(dy).arg(qkv).arg(probs);
+        b.arg(&layout.ctx_len).arg(&layout.ctx_keys);
+        b.arg(&groups.first).arg(&groups.end);
+        b.arg(&n32).arg(&h32).arg(&d32).arg(&s32);
+        // SAFETY: a warp per (key row k < n, head): group rows i < min(end, n); ctx_keys at
+        // i*S + j, j < S; ds/probs at (i*h + head)*S + j; qkv, dout, dqkv at rows i, k < n
+        // within n*3d, n*d (checked); group_first/end hold n entries (checked).
+        unsafe { b.launch(cfg_warps(nh)) }?;
         Ok(dqkv)
     }
 
@@ -532,6 +737,9 @@ impl Ops for GpuOps {
             .collect())
     }
 
+    /// Ties go to the lower expert, as `select_top_k`; the weights are p[id] / Σ p[ids] in the
+    /// CPU's order. A replayed id >= e gives NaN weights. The softmax probabilities are not kept
+    /// (no backward reads them).
     fn route(
         &self,
         logits: &CudaSlice<f32>,
@@ -540,9 +748,47 @@ impl Ops for GpuOps {
         k: usize,
         replay: Option<&[u32]>,
     ) -> OpResult<(CudaSlice<u32>, CudaSlice<f32>)> {
-        Ok(self.k.route(&self.stream, logits, n, e, k, replay)?)
+        let (op, s) = ("router_forward", &self.stream);
+        // Not zeroed: the router writes every row's probabilities, ids and weights.
+        // SAFETY: device memory, fully written by the launch below before any read.
+        let mut probs = unsafe { s.alloc::<f32>((n * e).max(1))? };
+        let mut ids = unsafe { s.alloc::<u32>((n * k).max(1))? };
+        let mut weights = unsafe { s.alloc::<f32>((n * k).max(1))? };
+        let replay = replay.map(|r| s.clone_htod(r)).transpose()?;
+        if k == 0 || k > e {
+            return Err(shape(format!("{op}: top-k {k} of {e} experts")).into());
+        }
+        let (ne, nk) = (checked(n, e, op, "n x e")?, checked(n, k, op, "n x k")?);
+        need(op, "probs", probs.len(), ne)?;
+        need(op, "logits", logits.len(), ne)?;
+        need(op, "ids", ids.len(), nk)?;
+        need(op, "weights", weights.len(), nk)?;
+        if let Some(r) = &replay {
+            need(op, "replay", r.len(), nk)?;
+        }
+        let (n32, e32, k32) = (dim(op, "n", n)?, dim(op, "e", e)?, dim(op, "k", k)?);
+        if n > 0 {
+            let f = match &replay {
+                Some(_) => &self.k.router_replay,
+                None => &self.k.router_topk,
+            };
+            let mut b = s.launch_builder(f);
+            b.arg(&mut probs)
+                .arg(&mut ids)
+                .arg(&mut weights)
+                .arg(logits);
+            if let Some(r) = &replay {
+                b.arg(r);
+            }
+            b.arg(&n32).arg(&e32).arg(&k32);
+            // SAFETY: a thread per row r < n: probs and logits at r*e + i, i < e (n*e each); ids,
+            // weights and replay at r*k + j, j < k (n*k each); p is indexed by an id only if < e.
+            unsafe { b.launch(cfg(n)) }?;
+        }
+        Ok((ids, weights))
     }
 
+    /// A row with an id >= e is NaN rather than a write outside it.
     fn route_backward(
         &self,
         dweights: &CudaSlice<f32>,
@@ -552,9 +798,26 @@ impl Ops for GpuOps {
         e: usize,
         k: usize,
     ) -> OpResult<CudaSlice<f32>> {
+        let op = "router_backward";
         let mut dlogits = self.zeros_f(n * e)?;
-        self.bwd
-            .router_backward(&self.stream, &mut dlogits, dweights, ids, weights, n, e, k)?;
+        if k == 0 || k > e {
+            return Err(shape(format!("{op}: top-k {k} of {e} experts")).into());
+        }
+        let nk = checked(n, k, op, "n x k")?;
+        need(op, "dlogits", dlogits.len(), checked(n, e, op, "n x e")?)?;
+        need(op, "dweights", dweights.len(), nk)?;
+        need(op, "ids", ids.len(), nk)?;
+        need(op, "weights", weights.len(), nk)?;
+        let (n32, e32, k32) = (dim(op, "n", n)?, dim(op, "e", e)?, dim(op, "k", k)?);
+        if n > 0 {
+            let mut b = self.stream.launch_builder(&self.k.router_backward);
+            b.arg(&mut dlogits).arg(dweights).arg(ids).arg(weights);
+            b.arg(&n32).arg(&e32).arg(&k32);
+            // SAFETY: a thread per row r < n reads dweights/ids/weights at r*k + j, j < k (n*k
+            // each) and writes dlogits at r*e + id only for id < e (else r*e + c, c < e): below
+            // n*e.
+            unsafe { b.launch(cfg(n)) }?;
+        }
         Ok(dlogits)
     }
 
@@ -588,6 +851,9 @@ impl Ops for GpuOps {
         Ok(xe)
     }
 
+    /// out[t] = shared[t], then for t's k slots s = t*k + j in ascending (expert id, j) order
+    /// (the CPU's loop over experts and their slot lists) out[t] += weights[s] ·
+    /// experts[slot_row[s]], then out[t] += x[t]. A slot row past the batch gives NaN.
     fn combine(
         &self,
         x: &CudaSlice<f32>,
@@ -598,20 +864,29 @@ impl Ops for GpuOps {
         weights: &CudaSlice<f32>,
         (n, k, d): (usize, usize, usize),
     ) -> OpResult<CudaSlice<f32>> {
+        let (op, slot_row) = ("moe_combine", &disp.slot_row);
         let mut out = self.output(n * d)?;
-        self.k.moe_combine(
-            &self.stream,
-            &mut out,
-            shared,
-            experts,
-            &disp.slot_row,
-            ids,
-            weights,
-            x,
-            n,
-            k,
-            d,
-        )?;
+        if d == 0 {
+            return Err(shape(format!("{op}: d = 0")).into());
+        }
+        let (nd, nk) = (checked(n, d, op, "n x d")?, checked(n, k, op, "n x k")?);
+        need(op, "out", out.len(), nd)?;
+        need(op, "shared_y", shared.len(), nd)?;
+        need(op, "x", x.len(), nd)?;
+        need(op, "slot_row", slot_row.len(), nk)?;
+        need(op, "ids", ids.len(), nk)?;
+        need(op, "weights", weights.len(), nk)?;
+        let (n32, k32, d32) = (dim(op, "n", n)?, dim(op, "k", k)?, dim(op, "d", d)?);
+        let y_rows = dim(op, "y_all rows", experts.len() / d)?;
+        if nd > 0 {
+            let mut b = self.stream.launch_builder(&self.k.moe_combine);
+            b.arg(&mut out).arg(shared).arg(experts).arg(slot_row);
+            b.arg(ids).arg(weights).arg(x);
+            b.arg(&n32).arg(&k32).arg(&d32).arg(&y_rows);
+            // SAFETY: element idx = t*d + c < n*d (out, shared, x); slots t*k + j < n*k (ids,
+            // weights, slot_row); experts read at row*d + c only for row < experts.len()/d.
+            unsafe { b.launch(cfg(nd)) }?;
+        }
         Ok(out)
     }
 
@@ -633,7 +908,7 @@ impl Ops for GpuOps {
                 dim(op, "d", d)?,
                 dim(op, "rows", rows)?,
             );
-            let mut b = self.stream.launch_builder(&self.expert_dy);
+            let mut b = self.stream.launch_builder(&self.k.expert_dy);
             b.arg(&mut dy).arg(&mut dgate).arg(dh).arg(experts);
             b.arg(&disp.slot_row).arg(weights);
             b.arg(&nk32).arg(&k32).arg(&d32).arg(&rows32);
@@ -663,7 +938,7 @@ impl Ops for GpuOps {
             dim(op, "d", d)?,
             dim(op, "rows", rows)?,
         );
-        let mut b = self.stream.launch_builder(&self.expert_dx_scatter);
+        let mut b = self.stream.launch_builder(&self.k.expert_dx_scatter);
         b.arg(dx).arg(dexperts).arg(&disp.slot_row).arg(ids);
         b.arg(&n32).arg(&k32).arg(&d32).arg(&rows32);
         // SAFETY: a thread per (t < n, c < d): dx at t·d + c (n·d); ids and slot_row at
@@ -735,17 +1010,8 @@ impl Ops for GpuOps {
             .round_bf16(qkv, &mut rounded, n * 3 * d)?;
         self.store_kv(&rounded, &mut kv.layers[l], (seqs, count), cap, pos, 3 * d)?;
         let dl = &rows.layout;
-        let (mut att, mut probs) = (self.output(n * d)?, self.output(n * h * dl.max_context)?);
-        self.k.attention_over(
-            &self.stream,
-            &mut att,
-            &mut probs,
-            qkv,
-            (&kv.layers[l], seqs * cap),
-            dl,
-            h,
-            d,
-        )?;
+        let outs = (self.output(n * d)?, self.output(n * h * dl.max_context)?);
+        let (att, _) = self.attend(outs, qkv, (&kv.layers[l], seqs * cap), dl, h, d)?;
         Ok(att)
     }
 
@@ -778,6 +1044,129 @@ impl Ops for GpuOps {
 }
 
 impl GpuOps {
+    /// Causal attention of the queries in `q`'s Q columns over keys and values in the K and V
+    /// columns of `kv` (`[kv_rows, 3d]`: the rows' own qkv, or a decoder's cache), which
+    /// `layout`'s key indices address; writes `outs` (`[rows, d]`, probs `[rows, h, S]`, zero past
+    /// each row's context). Scores use the CPU's `dot` order and the softmax its sums
+    /// (`ops::attention_forward`, `ops::attention_step`), so only `expf` separates it from the
+    /// CPU (tolerance).
+    fn attend(
+        &self,
+        (mut out, mut probs): (CudaSlice<f32>, CudaSlice<f32>),
+        q: &CudaSlice<f32>,
+        (kv, kv_rows): (&CudaSlice<f32>, usize),
+        layout: &DeviceLayout,
+        h: usize,
+        d: usize,
+    ) -> OpResult<(CudaSlice<f32>, CudaSlice<f32>)> {
+        let op = "attention_forward";
+        if h == 0 || !d.is_multiple_of(h) {
+            return Err(shape(format!("{op}: d = {d} is not a multiple of h = {h}")).into());
+        }
+        let (n, s) = layout.check(op)?;
+        let nd = checked(n, d, op, "n x d")?;
+        need(op, "out", out.len(), nd)?;
+        // Named as the callers know them: the rows' qkv, and a decoder's cache.
+        need(op, "qkv", q.len(), checked(nd, 3, op, "n x 3d")?)?;
+        let kd = checked(kv_rows, d, op, "kv rows x d")?;
+        need(
+            op,
+            "kv cache",
+            kv.len(),
+            checked(kd, 3, op, "kv rows x 3d")?,
+        )?;
+        let nh = checked(n, h, op, "n x h")?;
+        need(op, "probs", probs.len(), checked(nh, s, op, "n x h x S")?)?;
+        let (n32, nk32, h32, d32, s32) = (
+            dim(op, "rows", n)?,
+            dim(op, "kv rows", kv_rows)?,
+            dim(op, "h", h)?,
+            dim(op, "d", d)?,
+            dim(op, "S", s)?,
+        );
+        if nh == 0 || d == 0 {
+            return Ok((out, probs));
+        }
+        // As the CPU computes it: 1 / sqrt(Dh) in FP32.
+        let scale: f32 = 1.0 / ((d / h) as f32).sqrt();
+        let mut b = self.stream.launch_builder(&self.k.attention);
+        b.arg(&mut out).arg(&mut probs).arg(q).arg(kv);
+        b.arg(&layout.ctx_len).arg(&layout.ctx_keys);
+        b.arg(&n32).arg(&nk32).arg(&h32).arg(&d32).arg(&s32);
+        b.arg(&scale);
+        // SAFETY: a warp per (row i < n, head < h): probs row (i*h + head)*S .. +S is inside
+        // n*h*S; keys j < min(ctx_len[i], S) are read at i*S + j < n*S = ctx_keys.len(); q is
+        // read at row i < n (q holds n*3d); a key row is used only if < kv_rows, so kv reads stay
+        // below kv_rows*3d (checked); out at i*d + head*dh + c, c < dh.
+        unsafe { b.launch(cfg_warps(nh)) }?;
+        Ok((out, probs))
+    }
+
+    /// `optim::AdamW::update` for one tensor of `n` values: p, m and v updated in place with the
+    /// CPU's arithmetic (bit-identical), and the tensor's Σ step² and Σ p² (after the update)
+    /// added to `sums` [2] in FP64, in a fixed order (deterministic; not the CPU's sequential
+    /// order, so equal to it to rounding).
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_step(
+        &self,
+        p: &mut CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        n: usize,
+        h: &AdamStep,
+        sums: &mut CudaSlice<f64>,
+    ) -> Result<(), CudaError> {
+        let op = "adamw_step";
+        for (name, len) in [
+            ("p", p.len()),
+            ("m", m.len()),
+            ("v", v.len()),
+            ("g", g.len()),
+        ] {
+            need(op, name, len, n)?;
+        }
+        need(op, "sums", sums.len(), 2)?;
+        if h.t < 1 {
+            return Err(shape(format!(
+                "{op}: step t = {} (steps count from 1)",
+                h.t
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // As the CPU computes them, in FP32.
+        let (omb1, omb2) = (1.0 - h.beta1, 1.0 - h.beta2);
+        let (bc1, bc2) = (1.0 - h.beta1.powi(h.t), 1.0 - h.beta2.powi(h.t));
+        let launch = cfg(n);
+        let blocks = launch.grid_dim.0;
+        let mut partial = self.stream.alloc_zeros::<f64>(2 * blocks as usize)?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.k.adamw_step);
+        b.arg(p).arg(m).arg(v).arg(g).arg(&n64);
+        b.arg(&h.scale)
+            .arg(&h.beta1)
+            .arg(&h.beta2)
+            .arg(&omb1)
+            .arg(&omb2);
+        b.arg(&bc1)
+            .arg(&bc2)
+            .arg(&h.lr)
+            .arg(&h.eps)
+            .arg(&h.weight_decay);
+        b.arg(&mut partial);
+        // SAFETY: grid-stride over i < n (p, m, v, g hold n each, checked); 256-thread blocks
+        // (`cfg`), the kernel's shared arrays; block b writes partial[2b], partial[2b + 1] with
+        // b < blocks, partial's 2·blocks entries.
+        unsafe { b.launch(launch) }?;
+        let mut b = self.stream.launch_builder(&self.k.adamw_sums);
+        b.arg(&partial).arg(&blocks).arg(sums);
+        // SAFETY: one thread reads partial[0 .. 2·blocks) and writes sums[0..2] (checked).
+        unsafe { b.launch(cfg(1)) }?;
+        Ok(())
+    }
+
     /// Cache row `i · capacity + pos + j` = x row `i · per_seq + j`, for each of `seqs`
     /// sequences and `j < per_seq` (rows of `width` floats; x sequence-major).
     fn store_kv(
@@ -811,7 +1200,7 @@ impl GpuOps {
             dim(op, "width", width)?,
             dim(op, "positions per sequence", per_seq)?,
         );
-        let mut b = self.stream.launch_builder(&self.kv_store);
+        let mut b = self.stream.launch_builder(&self.k.kv_store);
         b.arg(cache)
             .arg(x)
             .arg(&n32)

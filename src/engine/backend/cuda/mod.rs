@@ -6,21 +6,20 @@
 //! - [`quant`]: the quantizers as NVRTC kernels (`quant.cu`), compiled with the spec's exact FP32
 //!   arithmetic and tested byte for byte against `crate::formats` (the one quantizer);
 //! - [`backend`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) on a GPU: the model's
-//!   passes over [`device_ops::GpuOps`] (kernels of [`ops`], [`backward`], [`moe`], the linear
+//!   passes over [`device_ops::GpuOps`] (kernels of `ops.cu`, `backward.cu`, [`moe`], the linear
 //!   layer of [`linear`]); [`decoder`]: the rollout's decoder, [`train`]: the training pass;
 //! - [`bench`]: device timings (quantizer bandwidth vs a device-to-device copy).
 //!
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
 pub mod backend;
-pub mod backward;
 pub mod bench;
 pub mod decoder;
 pub mod device_ops;
 pub mod fake_quant;
+pub mod launch;
 pub mod linear;
 pub mod moe;
-pub mod ops;
 pub mod quant;
 pub mod staging;
 pub mod train;

@@ -3,7 +3,7 @@
 //! `[e·cap, (e+1)·cap)` (its tokens in token order, then zero rows), so every expert site runs as
 //! one strided batched GEMM with no host round trip.
 
-use super::ops::dim;
+use super::launch::dim;
 use super::{CudaDevice, CudaError};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
