@@ -198,7 +198,7 @@ extern "C" __global__ void attention_backward_dkv(float *__restrict__ dqkv,
 // from the host in FP32, as the CPU computes them. Each block also writes its partial sums of
 // step^2 and p^2 (after the update) in FP64, block-reduced in a fixed tree order, for
 // `adamw_sums` to add in block order: deterministic, but not the CPU's sequential sum. Launched
-// with 256-thread blocks (backward.rs `cfg`), the size of the shared arrays.
+// with 256-thread blocks (`launch::cfg`), the size of the shared arrays.
 extern "C" __global__ void adamw_step(float *__restrict__ p, float *__restrict__ m,
                                       float *__restrict__ v, const float *__restrict__ g, u64 n,
                                       float scale, float b1, float b2, float omb1, float omb2,
