@@ -225,19 +225,9 @@ impl Trainer {
         brk: ContractBreak,
     ) -> Result<Trainer, TrainerError> {
         let cfg = init.config.clone();
-        cfg.validate()?;
-        if task.prompt_len() + config.max_response_tokens > cfg.max_seq {
-            return Err(TrainerError::TooLong {
-                task: task.to_string(),
-                prompt: task.prompt_len(),
-                resp: config.max_response_tokens,
-                max_seq: cfg.max_seq,
-            });
-        }
+        check_setup(&cfg, &task, &config, &recipe, brk)?;
         let plan = recipe.resolve(cfg.n_layers)?;
         let rollout_plan = rollout_plan(&plan, brk);
-        check_sites(&cfg, &plan)?;
-        check_sites(&cfg, &rollout_plan)?;
         let reference =
             PreparedModel::new(&init, &ModelPlan::uniform(cfg.n_layers, SitePlan::BF16))?;
         let decay = weight_decay_table(&init, &plan, &recipe);

@@ -736,26 +736,8 @@ impl Routing {
     }
 }
 
-/// Validates the inputs of [`forward`] without running it (the forward panics on the same conditions).
-pub fn check_inputs(
-    cfg: &ModelConfig,
-    tokens: &[u32],
-    b: usize,
-    t: usize,
-    replay: Option<&Routing>,
-) -> Result<(), ModelError> {
-    if tokens.len() != b * t {
-        return Err(ModelError::Tokens {
-            got: tokens.len(),
-            expected: b * t,
-            b,
-            t,
-        });
-    }
-    check_layout_inputs(cfg, tokens, &Layout::plain(b, t), replay)
-}
-
-/// Validates the inputs of [`forward_rows`] without running it.
+/// Validates the inputs of [`forward_rows`] (and so of [`forward`], a plain layout) without
+/// running it (the forward panics on the same conditions).
 pub fn check_layout_inputs(
     cfg: &ModelConfig,
     tokens: &[u32],
@@ -912,7 +894,7 @@ impl PreparedModel {
 /// forward's router.
 ///
 /// # Panics
-/// On inputs [`check_inputs`] rejects (wrong token count, id outside the vocabulary, T > max_seq, a
+/// On inputs [`check_layout_inputs`] rejects (wrong token count, id outside the vocabulary, T > max_seq, a
 /// replay record that does not fit). Call it first where the inputs come from outside.
 pub fn forward<'a>(
     prep: &'a PreparedModel,
@@ -964,25 +946,25 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An empty cache for `b` sequences of up to `max_seq` positions, BF16 rounding on.
-    pub fn new(cfg: &ModelConfig, b: usize) -> KvCache {
-        KvCache::with_capacity(cfg, b, cfg.max_seq)
+    /// An empty cache for `b` sequences of up to `positions` (at most `max_seq`) positions, BF16
+    /// rounding on: a rollout sizes it to its prompt plus response, since every copy and
+    /// allocation of the cache scales with it.
+    pub fn with_capacity(cfg: &ModelConfig, b: usize, positions: usize) -> KvCache {
+        KvCache::for_shape(cfg.n_layers, b, positions, cfg.d_model, cfg.n_heads)
     }
 
-    /// An empty cache for `b` sequences of up to `positions` (at most `max_seq`) positions: a
-    /// rollout sizes it to its prompt plus response, since every copy and allocation of the cache
-    /// scales with it.
-    pub fn with_capacity(cfg: &ModelConfig, b: usize, positions: usize) -> KvCache {
-        let per_layer = b * positions * cfg.d_model;
+    /// An empty cache of this shape (BF16 rounding on).
+    pub fn for_shape(layers: usize, b: usize, positions: usize, d: usize, h: usize) -> KvCache {
+        let per_layer = b * positions * d;
         let zeros = |_| vec![0.0; per_layer]; // one allocation each, zeroed lazily by the OS
         KvCache {
             b,
             capacity: positions,
-            head_dim: cfg.head_dim(),
+            head_dim: d / h.max(1),
             len: 0,
             round_bf16: true,
-            k: (0..cfg.n_layers).map(zeros).collect(),
-            v: (0..cfg.n_layers).map(zeros).collect(),
+            k: (0..layers).map(zeros).collect(),
+            v: (0..layers).map(zeros).collect(),
         }
     }
 
@@ -1055,23 +1037,6 @@ impl KvCache {
                     }
                 }
             }
-        }
-    }
-}
-
-impl KvCache {
-    /// An empty cache of this shape (BF16 rounding on).
-    pub fn for_shape(layers: usize, b: usize, positions: usize, d: usize, h: usize) -> KvCache {
-        let per_layer = b * positions * d;
-        let zeros = |_| vec![0.0; per_layer];
-        KvCache {
-            b,
-            capacity: positions,
-            head_dim: d / h.max(1),
-            len: 0,
-            round_bf16: true,
-            k: (0..layers).map(zeros).collect(),
-            v: (0..layers).map(zeros).collect(),
         }
     }
 
@@ -1314,15 +1279,15 @@ mod tests {
     fn forward_rejects_bad_inputs_by_name() {
         let cfg = small_test_config();
         assert!(matches!(
-            check_inputs(&cfg, &[0; 6], 2, 4, None),
+            check_layout_inputs(&cfg, &[0; 6], &Layout::plain(2, 4), None),
             Err(ModelError::Tokens { got: 6, .. })
         ));
         assert!(matches!(
-            check_inputs(&cfg, &[0; 18], 2, 9, None),
+            check_layout_inputs(&cfg, &[0; 18], &Layout::plain(2, 9), None),
             Err(ModelError::SeqTooLong { .. })
         ));
         assert!(matches!(
-            check_inputs(&cfg, &[0, 11], 1, 2, None),
+            check_layout_inputs(&cfg, &[0, 11], &Layout::plain(1, 2), None),
             Err(ModelError::TokenId { index: 1, .. })
         ));
         let r = Routing {
@@ -1331,7 +1296,7 @@ mod tests {
             layers: vec![vec![1, 1], vec![0, 1]],
         };
         assert!(matches!(
-            check_inputs(&cfg, &[0], 1, 1, Some(&r)),
+            check_layout_inputs(&cfg, &[0], &Layout::plain(1, 1), Some(&r)),
             Err(ModelError::Replay(_))
         ));
     }
@@ -1543,7 +1508,7 @@ mod tests {
         let tokens = random_tokens(&mut rng, b * t, cfg.vocab);
         let (full, _, full_routing) = forward(&prep, &tokens, b, t, None);
         let decode = |round: bool| {
-            let mut cache = KvCache::new(&cfg, b);
+            let mut cache = KvCache::with_capacity(&cfg, b, cfg.max_seq);
             cache.round_bf16 = round;
             let (mut logits, mut steps) = (vec![0.0f32; b * t * cfg.vocab], Vec::new());
             for ti in 0..t {
@@ -1608,7 +1573,7 @@ mod tests {
                     .iter()
                     .all(|(_, t)| t.iter().all(|x| x.is_finite()))
             );
-            let mut kv = KvCache::new(&cfg, b);
+            let mut kv = KvCache::with_capacity(&cfg, b, cfg.max_seq);
             kv.round_bf16 = false;
             let (mut max_diff, mut steps) = (0.0f32, Vec::new());
             for ti in 0..t {
@@ -1655,7 +1620,7 @@ mod tests {
         assert_eq!(r3, forced);
         assert_ne!(other, logits);
         // Decoding with replay obeys too.
-        let mut cache = KvCache::new(&cfg, b);
+        let mut cache = KvCache::with_capacity(&cfg, b, cfg.max_seq);
         let step = Routing {
             top_k: 2,
             n_tokens: b,
@@ -1725,7 +1690,7 @@ mod tests {
             let t0 = std::time::Instant::now();
             let prep = PreparedModel::new(&params, &fp32_plan(cfg)).unwrap();
             let t1 = std::time::Instant::now();
-            let mut kv = KvCache::new(cfg, b);
+            let mut kv = KvCache::with_capacity(cfg, b, cfg.max_seq);
             for ti in 0..t {
                 let step: Vec<u32> = (0..b).map(|bi| tokens[bi * t + ti]).collect();
                 decode_step(&prep, &mut kv, &step, None);
