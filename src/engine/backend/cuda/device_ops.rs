@@ -95,19 +95,6 @@ pub struct GpuRows {
     groups: Option<DeviceGroups>,
 }
 
-/// One AdamW update's hyperparameters (`optim::AdamW::update`): step `t` (from 1), the gradient
-/// scale (clipping) and the tensor's weight decay.
-#[derive(Debug, Clone, Copy)]
-pub struct AdamStep {
-    pub t: i32,
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub scale: f32,
-    pub weight_decay: f32,
-}
-
 /// The kernels of `ops.cu`, `backward.cu`, `train.cu` and `kv.cu`.
 struct Kernels {
     embedding: CudaFunction,
@@ -128,8 +115,6 @@ struct Kernels {
     expert_dy: CudaFunction,
     expert_dx_scatter: CudaFunction,
     kv_store: CudaFunction,
-    adamw_step: CudaFunction,
-    adamw_sums: CudaFunction,
 }
 
 /// The op set on one GPU; see the module doc.
@@ -167,8 +152,6 @@ impl GpuOps {
             expert_dy: train.load_function("expert_dy")?,
             expert_dx_scatter: train.load_function("expert_dx_scatter")?,
             kv_store: kv.load_function("kv_store")?,
-            adamw_step: bwd.load_function("adamw_step")?,
-            adamw_sums: bwd.load_function("adamw_sums")?,
         };
         Ok(GpuOps {
             stream: lin.stream().clone(),
@@ -1100,71 +1083,6 @@ impl GpuOps {
         // below kv_rows*3d (checked); out at i*d + head*dh + c, c < dh.
         unsafe { b.launch(cfg_warps(nh)) }?;
         Ok((out, probs))
-    }
-
-    /// `optim::AdamW::update` for one tensor of `n` values: p, m and v updated in place with the
-    /// CPU's arithmetic (bit-identical), and the tensor's Σ step² and Σ p² (after the update)
-    /// added to `sums` [2] in FP64, in a fixed order (deterministic; not the CPU's sequential
-    /// order, so equal to it to rounding).
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw_step(
-        &self,
-        p: &mut CudaSlice<f32>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
-        g: &CudaSlice<f32>,
-        n: usize,
-        h: &AdamStep,
-        sums: &mut CudaSlice<f64>,
-    ) -> Result<(), CudaError> {
-        let op = "adamw_step";
-        for (name, len) in [
-            ("p", p.len()),
-            ("m", m.len()),
-            ("v", v.len()),
-            ("g", g.len()),
-        ] {
-            need(op, name, len, n)?;
-        }
-        need(op, "sums", sums.len(), 2)?;
-        if h.t < 1 {
-            return Err(shape(format!(
-                "{op}: step t = {} (steps count from 1)",
-                h.t
-            )));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        // As the CPU computes them, in FP32.
-        let (omb1, omb2) = (1.0 - h.beta1, 1.0 - h.beta2);
-        let (bc1, bc2) = (1.0 - h.beta1.powi(h.t), 1.0 - h.beta2.powi(h.t));
-        let launch = cfg(n);
-        let blocks = launch.grid_dim.0;
-        let mut partial = self.stream.alloc_zeros::<f64>(2 * blocks as usize)?;
-        let n64 = n as u64;
-        let mut b = self.stream.launch_builder(&self.k.adamw_step);
-        b.arg(p).arg(m).arg(v).arg(g).arg(&n64);
-        b.arg(&h.scale)
-            .arg(&h.beta1)
-            .arg(&h.beta2)
-            .arg(&omb1)
-            .arg(&omb2);
-        b.arg(&bc1)
-            .arg(&bc2)
-            .arg(&h.lr)
-            .arg(&h.eps)
-            .arg(&h.weight_decay);
-        b.arg(&mut partial);
-        // SAFETY: grid-stride over i < n (p, m, v, g hold n each, checked); 256-thread blocks
-        // (`cfg`), the kernel's shared arrays; block b writes partial[2b], partial[2b + 1] with
-        // b < blocks, partial's 2·blocks entries.
-        unsafe { b.launch(launch) }?;
-        let mut b = self.stream.launch_builder(&self.k.adamw_sums);
-        b.arg(&partial).arg(&blocks).arg(sums);
-        // SAFETY: one thread reads partial[0 .. 2·blocks) and writes sums[0..2] (checked).
-        unsafe { b.launch(cfg(1)) }?;
-        Ok(())
     }
 
     /// Cache row `i · capacity + pos + j` = x row `i · per_seq + j`, for each of `seqs`
