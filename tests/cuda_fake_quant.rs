@@ -10,11 +10,11 @@
 
 mod common;
 
-use lockstep::engine::backend::cuda::bench::bench_input;
 use lockstep::engine::backend::cuda::fake_quant::CudaFakeQuantizer;
 use lockstep::engine::backend::cuda::{CudaDevice, CudaError, CudaQuantizer};
 use lockstep::formats::bf16::round_bf16;
 use lockstep::formats::{Axis, QuantFormat, SecondScale, fake_quantize};
+use lockstep::tools::bench_gpu::bench_input;
 use std::sync::{Arc, OnceLock};
 
 /// The shared fake quantizer, or `None` (with the reason printed) where there is no GPU.

@@ -175,7 +175,7 @@ fn gpu_quantizer_matches_cpu_on_every_golden_vector() {
 /// Activation-like values with the hard cases mixed in: 1e4-scale outliers, FP32 subnormals,
 /// zeros of both signs, values at E4M3/E2M1 ties, Inf and NaN (the spec defines both).
 fn nasty(n: usize, seed: u64, specials: bool) -> Vec<f32> {
-    let mut x = lockstep::engine::backend::cuda::bench::bench_input(n, seed);
+    let mut x = lockstep::tools::bench_gpu::bench_input(n, seed);
     if specials {
         for (i, v) in x.iter_mut().enumerate() {
             let h = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 50;

@@ -12,7 +12,7 @@ pub fn quantize_gpu(device: &str, size: Option<usize>, reps: usize) -> Result<bo
         unreachable!("the CPU bench is dispatched before this")
     };
     let n = size.unwrap_or(16384);
-    let b = cuda::bench::quantize_bandwidth(ordinal, n, n, reps)
+    let b = lockstep::tools::bench_gpu::quantize_bandwidth(ordinal, n, n, reps)
         .map_err(|err| lockstep::engine::backend::DeviceError::Cuda { device: d, err })?;
     println!(
         "quantize {n}x{n} fp32 ({:.0} MiB) on {} (sm_{}{}), median of {} event-timed runs",

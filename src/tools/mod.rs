@@ -3,4 +3,5 @@
 
 pub mod bench;
 pub mod bench_engine;
+pub mod bench_gpu;
 pub mod quantize;

@@ -13,7 +13,6 @@
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
 pub mod backend;
-pub mod bench;
 pub mod decoder;
 pub mod device_ops;
 pub mod fake_quant;

@@ -6,7 +6,7 @@
 //! once): `8n` for the copy, `4n` + codes + scales for a quantizer. `vs_copy` is the quantizer's
 //! bandwidth over the copy's: 1.0 means it moves its bytes as fast as a copy does.
 
-use super::{CudaDevice, CudaError, CudaQuantizer};
+use crate::engine::backend::cuda::{CudaDevice, CudaError, CudaQuantizer};
 use crate::formats::{
     Axis, Fp8BlockVariant, Fp8Elem, Fp8Tile, MxScaleRule, QuantFormat, SecondScale,
 };
