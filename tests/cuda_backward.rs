@@ -13,14 +13,11 @@
 mod common;
 
 use common::{Device, assert_rel, max_abs, ragged, same_bits, uniform};
-use lockstep::engine::backend::cuda::CudaDevice;
-use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::device::cpu::CpuOps;
 use lockstep::engine::device::{OpError, OpResult, Ops};
 use lockstep::engine::layout::Layout;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::OnceLock;
 
 const D: usize = 128;
 const F: usize = 256;
@@ -29,11 +26,6 @@ const E: usize = 8;
 const K: usize = 2;
 /// The benchmark batch's trainer rows.
 const N: usize = 2272;
-
-fn gpu(test: &str) -> Option<&'static GpuOps> {
-    static G: OnceLock<Result<GpuOps, String>> = OnceLock::new();
-    common::gpu_fixture(&G, test, || GpuOps::new(&CudaDevice::open(0)?))
-}
 
 /// (dx, dg) accumulated into `dx0`, `dg0`, with the forward's rstd.
 fn rmsnorm_backward<'a, O: Device<'a>>(
@@ -55,7 +47,7 @@ fn rmsnorm_backward<'a, O: Device<'a>>(
 
 #[test]
 fn rmsnorm_backward_matches_cpu_bit_for_bit() {
-    let Some(g) = gpu("rmsnorm_backward_matches_cpu_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("rmsnorm_backward_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -80,7 +72,7 @@ fn swiglu_backward<O: Ops>(o: &O, dout: &[f32], inp: &[f32], n: usize) -> Vec<f3
 
 #[test]
 fn swiglu_backward_within_1e_5_of_cpu() {
-    let Some(g) = gpu("swiglu_backward_within_1e_5_of_cpu") else {
+    let Some(g) = common::gpu_ops("swiglu_backward_within_1e_5_of_cpu") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(2);
@@ -102,7 +94,7 @@ fn route_backward<O: Ops>(o: &O, dw: &[f32], ids: &[u32], w: &[f32], n: usize) -
 
 #[test]
 fn router_backward_matches_cpu_bit_for_bit() {
-    let Some(g) = gpu("router_backward_matches_cpu_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("router_backward_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
@@ -147,7 +139,7 @@ fn embedding_backward<O: Ops>(
 
 #[test]
 fn embedding_backward_matches_cpu_bit_for_bit() {
-    let Some(g) = gpu("embedding_backward_matches_cpu_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("embedding_backward_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
@@ -168,7 +160,7 @@ fn embedding_backward_matches_cpu_bit_for_bit() {
 
 #[test]
 fn backward_shape_errors_name_the_buffer() {
-    let Some(g) = gpu("backward_shape_errors_name_the_buffer") else {
+    let Some(g) = common::gpu_ops("backward_shape_errors_name_the_buffer") else {
         return;
     };
     fn shape<T>(r: OpResult<T>, what: &str) {
@@ -227,7 +219,7 @@ fn attention_backward<O: Ops>(
 /// the CPU.
 #[test]
 fn attention_backward_matches_cpu_bit_for_bit() {
-    let Some(g) = gpu("attention_backward_matches_cpu_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("attention_backward_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(5);

@@ -14,7 +14,6 @@
 mod common;
 
 use common::{Device, assert_rel, max_abs, ragged, same_bits, uniform};
-use lockstep::engine::backend::cuda::CudaDevice;
 use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::device::cpu::CpuOps;
 use lockstep::engine::device::{OpError, OpResult, Ops};
@@ -22,7 +21,6 @@ use lockstep::engine::layout::Layout;
 use lockstep::engine::ops;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::OnceLock;
 
 /// The engine's shapes (the `small` model and the benchmark batch).
 const D: usize = 128;
@@ -30,12 +28,6 @@ const F: usize = 256;
 const H: usize = 4;
 const E: usize = 8;
 const K: usize = 2;
-
-/// The shared op set, or `None` (with the reason printed) where there is no GPU.
-fn gpu(test: &str) -> Option<&'static GpuOps> {
-    static G: OnceLock<Result<GpuOps, String>> = OnceLock::new();
-    common::gpu_fixture(&G, test, || GpuOps::new(&CudaDevice::open(0)?))
-}
 
 fn rmsnorm<'a, O: Device<'a>>(
     o: &O,
@@ -55,7 +47,7 @@ fn rmsnorm<'a, O: Device<'a>>(
 
 #[test]
 fn rmsnorm_matches_cpu_bit_for_bit() {
-    let Some(g) = gpu("rmsnorm_matches_cpu_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("rmsnorm_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -85,7 +77,7 @@ fn embedding<'a, O: Device<'a>>(
 
 #[test]
 fn embedding_matches_cpu_bit_for_bit_with_layout_positions() {
-    let Some(g) = gpu("embedding_matches_cpu_bit_for_bit_with_layout_positions") else {
+    let Some(g) = common::gpu_ops("embedding_matches_cpu_bit_for_bit_with_layout_positions") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(2);
@@ -117,7 +109,7 @@ fn swiglu<O: Ops>(o: &O, x: &[f32], n: usize) -> Vec<f32> {
 
 #[test]
 fn swiglu_within_1e_5_of_cpu() {
-    let Some(g) = gpu("swiglu_within_1e_5_of_cpu") else {
+    let Some(g) = common::gpu_ops("swiglu_within_1e_5_of_cpu") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
@@ -146,7 +138,8 @@ fn attention<O: Ops>(o: &O, qkv: &[f32], layout: &Layout) -> (Vec<f32>, Vec<f32>
 
 #[test]
 fn attention_matches_cpu_on_plain_and_ragged_layouts_and_repeats() {
-    let Some(g) = gpu("attention_matches_cpu_on_plain_and_ragged_layouts_and_repeats") else {
+    let Some(g) = common::gpu_ops("attention_matches_cpu_on_plain_and_ragged_layouts_and_repeats")
+    else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
@@ -247,7 +240,7 @@ fn check_router(
 
 #[test]
 fn router_matches_cpu_with_ties_and_replay_and_repeats() {
-    let Some(g) = gpu("router_matches_cpu_with_ties_and_replay_and_repeats") else {
+    let Some(g) = common::gpu_ops("router_matches_cpu_with_ties_and_replay_and_repeats") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -301,7 +294,7 @@ fn add_into<O: Ops>(o: &O, a: &[f32], b: &[f32]) -> Vec<f32> {
 
 #[test]
 fn add_into_matches_cpu_bit_for_bit() {
-    let Some(g) = gpu("add_into_matches_cpu_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("add_into_matches_cpu_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(6);
@@ -365,7 +358,7 @@ fn combine<O: Ops>(
 
 #[test]
 fn moe_combine_matches_model_order_bit_for_bit() {
-    let Some(g) = gpu("moe_combine_matches_model_order_bit_for_bit") else {
+    let Some(g) = common::gpu_ops("moe_combine_matches_model_order_bit_for_bit") else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -410,7 +403,7 @@ fn moe_combine_matches_model_order_bit_for_bit() {
 
 #[test]
 fn short_buffers_and_bad_shapes_are_shape_errors() {
-    let Some(g) = gpu("short_buffers_and_bad_shapes_are_shape_errors") else {
+    let Some(g) = common::gpu_ops("short_buffers_and_bad_shapes_are_shape_errors") else {
         return;
     };
     fn shape<T>(r: OpResult<T>, what: &str) {

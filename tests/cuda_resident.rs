@@ -8,18 +8,9 @@
 mod common;
 
 use common::{agreement, bits, plan};
-use lockstep::engine::backend::cuda::CudaDevice;
-use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::{ModelConfig, Params, PreparedModel, forward_rows, pass};
 use lockstep::tools::bench::trainer_batch;
-use std::sync::OnceLock;
-
-/// The shared op set, or `None` (with the reason printed) where there is no GPU.
-fn gpu(test: &str) -> Option<&'static GpuOps> {
-    static R: OnceLock<Result<GpuOps, String>> = OnceLock::new();
-    common::gpu_fixture(&R, test, || GpuOps::new(&CudaDevice::open(0)?))
-}
 
 /// Largest |a - b| over the largest |a|.
 fn rel_max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -37,7 +28,7 @@ fn rel_max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// allows; two GPU forwards give identical bits.
 #[test]
 fn resident_forward_matches_the_cpu_forward() {
-    let Some(rf) = gpu("resident_forward_matches_the_cpu_forward") else {
+    let Some(rf) = common::gpu_ops("resident_forward_matches_the_cpu_forward") else {
         return;
     };
     // (model, plan, tolerance on the replayed logits, relative to the largest CPU logit): about 3x
@@ -88,7 +79,7 @@ fn resident_forward_matches_the_cpu_forward() {
 /// Bad input is an error naming the problem, not a panic or a launch out of bounds.
 #[test]
 fn resident_forward_rejects_bad_tokens() {
-    let Some(rf) = gpu("resident_forward_rejects_bad_tokens") else {
+    let Some(rf) = common::gpu_ops("resident_forward_rejects_bad_tokens") else {
         return;
     };
     let cfg = ModelConfig::tiny();

@@ -11,8 +11,7 @@ mod common;
 
 use common::{bits, plan};
 use lockstep::engine::backend::cpu::CpuBackend;
-use lockstep::engine::backend::cuda::device_ops::GpuOps;
-use lockstep::engine::backend::cuda::{CudaBackend, CudaDevice};
+use lockstep::engine::backend::cuda::CudaBackend;
 use lockstep::engine::model::{
     ModelConfig, Params, PreparedModel, backward, forward_rows, pass, quant_sites,
 };
@@ -22,12 +21,6 @@ use lockstep::recipe::presets::preset;
 use lockstep::tools::bench::trainer_batch;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::sync::OnceLock;
-
-fn gpu(test: &str) -> Option<&'static GpuOps> {
-    static T: OnceLock<Result<GpuOps, String>> = OnceLock::new();
-    common::gpu_fixture(&T, test, || GpuOps::new(&CudaDevice::open(0)?))
-}
 
 /// Largest |a - b| over the largest |b| (b the CPU's).
 fn rel(a: &[f32], b: &[f32]) -> f32 {
@@ -48,7 +41,7 @@ fn norm(v: &[f32]) -> f64 {
 
 #[test]
 fn resident_pass_matches_the_cpu_forward_and_backward() {
-    let Some(tr) = gpu("resident_pass_matches_the_cpu_forward_and_backward") else {
+    let Some(tr) = common::gpu_ops("resident_pass_matches_the_cpu_forward_and_backward") else {
         return;
     };
     // (model, plan, tolerance on logits, on each gradient tensor, on the global gradient norm),
@@ -161,7 +154,7 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
 /// the CPU run's. Later steps drift apart as GEMM order moves the weights (printed, not held).
 #[test]
 fn trainer_on_the_gpu_repeats_and_tracks_the_cpu() {
-    if gpu("trainer_on_the_gpu_repeats_and_tracks_the_cpu").is_none() {
+    if common::gpu_ops("trainer_on_the_gpu_repeats_and_tracks_the_cpu").is_none() {
         return;
     }
     let be = CudaBackend::new(0).unwrap();

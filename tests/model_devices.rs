@@ -12,8 +12,6 @@
 mod common;
 
 use common::{bits, plan};
-use lockstep::engine::backend::cuda::CudaDevice;
-use lockstep::engine::backend::cuda::device_ops::GpuOps;
 use lockstep::engine::device::Ops;
 use lockstep::engine::device::cpu::CpuOps;
 use lockstep::engine::layout::Layout;
@@ -22,12 +20,6 @@ use lockstep::engine::model::{ModelConfig, Params, PreparedModel};
 use lockstep::tools::bench::trainer_batch;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::OnceLock;
-
-fn gpu(test: &str) -> Option<&'static GpuOps> {
-    static G: OnceLock<Result<GpuOps, String>> = OnceLock::new();
-    common::gpu_fixture(&G, test, || GpuOps::new(&CudaDevice::open(0)?))
-}
 
 /// The tiny model with non-trivial norm gains (so their gradients are not all alike).
 fn params(seed: u64) -> Params {
@@ -162,7 +154,7 @@ fn the_backward_is_the_forwards_gradient_on_every_device() {
         &r,
     )
     .unwrap_or_else(|e| panic!("cpu:\n{e}"));
-    if let Some(g) = gpu("the_backward_is_the_forwards_gradient_on_every_device") {
+    if let Some(g) = common::gpu_ops("the_backward_is_the_forwards_gradient_on_every_device") {
         check_gradients(
             g,
             |pm| g.upload_model(pm).unwrap(),
@@ -200,7 +192,9 @@ fn inference_and_training_forwards_agree_and_repeat_bit_for_bit_on_every_device(
     for name in ["fp32", "nvfp4-dq", "mxfp8"] {
         let prep = PreparedModel::new(&p, &plan(name, p.config.n_layers)).unwrap();
         check_bit_identities(&CpuOps::new(), &prep.host_weights(), &toks, &layout);
-        if let Some(g) = gpu("inference_and_training_forwards_agree_and_repeat_bit_for_bit") {
+        if let Some(g) =
+            common::gpu_ops("inference_and_training_forwards_agree_and_repeat_bit_for_bit")
+        {
             check_bit_identities(g, &g.upload_model(&prep).unwrap(), &toks, &layout);
         }
     }
@@ -244,7 +238,7 @@ fn decoding_matches_the_full_forward_on_every_device() {
         cpu < 2e-2,
         "cpu: decode differs from the forward by {cpu:.3e}"
     );
-    if let Some(g) = gpu("decoding_matches_the_full_forward_on_every_device") {
+    if let Some(g) = common::gpu_ops("decoding_matches_the_full_forward_on_every_device") {
         let gd = decode_vs_forward(g, &g.upload_model(&prep).unwrap(), &toks, b, t);
         eprintln!("cuda: decode vs forward {gd:.3e}");
         assert!(

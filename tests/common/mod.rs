@@ -37,6 +37,12 @@ pub fn gpu_fixture<T>(
     }
 }
 
+/// The test file's op set on cuda:0 ([`gpu_fixture`]): `None` where there is no GPU.
+pub fn gpu_ops(test: &str) -> Option<&'static GpuOps> {
+    static G: OnceLock<Result<GpuOps, String>> = OnceLock::new();
+    gpu_fixture(&G, test, || GpuOps::new(&cuda::CudaDevice::open(0)?))
+}
+
 /// Every format variant the quantizers implement.
 pub fn all_formats() -> Vec<QuantFormat> {
     let mut v = vec![QuantFormat::Bf16];
