@@ -101,8 +101,11 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         Command::Bench(BenchCommand::Step(args)) => cli::bench::step(args),
         Command::Bench(BenchCommand::Forward(args)) => cli::bench::forward(args),
         Command::Bench(BenchCommand::Sweep(args)) => cli::bench_sweep::sweep(args),
-        Command::Bench(BenchCommand::Quantize { size, min_time, .. }) => {
-            cli::bench::quantize_cpu(size.unwrap_or(4096), *min_time)
-        }
+        Command::Bench(BenchCommand::Quantize {
+            size,
+            min_time,
+            only,
+            ..
+        }) => cli::bench::quantize_cpu(size.unwrap_or(4096), *min_time, only.as_deref()),
     }
 }

@@ -52,7 +52,7 @@ pub struct StepArgs {
 }
 
 /// The CPU quantizer next to the bytes-moved floor (see `tools::bench`), on 1 core and all cores.
-pub fn quantize_cpu(size: usize, min_time: f64) -> Result<bool> {
+pub fn quantize_cpu(size: usize, min_time: f64, only: Option<&str>) -> Result<bool> {
     let all = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -60,6 +60,7 @@ pub fn quantize_cpu(size: usize, min_time: f64) -> Result<bool> {
         size,
         all,
         std::time::Duration::from_secs_f64(min_time),
+        only,
     );
     println!(
         "quantize {size}x{size} fp32 ({:.0} MiB), median of repetitions; floor = input read + codes \

@@ -77,6 +77,9 @@ pub enum BenchCommand {
         /// Timed repetitions per kernel (GPU only; the median is reported).
         #[arg(long, default_value_t = 20)]
         reps: usize,
+        /// Time only the formats whose name contains this (e.g. `nvfp4 token row`; CPU only).
+        #[arg(long)]
+        only: Option<String>,
     },
     /// The built-in engine's RL step at the benchmark shape for every recipe, with rollout and train
     /// tokens/s and the train phase's GFLOP/s next to the GEMM library's rate on a large matmul.

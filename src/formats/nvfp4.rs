@@ -127,26 +127,76 @@ fn encode_u32(v: f32, enc: f32) -> (u32, bool, bool) {
     (c, (s.abs() > 6.0) & finite, (c & 7 == 0) & nonzero_finite)
 }
 
+/// Encode of one element of a block on the fast path ([`fast_block`]): every element finite,
+/// the multiplier a (positive, finite) number. Equal there to [`encode_u32`] with its counts,
+/// in fewer operations, which is what the row's time is made of:
+/// - `+ 0.0` turns a −0 product into +0, so TE's table (−0 → code 0) needs no test;
+/// - |s|, clamped to 6 as a bit pattern (an overflowed product is Inf, which clamps too), is
+///   rounded to E2M1 by one FP32 addition: for |s| in [2^k, 2^(k+1)) with k ≥ 0, adding
+///   `c = 2^(k+22)` rounds to nearest even at E2M1's step there, 2^(k-1); below 1, `c = 2^22`
+///   rounds at the subnormal step 0.5 (the same `c` as k = 0, whose step is also 0.5). The sum's
+///   bits minus `c`'s count the steps, and the code is that count plus 2k;
+/// - saturated is |s| > 6 (a finite element, so an Inf product counts), underflowed a
+///   non-zero element whose |s| rounds to 0, i.e. |s| ≤ 0.25 (the tie goes to 0).
+#[inline(always)]
+fn encode_fast(v: f32, enc: f32) -> (u32, bool, bool) {
+    let s = v * enc + 0.0;
+    let u = s.to_bits();
+    let ab = u & 0x7FFF_FFFF;
+    let am = ab.min(0x40C0_0000);
+    let binade = (am & 0x7F80_0000).max(0x3F80_0000);
+    let c = binade + (22 << 23);
+    let steps = (f32::from_bits(am) + f32::from_bits(c))
+        .to_bits()
+        .wrapping_sub(c);
+    // `binade >> 22` is twice its biased exponent, 2(k + 127).
+    let mag = steps.wrapping_add(binade >> 22).wrapping_sub(254);
+    let nonzero = v.to_bits() & 0x7FFF_FFFF != 0;
+    (
+        mag | ((u >> 28) & 8),
+        ab > 0x40C0_0000,
+        (ab <= 0x3E80_0000) & nonzero,
+    )
+}
+
+/// Whether a block takes [`encode_fast`]: its amax (NaN-propagating) is finite, so every
+/// element is, and its multiplier is a number (not NaN, which a NaN second-level scale gives).
+/// Other blocks, which hold an Inf or a NaN, take the general [`encode_u32`].
+#[inline(always)]
+fn fast_block(amax: f32, enc: f32) -> bool {
+    (amax.to_bits() < 0x7F80_0000) & !enc.is_nan()
+}
+
+/// Where a row's second-level scales come from.
+pub enum RowGlobals<'a> {
+    /// Known before the row (per tensor, or per token from a pass of their own): one a shard.
+    Given(&'a [GlobalScale]),
+    /// Per token from the row's own block amaxes, so the row is read once for both: each
+    /// shard's amax (the maximum of its blocks') is written here.
+    FromBlocks(&'a mut [f32]),
+}
+
 /// Per-thread buffers reused across rows by [`quantize_row`].
 #[derive(Debug, Default)]
 pub struct RowScratch {
     block_amax: Vec<f32>,
     block_enc: Vec<f32>,
+    globals: Vec<GlobalScale>,
 }
 
-/// Quantize one row of blocks: `globals[b / per_shard]` is block `b`'s second-level scale.
-/// Writes one scale byte per block into `scales` and the codes, packed two a byte (element 2i in
-/// the low nibble), into `packed`.
+/// Quantize one row of blocks in `S` shards of `per_shard` blocks, each with the second-level
+/// scale `globals` gives it. Writes one scale byte per block into `scales` and the codes,
+/// packed two a byte (element 2i in the low nibble), into `packed`.
 ///
-/// Three passes over the row, each shaped so LLVM vectorises it (checked with `perf annotate`
-/// on the AVX2 compile): every block's amax; the block scales in one loop per shard (uniform
-/// second-level scale); the encode, a block at a time, its codes then packed in pairs. The
-/// encode vectorises only with every lane 32-bit to the end: a byte per code in between stayed
-/// scalar (~60 instructions an element, measured with callgrind).
+/// Three passes over the row, each shaped so LLVM vectorises it (checked with `perf annotate`):
+/// every block's amax; the block scales in one loop per shard (uniform second-level scale); the
+/// encode, a block at a time, its codes then packed in pairs. The encode vectorises only with
+/// every lane 32-bit to the end: a byte per code in between stayed scalar (~60 instructions an
+/// element, measured with callgrind).
 #[inline(always)]
 pub fn quantize_row(
     x: &[f32],
-    globals: &[GlobalScale],
+    globals: RowGlobals<'_>,
     per_shard: usize,
     scales: &mut [u8],
     packed: &mut [u8],
@@ -168,7 +218,7 @@ pub fn block_amaxes(x: &[f32], out: &mut [f32]) {
 #[inline(always)]
 pub fn quantize_row_with(
     x: &[f32],
-    globals: &[GlobalScale],
+    globals: RowGlobals<'_>,
     per_shard: usize,
     scales: &mut [u8],
     packed: &mut [u8],
@@ -182,6 +232,18 @@ pub fn quantize_row_with(
     scratch.block_enc.resize(nb, 0.0);
     let (bmax, benc) = (&mut scratch.block_amax[..nb], &mut scratch.block_enc[..nb]);
     amaxes(x, bmax);
+    let globals = match globals {
+        RowGlobals::Given(g) => g,
+        RowGlobals::FromBlocks(out) => {
+            // A shard's amax is the maximum of its blocks' (as bit patterns, NaN included).
+            scratch.globals.clear();
+            for (a, m) in out.iter_mut().zip(bmax.chunks(per_shard)) {
+                *a = amax_from_bits(m.iter().fold(0u32, |t, b| t.max(b.to_bits())));
+                scratch.globals.push(GlobalScale::from_amax(*a));
+            }
+            &scratch.globals[..]
+        }
+    };
     // The block scales as one loop per shard over its blocks (the shard's scale is uniform, so
     // the loop vectorises; a scalar chain per block was a third of the row's time).
     for (((s, e), m), g) in scales
@@ -197,36 +259,63 @@ pub fn quantize_row_with(
     // Encoded a block at a time under its multiplier, in 32-bit lanes end to end (a byte per
     // code in between made LLVM build the bytes with inserts and extracts), and no per-element
     // multiplier array to fill. A pair of codes is packed as one 64-bit lane (`c0 | c1 << 32`,
-    // then `w | w >> 28`), which keeps the block one 16-lane vector; packing element pairs
-    // directly split it into even and odd halves with shuffles. The counts are kept per
-    // element position across the row: a sum per block is a horizontal reduction per block,
-    // which cost more than the encode.
-    let (mut sat, mut under) = ([0u32; NV_BLOCK], [0u32; NV_BLOCK]);
+    // then `w | w >> 28`, which ignores bits above a code's four), which keeps the block one
+    // 16-lane vector. The counts are kept per element position across the row (a sum per block
+    // is a horizontal reduction per block, which cost more than the encode), both in one lane:
+    // saturated in bits 1-15 (counted in twos), underflowed in bits 16-31, neither able to
+    // overflow into the other because the lanes are emptied every `FLUSH` blocks.
+    const FLUSH: usize = 1 << 14;
+    let mut stats = QuantStats::default();
     let (x16s, _) = x.as_chunks::<NV_BLOCK>();
     let (p8s, _) = packed.as_chunks_mut::<{ NV_BLOCK / 2 }>();
-    for ((p8, x16), &e) in p8s.iter_mut().zip(x16s).zip(benc.iter()) {
+    let blocks = p8s.iter_mut().zip(x16s).zip(benc.iter().zip(bmax.iter()));
+    let mut counts = [0u32; NV_BLOCK];
+    for (i, ((p8, x16), (&e, &m))) in blocks.enumerate() {
         // The next row (a row's length ahead) is asked for while this one encodes, so the next
         // call's amax pass reads from cache instead of waiting on memory between passes.
         prefetch(x16.as_ptr().wrapping_add(x.len()));
         let mut c = [0u32; NV_BLOCK];
-        for (((c, &v), s), u) in c.iter_mut().zip(x16).zip(&mut sat).zip(&mut under) {
-            let (code, s0, u0) = encode_u32(v, e);
-            *c = code;
-            // wrapping: a row has far fewer than 2^32 elements, and an overflow-checked add is
-            // a branch that keeps the loop scalar in builds with overflow checks (dev profile).
-            *s = s.wrapping_add(u32::from(s0));
-            *u = u.wrapping_add(u32::from(u0));
+        if fast_block(m, e) {
+            for ((c, &v), n) in c.iter_mut().zip(x16).zip(&mut counts) {
+                let (code, sat, under) = encode_fast(v, e);
+                *c = code;
+                // Selects of constants other than 1, which LLVM turns into one masked add
+                // each (a 1 became a mask-to-vector move and a subtraction).
+                *n = n.wrapping_add(if sat { SAT } else { 0 });
+                *n = n.wrapping_add(if under { UNDER } else { 0 });
+            }
+        } else {
+            for ((c, &v), n) in c.iter_mut().zip(x16).zip(&mut counts) {
+                let (code, sat, under) = encode_u32(v, e);
+                *c = code;
+                *n = n.wrapping_add(u32::from(sat) * SAT + u32::from(under) * UNDER);
+            }
         }
         for (p, c2) in p8.iter_mut().zip(c.as_chunks::<2>().0) {
             let w = u64::from(c2[0]) | u64::from(c2[1]) << 32;
             *p = (w | w >> 28) as u8;
         }
+        if i % FLUSH == FLUSH - 1 {
+            add_counts(&mut stats, &mut counts);
+        }
     }
-    let total = |c: [u32; NV_BLOCK]| u64::from(c.iter().fold(0u32, |t, &v| t.wrapping_add(v)));
-    QuantStats {
-        elements: x.len() as u64,
-        saturated: total(sat),
-        underflowed: total(under),
+    add_counts(&mut stats, &mut counts);
+    stats.elements = x.len() as u64;
+    stats
+}
+
+/// What a saturated and an underflowed element add to their lane's count in
+/// [`quantize_row_with`].
+const SAT: u32 = 2;
+const UNDER: u32 = 1 << 16;
+
+/// Adds the per-lane counts of [`quantize_row_with`] to `stats`, and empties the lanes.
+#[inline(always)]
+fn add_counts(stats: &mut QuantStats, counts: &mut [u32; NV_BLOCK]) {
+    for n in counts.iter_mut() {
+        stats.saturated += u64::from((*n & 0xFFFF) / SAT);
+        stats.underflowed += u64::from(*n / UNDER);
+        *n = 0;
     }
 }
 

@@ -1011,6 +1011,7 @@ fn quantize_nvfp4_with(
     let isa = Isa::best();
     let segs = src.segments(shards);
     let given = amax.is_some();
+    let whole_rows = src.axis == Axis::Row;
     let mut amax = amax.unwrap_or_else(|| vec![0.0f32; br * shards]);
     let tensor_globals: Vec<GlobalScale> = match second {
         SecondScale::PerTensor => amax.iter().map(|a| GlobalScale::from_amax(*a)).collect(),
@@ -1039,7 +1040,10 @@ fn quantize_nvfp4_with(
             },
             |(scratch, g, buf), (k, ((pband, sband), aband))| {
                 let n = sband.len() / nb;
-                if second == SecondScale::PerToken && !given {
+                // Per token along rows, each row's amax comes from its block amaxes in the
+                // row's own pass (the row is read once); columns need a pass down the strip.
+                let from_blocks = second == SecondScale::PerToken && !given && whole_rows;
+                if second == SecondScale::PerToken && !given && !whole_rows {
                     src.token_amax_into(isa, k * band, n, shards, aband);
                 }
                 let mut st = QuantStats::default();
@@ -1054,19 +1058,25 @@ fn quantize_nvfp4_with(
                     let blocks = seg.start / NV_BLOCK..seg.end / NV_BLOCK;
                     let per_shard = blocks.len() / sh.len();
                     for t in 0..n {
-                        g.clear();
-                        match second {
-                            SecondScale::PerTensor => g.extend(&tensor_globals[sh.clone()]),
-                            SecondScale::PerToken => g.extend(
-                                aband[t * shards..][sh.clone()]
-                                    .iter()
-                                    .map(|a| GlobalScale::from_amax(*a)),
-                            ),
-                        }
                         let xrow = &xt[t * stride..][..seg.len()];
                         let prow = &mut pband[t * bc / 2..][seg.start / 2..seg.end / 2];
                         let srow = &mut sband[t * nb..][blocks.clone()];
-                        st = st.merge(nvfp4_row(isa, xrow, g, per_shard, srow, prow, scratch));
+                        let globals = if from_blocks {
+                            nvfp4::RowGlobals::FromBlocks(&mut aband[t * shards..][..shards])
+                        } else {
+                            g.clear();
+                            match second {
+                                SecondScale::PerTensor => g.extend(&tensor_globals[sh.clone()]),
+                                SecondScale::PerToken => g.extend(
+                                    aband[t * shards..][sh.clone()]
+                                        .iter()
+                                        .map(|a| GlobalScale::from_amax(*a)),
+                                ),
+                            }
+                            nvfp4::RowGlobals::Given(g)
+                        };
+                        let q = nvfp4_row(isa, xrow, globals, per_shard, srow, prow, scratch);
+                        st = st.merge(q);
                     }
                 }
                 st
@@ -1086,7 +1096,7 @@ fn quantize_nvfp4_with(
 fn nvfp4_row(
     isa: Isa,
     xrow: &[f32],
-    globals: &[nvfp4::GlobalScale],
+    globals: nvfp4::RowGlobals<'_>,
     per_shard: usize,
     srow: &mut [u8],
     prow: &mut [u8],
@@ -1099,7 +1109,7 @@ per_isa! {
     /// [`nvfp4_row`]'s kernel; `amax_isa` picks the block amax loop ([`block_amaxes`]).
     fn nvfp4_row_compiled(
         xrow: &[f32],
-        globals: &[nvfp4::GlobalScale],
+        globals: nvfp4::RowGlobals<'_>,
         per_shard: usize,
         srow: &mut [u8],
         prow: &mut [u8],
@@ -1112,7 +1122,7 @@ per_isa! {
 #[inline(always)]
 fn nvfp4_row_kernel(
     xrow: &[f32],
-    globals: &[nvfp4::GlobalScale],
+    globals: nvfp4::RowGlobals<'_>,
     per_shard: usize,
     srow: &mut [u8],
     prow: &mut [u8],
@@ -1362,24 +1372,44 @@ mod tests {
                         under += u64::from(un);
                     }
                     let p_ref = pack_fp4(&c_ref);
+                    // Every compile this CPU runs, with the scales given and, per token,
+                    // also taken from the row's own block amaxes.
+                    let from_blocks = [false, amax_of.is_none()];
                     for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
-                        let (mut p, mut s) = (vec![0u8; w / 2], vec![0u8; w / 16]);
-                        let st =
-                            nvfp4_row(isa, row, &globals, per_shard, &mut s, &mut p, &mut scratch);
-                        assert_eq!(s, s_ref, "{isa:?} scales of {row:?}");
-                        for (i, (a, b)) in p.iter().zip(&p_ref).enumerate() {
+                        for fused in from_blocks.into_iter().filter(|f| !f || amax_of.is_none()) {
+                            let (mut p, mut s) = (vec![0u8; w / 2], vec![0u8; w / 16]);
+                            let mut amax = vec![-1.0f32; shards];
+                            let g = if fused {
+                                nvfp4::RowGlobals::FromBlocks(&mut amax)
+                            } else {
+                                nvfp4::RowGlobals::Given(&globals)
+                            };
+                            let st =
+                                nvfp4_row(isa, row, g, per_shard, &mut s, &mut p, &mut scratch);
+                            assert_eq!(s, s_ref, "{isa:?} fused {fused}: scales of {row:?}");
+                            for (i, (a, b)) in p.iter().zip(&p_ref).enumerate() {
+                                assert_eq!(
+                                    a,
+                                    b,
+                                    "{isa:?} fused {fused}: codes of {:#010x} {:#010x}",
+                                    row[2 * i].to_bits(),
+                                    row[2 * i + 1].to_bits()
+                                );
+                            }
                             assert_eq!(
-                                a,
-                                b,
-                                "{isa:?} codes of {:#010x} {:#010x}",
-                                row[2 * i].to_bits(),
-                                row[2 * i + 1].to_bits()
+                                (st.elements, st.saturated, st.underflowed),
+                                (w as u64, sat, under)
                             );
+                            if fused {
+                                for (a, g) in amax.iter().zip(&globals) {
+                                    assert!(
+                                        same_f32(*a, g.amax),
+                                        "{isa:?}: amax {a} vs {}",
+                                        g.amax
+                                    );
+                                }
+                            }
                         }
-                        assert_eq!(
-                            (st.elements, st.saturated, st.underflowed),
-                            (w as u64, sat, under)
-                        );
                     }
                 }
             }

@@ -87,8 +87,14 @@ fn time_copy(x: &[f32], dst: &mut [f32], min_time: Duration) -> f64 {
     })
 }
 
-/// Quantizer throughput vs the bytes-moved floor on an `n x n` tensor, on 1 thread and on `all`.
-pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<BenchRow> {
+/// Quantizer throughput vs the bytes-moved floor on an `n x n` tensor, on 1 thread and on `all`;
+/// `only` keeps the formats whose name contains it (the copy always runs: it sets the floor).
+pub fn quantize_throughput(
+    n: usize,
+    all: usize,
+    min_time: Duration,
+    only: Option<&str>,
+) -> Vec<BenchRow> {
     let x: Vec<f32> = (0..n * n)
         .map(|i| ((i as f32) * 0.618).sin() * if i % 97 == 0 { 40.0 } else { 1.0 })
         .collect();
@@ -117,7 +123,10 @@ pub fn quantize_throughput(n: usize, all: usize, min_time: Duration) -> Vec<Benc
             floor_s: copy_s,
             of_floor: 1.0,
         });
-        for (name, fmt, axis) in bench_formats() {
+        let chosen = bench_formats()
+            .into_iter()
+            .filter(|(name, ..)| only.is_none_or(|o| name.contains(o)));
+        for (name, fmt, axis) in chosen {
             let s = pool.install(|| {
                 time_median(3, min_time, || {
                     std::hint::black_box(
