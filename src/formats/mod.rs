@@ -20,6 +20,7 @@ pub mod isa;
 pub mod minifloat;
 pub mod mxfp8;
 pub mod nvfp4;
+mod output;
 pub mod tensor;
 
 pub use fp8_block::Fp8BlockVariant;

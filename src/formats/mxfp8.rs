@@ -12,7 +12,9 @@ use super::QuantStats;
 use super::e8m0::{e8m0_ceil_from_f32, e8m0_from_exponent, e8m0_reciprocal, e8m0_to_f32};
 use super::fp8::{E4M3_TABLE, E5M2_TABLE, e4m3_code_u32_sat, e4m3_from_f32_sat, e5m2_from_f32_sat};
 use super::isa::prefetch;
+use super::output::zeroed;
 use serde::{Deserialize, Serialize};
+use std::mem::MaybeUninit;
 
 /// Elements per MXFP8 block.
 pub const MX_BLOCK: usize = 32;
@@ -247,8 +249,8 @@ pub fn quantize_row(
     x: &[f32],
     elem: Fp8Elem,
     rule: MxScaleRule,
-    scales: &mut [u8],
-    codes: &mut [u8],
+    scales: &mut [MaybeUninit<u8>],
+    codes: &mut [MaybeUninit<u8>],
     scratch: &mut RowScratch,
 ) -> QuantStats {
     quantize_row_with(x, elem, rule, scales, codes, scratch, block_amaxes)
@@ -261,13 +263,15 @@ pub fn quantize_row_with(
     x: &[f32],
     elem: Fp8Elem,
     rule: MxScaleRule,
-    scales: &mut [u8],
-    codes: &mut [u8],
+    scales: &mut [MaybeUninit<u8>],
+    codes: &mut [MaybeUninit<u8>],
     scratch: &mut RowScratch,
     amaxes: impl FnOnce(&[f32], &mut [f32]),
 ) -> QuantStats {
     let mut st = QuantStats::default();
     if rule == MxScaleRule::OcpFloor {
+        // Every byte is written below; the block rule reads and fills plain bytes.
+        let (scales, codes) = (zeroed(scales), zeroed(codes));
         for ((s, x32), c32) in scales
             .iter_mut()
             .zip(x.chunks_exact(MX_BLOCK))
@@ -289,7 +293,7 @@ pub fn quantize_row_with(
     amaxes(&x[..x32s.len() * MX_BLOCK], ba);
     for ((s, m), &a) in scales.iter_mut().zip(bm.iter_mut()).zip(ba.iter()) {
         let b = e8m0_ceil_finite(a * rcp);
-        *s = b as u8;
+        s.write(b as u8);
         *m = e8m0_reciprocal_below_ff(b);
     }
     match elem {
@@ -312,7 +316,7 @@ pub fn quantize_row_with(
                     let code = e4m3_code_u32_sat(v * m);
                     // wrapping: see `encode_row`.
                     *u = u.wrapping_add(u32::from((code & 0x7F == 0) & (v != 0.0)));
-                    *c = code as u8;
+                    c.write(code as u8);
                 }
                 if a * m > max {
                     sat += x32
@@ -336,7 +340,7 @@ pub fn quantize_row_with(
                 mult,
                 super::fp8::E5M2_MAX,
                 e5m2_from_f32_sat,
-                codes,
+                zeroed(codes),
                 &mut st,
             );
         }

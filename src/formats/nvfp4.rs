@@ -14,6 +14,7 @@ use super::QuantStats;
 use super::e2m1::{E2M1_VALUES, E2m1Convention, e2m1_code_u32};
 use super::fp8::{E4M3_TABLE, e4m3_from_f32_sat};
 use super::isa::prefetch;
+use std::mem::MaybeUninit;
 
 /// Elements per NVFP4 block.
 pub const NV_BLOCK: usize = 16;
@@ -184,9 +185,10 @@ pub struct RowScratch {
     globals: Vec<GlobalScale>,
 }
 
-/// Quantize one row of blocks in `S` shards of `per_shard` blocks, each with the second-level
-/// scale `globals` gives it. Writes one scale byte per block into `scales` and the codes,
-/// packed two a byte (element 2i in the low nibble), into `packed`.
+/// Quantize one row of blocks in shards of `per_shard` blocks, each with the second-level scale
+/// `globals` gives it. Writes one scale byte per block into `scales` and the codes, packed two
+/// a byte (element 2i in the low nibble), into `packed`: every byte of both (they may come
+/// uninitialised, see `formats::output`).
 ///
 /// Three passes over the row, each shaped so LLVM vectorises it (checked with `perf annotate`):
 /// every block's amax; the block scales in one loop per shard (uniform second-level scale); the
@@ -198,8 +200,8 @@ pub fn quantize_row(
     x: &[f32],
     globals: RowGlobals<'_>,
     per_shard: usize,
-    scales: &mut [u8],
-    packed: &mut [u8],
+    scales: &mut [MaybeUninit<u8>],
+    packed: &mut [MaybeUninit<u8>],
     scratch: &mut RowScratch,
 ) -> QuantStats {
     quantize_row_with(x, globals, per_shard, scales, packed, scratch, block_amaxes)
@@ -220,8 +222,8 @@ pub fn quantize_row_with(
     x: &[f32],
     globals: RowGlobals<'_>,
     per_shard: usize,
-    scales: &mut [u8],
-    packed: &mut [u8],
+    scales: &mut [MaybeUninit<u8>],
+    packed: &mut [MaybeUninit<u8>],
     scratch: &mut RowScratch,
     amaxes: impl FnOnce(&[f32], &mut [f32]),
 ) -> QuantStats {
@@ -253,7 +255,9 @@ pub fn quantize_row_with(
         .zip(globals)
     {
         for ((s, e), &m) in s.iter_mut().zip(e.iter_mut()).zip(m) {
-            (*s, *e) = scale_from_amax(m, g);
+            let (b, enc) = scale_from_amax(m, g);
+            s.write(b);
+            *e = enc;
         }
     }
     // Encoded a block at a time under its multiplier, in 32-bit lanes end to end (a byte per
@@ -293,7 +297,7 @@ pub fn quantize_row_with(
         }
         for (p, c2) in p8.iter_mut().zip(c.as_chunks::<2>().0) {
             let w = u64::from(c2[0]) | u64::from(c2[1]) << 32;
-            *p = (w | w >> 28) as u8;
+            p.write((w | w >> 28) as u8);
         }
         if i % FLUSH == FLUSH - 1 {
             add_counts(&mut stats, &mut counts);

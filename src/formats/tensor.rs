@@ -21,9 +21,11 @@ use super::fp8_block::{self, Fp8BlockVariant, TILE};
 use super::isa::{Isa, per_isa};
 use super::mxfp8::{self, Fp8Elem, MX_BLOCK, MxScaleRule};
 use super::nvfp4::{self, GlobalScale, NV_BLOCK, amax_nan_propagating};
+use super::output::written_by;
 use super::{FormatError, QuantStats};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 /// Which dimension the blocks run along.
@@ -780,11 +782,38 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
     let (br, bc) = src.shape();
     let nb = bc / MX_BLOCK;
     let band = src.band();
-    let isa = Isa::best();
     let segs = src.segments(1);
-    let mut codes = vec![0u8; br * bc];
-    let mut scales = vec![0u8; br * nb];
-    let stats = codes
+    // SAFETY (both buffers): every band's rows are whole blocked rows, and the segments cover
+    // each row, so the row kernels write every code and scale byte.
+    let (codes, (scales, stats)) = unsafe {
+        written_by(br * bc, |codes| {
+            written_by(br * nb, |scales| {
+                mxfp8_bands(src, elem, rule, &segs, band, codes, scales)
+            })
+        })
+    };
+    let mut q = empty(QuantFormat::Mxfp8 { elem, rule });
+    q.codes = codes;
+    q.scales = Scales::E8m0(scales);
+    q.stats = stats;
+    q
+}
+
+/// [`quantize_mxfp8`]'s parallel loop: `band` blocked rows a task, each row's `segs` through
+/// the row kernel.
+fn mxfp8_bands(
+    src: Blocked,
+    elem: Fp8Elem,
+    rule: MxScaleRule,
+    segs: &[Range<usize>],
+    band: usize,
+    codes: &mut [MaybeUninit<u8>],
+    scales: &mut [MaybeUninit<u8>],
+) -> QuantStats {
+    let (_, bc) = src.shape();
+    let nb = bc / MX_BLOCK;
+    let isa = Isa::best();
+    codes
         .par_chunks_mut(band * bc)
         .zip(scales.par_chunks_mut(band * nb))
         .enumerate()
@@ -793,7 +822,7 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
             |(scratch, buf), (k, (cband, sband))| {
                 let n = sband.len() / nb;
                 let mut st = QuantStats::default();
-                for seg in &segs {
+                for seg in segs {
                     let (xt, stride) = src.tile_into(k * band, n, seg.clone(), buf);
                     let blocks = seg.start / MX_BLOCK..seg.end / MX_BLOCK;
                     for t in 0..n {
@@ -806,12 +835,7 @@ fn quantize_mxfp8(src: Blocked, elem: Fp8Elem, rule: MxScaleRule) -> QuantizedTe
                 st
             },
         )
-        .reduce(QuantStats::default, QuantStats::merge);
-    let mut q = empty(QuantFormat::Mxfp8 { elem, rule });
-    q.codes = codes;
-    q.scales = Scales::E8m0(scales);
-    q.stats = stats;
-    q
+        .reduce(QuantStats::default, QuantStats::merge)
 }
 
 /// Quantize one row of MXFP8 blocks ([`mxfp8::quantize_row`]) compiled for `isa`.
@@ -820,8 +844,8 @@ fn mxfp8_row(
     xrow: &[f32],
     elem: Fp8Elem,
     rule: MxScaleRule,
-    srow: &mut [u8],
-    crow: &mut [u8],
+    srow: &mut [MaybeUninit<u8>],
+    crow: &mut [MaybeUninit<u8>],
     scratch: &mut mxfp8::RowScratch,
 ) -> QuantStats {
     mxfp8_row_compiled(isa, xrow, elem, rule, srow, crow, scratch, isa)
@@ -833,8 +857,8 @@ per_isa! {
         xrow: &[f32],
         elem: Fp8Elem,
         rule: MxScaleRule,
-        srow: &mut [u8],
-        crow: &mut [u8],
+        srow: &mut [MaybeUninit<u8>],
+        crow: &mut [MaybeUninit<u8>],
         scratch: &mut mxfp8::RowScratch,
         amax_isa: Isa,
     ) -> QuantStats = mxfp8_row_kernel;
@@ -845,8 +869,8 @@ fn mxfp8_row_kernel(
     xrow: &[f32],
     elem: Fp8Elem,
     rule: MxScaleRule,
-    srow: &mut [u8],
-    crow: &mut [u8],
+    srow: &mut [MaybeUninit<u8>],
+    crow: &mut [MaybeUninit<u8>],
     scratch: &mut mxfp8::RowScratch,
     amax_isa: Isa,
 ) -> QuantStats {
@@ -1006,19 +1030,12 @@ fn quantize_nvfp4_with(
 ) -> QuantizedTensor {
     let (br, bc) = src.shape();
     let nb = bc / NV_BLOCK;
-    let w = bc / shards;
-    let band = src.band();
-    let isa = Isa::best();
-    let segs = src.segments(shards);
     let given = amax.is_some();
-    let whole_rows = src.axis == Axis::Row;
     let mut amax = amax.unwrap_or_else(|| vec![0.0f32; br * shards]);
     let tensor_globals: Vec<GlobalScale> = match second {
         SecondScale::PerTensor => amax.iter().map(|a| GlobalScale::from_amax(*a)).collect(),
         SecondScale::PerToken => Vec::new(),
     };
-    let mut packed = vec![0u8; br * bc / 2];
-    let mut scales = vec![0u8; br * nb];
     // Per tensor, every row reads the same `shards` amaxes; give each row a dummy slot to zip.
     let mut unused = Vec::new();
     let row_amax: &mut [f32] = match second {
@@ -1028,7 +1045,42 @@ fn quantize_nvfp4_with(
             &mut unused
         }
     };
-    let stats = packed
+    // SAFETY (both buffers): every band's rows are whole blocked rows, and the segments cover
+    // each row, so the row kernels write every code and scale byte.
+    let (packed, (scales, stats)) = unsafe {
+        written_by(br * bc / 2, |packed| {
+            written_by(br * nb, |scales| {
+                let out = (packed, scales, row_amax);
+                nvfp4_bands(src, second, shards, given, &tensor_globals, out)
+            })
+        })
+    };
+    let mut q = empty(QuantFormat::Nvfp4 { second, shards });
+    q.codes = packed;
+    q.scales = Scales::E4m3(scales);
+    q.global_amax = amax;
+    q.stats = stats;
+    q
+}
+
+/// [`quantize_nvfp4_with`]'s parallel loop into `out` (codes, scales, per-token amaxes).
+fn nvfp4_bands(
+    src: Blocked,
+    second: SecondScale,
+    shards: usize,
+    given: bool,
+    tensor_globals: &[GlobalScale],
+    out: (&mut [MaybeUninit<u8>], &mut [MaybeUninit<u8>], &mut [f32]),
+) -> QuantStats {
+    let (packed, scales, row_amax) = out;
+    let (_, bc) = src.shape();
+    let nb = bc / NV_BLOCK;
+    let w = bc / shards;
+    let band = src.band();
+    let isa = Isa::best();
+    let segs = src.segments(shards);
+    let whole_rows = src.axis == Axis::Row;
+    packed
         .par_chunks_mut(band * bc / 2)
         .zip(scales.par_chunks_mut(band * nb))
         .zip(row_amax.par_chunks_mut(band * shards))
@@ -1082,13 +1134,7 @@ fn quantize_nvfp4_with(
                 st
             },
         )
-        .reduce(QuantStats::default, QuantStats::merge);
-    let mut q = empty(QuantFormat::Nvfp4 { second, shards });
-    q.codes = packed;
-    q.scales = Scales::E4m3(scales);
-    q.global_amax = amax;
-    q.stats = stats;
-    q
+        .reduce(QuantStats::default, QuantStats::merge)
 }
 
 /// Quantize one row of NVFP4 blocks ([`nvfp4::quantize_row`]) compiled for `isa`;
@@ -1098,8 +1144,8 @@ fn nvfp4_row(
     xrow: &[f32],
     globals: nvfp4::RowGlobals<'_>,
     per_shard: usize,
-    srow: &mut [u8],
-    prow: &mut [u8],
+    srow: &mut [MaybeUninit<u8>],
+    prow: &mut [MaybeUninit<u8>],
     scratch: &mut nvfp4::RowScratch,
 ) -> QuantStats {
     nvfp4_row_compiled(isa, xrow, globals, per_shard, srow, prow, scratch, isa)
@@ -1111,8 +1157,8 @@ per_isa! {
         xrow: &[f32],
         globals: nvfp4::RowGlobals<'_>,
         per_shard: usize,
-        srow: &mut [u8],
-        prow: &mut [u8],
+        srow: &mut [MaybeUninit<u8>],
+        prow: &mut [MaybeUninit<u8>],
         scratch: &mut nvfp4::RowScratch,
         amax_isa: Isa,
     ) -> QuantStats = nvfp4_row_kernel;
@@ -1124,8 +1170,8 @@ fn nvfp4_row_kernel(
     xrow: &[f32],
     globals: nvfp4::RowGlobals<'_>,
     per_shard: usize,
-    srow: &mut [u8],
-    prow: &mut [u8],
+    srow: &mut [MaybeUninit<u8>],
+    prow: &mut [MaybeUninit<u8>],
     scratch: &mut nvfp4::RowScratch,
     amax_isa: Isa,
 ) -> QuantStats {
@@ -1310,16 +1356,15 @@ mod tests {
                     }
                     // Every compile this CPU runs (the others are skipped).
                     for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
-                        let (mut c, mut s) = (vec![0u8; w], vec![0u8; w / 32]);
-                        let st = mxfp8_row(
-                            isa,
-                            row,
-                            elem,
-                            MxScaleRule::TeCeil,
-                            &mut s,
-                            &mut c,
-                            &mut scratch,
-                        );
+                        let rule = MxScaleRule::TeCeil;
+                        // SAFETY: the row kernel writes every code and scale of its row.
+                        let (c, (s, st)) = unsafe {
+                            written_by(w, |c| {
+                                written_by(w / 32, |s| {
+                                    mxfp8_row(isa, row, elem, rule, s, c, &mut scratch)
+                                })
+                            })
+                        };
                         assert_eq!(s, s_ref, "{isa:?} {elem:?} scales of {row:?}");
                         for (i, (a, b)) in c.iter().zip(&c_ref).enumerate() {
                             assert_eq!(a, b, "{isa:?} {elem:?} code of {:#010x}", row[i].to_bits());
@@ -1377,15 +1422,20 @@ mod tests {
                     let from_blocks = [false, amax_of.is_none()];
                     for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
                         for fused in from_blocks.into_iter().filter(|f| !f || amax_of.is_none()) {
-                            let (mut p, mut s) = (vec![0u8; w / 2], vec![0u8; w / 16]);
                             let mut amax = vec![-1.0f32; shards];
                             let g = if fused {
                                 nvfp4::RowGlobals::FromBlocks(&mut amax)
                             } else {
                                 nvfp4::RowGlobals::Given(&globals)
                             };
-                            let st =
-                                nvfp4_row(isa, row, g, per_shard, &mut s, &mut p, &mut scratch);
+                            // SAFETY: the row kernel writes every code and scale of its row.
+                            let (p, (s, st)) = unsafe {
+                                written_by(w / 2, |p| {
+                                    written_by(w / 16, |s| {
+                                        nvfp4_row(isa, row, g, per_shard, s, p, &mut scratch)
+                                    })
+                                })
+                            };
                             assert_eq!(s, s_ref, "{isa:?} fused {fused}: scales of {row:?}");
                             for (i, (a, b)) in p.iter().zip(&p_ref).enumerate() {
                                 assert_eq!(
