@@ -26,10 +26,16 @@ NVFP4 with a per-token second-level scale, and the backward uses the dequantized
 BF16). Weights are prepared once per step and the gradient goes straight through to the FP32
 master weight, as in lockstep.
 
-Usage:  python3 bench/pytorch_step.py --recipe bf16        (or nvfp4-dq, or both: --recipe all)
+Every preset `lockstep bench engine` times has its fake quantization here: MXFP8 (E4M3, TE's ceil
+scale) and FP8 blocks (1 x 128 activations, 128 x 128 weights) as well, with the high-precision,
+dequantized or quantized backward of the recipe (see RECIPES below).
+
+Usage:  python3 bench/pytorch_step.py --recipe bf16        (a comma-separated list, or all)
+        python3 bench/pytorch_step.py --json ...           (what `lockstep bench engine --pytorch` runs)
 """
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -53,9 +59,23 @@ TEMPERATURE = 1.0
 LR, BETAS, ADAM_EPS, WD_BF16 = 1e-3, (0.9, 0.999), 1e-8, 0.01
 GRAD_CLIP, CLIP_LOW, CLIP_HIGH, TIS_CAP = 1.0, 0.2, 0.28, 2.0
 
-# Layers whose routed experts are NVFP4 under nvfp4-dq (`lockstep recipe show nvfp4-dq --model
-# small`: layers 0-4; the last layer, router, attention, shared expert and output layer stay BF16).
-NVFP4_LAYERS = {"bf16": set(), "nvfp4-dq": {0, 1, 2, 3, 4}}
+# Every preset `lockstep bench engine` times, as (format, backward mode, sites) on layers 0-4
+# (`lockstep recipe show RECIPE --model small`): the last layer, the router, the shared expert
+# and the output layer stay BF16 in all of them. Modes: hp = the backward GEMMs use the BF16
+# operands, dq = the dequantized ones (rounded to BF16), q = fresh quantizations along the
+# backward's contraction dimension.
+LOW_LAYERS = {0, 1, 2, 3, 4}
+DENSE = {"qkv", "proj", "fc1", "fc2"}
+EXPERTS = {"fc1", "fc2"}
+RECIPES = {
+    "bf16": (None, None, set()),
+    "mxfp8": ("mxfp8", "q", DENSE),
+    "mxfp8-hp": ("mxfp8", "hp", DENSE),
+    "mxfp8-dq": ("mxfp8", "dq", DENSE),
+    "nvfp4-hp": ("nvfp4", "hp", EXPERTS),
+    "nvfp4-dq": ("nvfp4", "dq", EXPERTS),
+    "fp8-block": ("fp8-block", "q", DENSE),
+}
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -91,49 +111,116 @@ def nvfp4(x, per_token):
     return (codes * (scale * amax * (1.0 / 2688.0))).reshape(shape)
 
 
-def nvfp4_per_token(x):
-    return nvfp4(x, per_token=True)
+def mxfp8(x):
+    """Fake-quantize x [..., K] to MXFP8: 32-element blocks along K, E4M3 codes, E8M0 scale by
+    TE's rule (the block amax over 448, rounded up to a power of two; NaN ignored)."""
+    shape = x.shape
+    xb = x.reshape(*shape[:-1], shape[-1] // 32, 32)
+    amax = torch.nan_to_num(xb.abs(), nan=0.0).amax(dim=-1, keepdim=True)
+    bits = (amax * (1.0 / 448.0)).view(torch.int32)
+    b = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(max=253)
+    inv = ((254 - b) << 23).view(torch.float32)
+    q = (xb * inv).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return (q / inv).reshape(shape)
 
 
-def nvfp4_per_tensor(w):
-    return nvfp4(w, per_token=False)
+def fp8_block(x, tile):
+    """Fake-quantize x [M, K] to FP8 (E4M3) in 1 x 128 (activations) or 128 x 128 (weights)
+    tiles, each scaled by its amax over 448."""
+    m, k = x.shape
+    r = 1 if tile == "1x128" else 128
+    xb = x.reshape(m // r, r, k // 128, 128)
+    amax = xb.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12)
+    scale = 448.0 / amax
+    q = (xb * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return (q / scale).reshape(m, k)
+
+
+def weight_q(fmt, w):
+    """A weight quantized along K (its rows), as the forward reads it."""
+    if fmt == "nvfp4":
+        return nvfp4(w, per_token=False)
+    if fmt == "mxfp8":
+        return mxfp8(w)
+    return fp8_block(w, "128x128")
+
+
+def act_q(fmt, x):
+    """An activation (or incoming gradient) quantized along its last dimension."""
+    if fmt == "nvfp4":
+        return nvfp4(x, per_token=True)
+    if fmt == "mxfp8":
+        return mxfp8(x)
+    return fp8_block(x, "1x128")
+
+
+BLOCK = {"nvfp4": 16, "mxfp8": 32, "fp8-block": 128}
+
+
+def padded(q, fmt, x):
+    """`q(x)` with x's last dimension padded with zeros to a whole block (tokens routed to an
+    expert, the router's 8 rows), as lockstep and TE's grouped GEMMs do."""
+    k = x.shape[-1]
+    pad = -k % BLOCK[fmt]
+    return q(F.pad(x, (0, pad)))[..., :k] if pad else q(x)
+
+
+def cols(q, fmt, x):
+    """`q` along x's first dimension: the backward's column-wise copy, blocks along tokens."""
+    return padded(q, fmt, x.t().contiguous()).t()
 
 
 class QLinear(torch.autograd.Function):
-    """y = q(x) @ w_fwd.T; backward: dx = bf16(dy) @ w_bwd, dW = bf16(dy).T @ x_bwd, straight
-    through to the master weight `w`."""
+    """y = q(x) @ w_fwd.T; backward: dx = dy_d @ w_bwd, dW = dy_w.T @ x_bwd, straight through
+    to the master weight `w`, each operand per the site's backward mode."""
 
     @staticmethod
-    def forward(ctx, x, w, w_fwd, w_bwd, fp4):
-        xq = nvfp4_per_token(bf16(x)) if fp4 else bf16(x)
+    def forward(ctx, x, w, site):
+        fmt, mode = site.fmt, site.mode
+        x_hp = bf16(x)
+        xq = act_q(fmt, x_hp) if fmt else x_hp
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            ctx.save_for_backward(bf16(xq) if fp4 else xq, w_bwd)
-        return xq @ w_fwd.t()
+            if fmt is None or mode == "hp":
+                x_bwd = x_hp
+            elif mode == "dq":
+                x_bwd = bf16(xq)
+            else:
+                x_bwd = cols(lambda t: act_q(fmt, t), fmt, x_hp)
+            ctx.site = site
+            ctx.save_for_backward(x_bwd)
+        return xq @ site.w_fwd.t()
 
     @staticmethod
     def backward(ctx, dy):
-        x_bwd, w_bwd = ctx.saved_tensors
+        (x_bwd,) = ctx.saved_tensors
+        site = ctx.site
         dy = bf16(dy)
-        return dy @ w_bwd, dy.t() @ x_bwd, None, None, None
+        dy_d = dy_w = dy
+        if site.fmt is not None and site.mode == "q":
+            q = lambda t: act_q(site.fmt, t)
+            dy_d, dy_w = padded(q, site.fmt, dy), cols(q, site.fmt, dy)
+        return dy_d @ site.w_bwd, dy_w.t() @ x_bwd, None
 
 
 class Site:
     """A matmul site prepared for this step: master weight, forward and dgrad operands."""
 
-    __slots__ = ("w", "w_fwd", "w_bwd", "fp4")
+    __slots__ = ("w", "w_fwd", "w_bwd", "fmt", "mode")
 
-    def __init__(self, w, fp4):
+    def __init__(self, w, fmt=None, mode=None):
         with torch.no_grad():
             hp = bf16(w)
-            if fp4:
-                self.w_fwd = nvfp4_per_tensor(hp)
-                self.w_bwd = bf16(self.w_fwd)
-            else:
+            if fmt is None:
                 self.w_fwd = self.w_bwd = hp
-        self.w, self.fp4 = w, fp4
+            else:
+                self.w_fwd = weight_q(fmt, hp)
+                self.w_bwd = {"hp": hp, "dq": bf16(self.w_fwd)}.get(mode)
+                if self.w_bwd is None:
+                    self.w_bwd = cols(lambda t: weight_q(fmt, t), fmt, hp)
+        self.w, self.fmt, self.mode = w, fmt, mode
 
     def __call__(self, x):
-        return QLinear.apply(x, self.w, self.w_fwd, self.w_bwd, self.fp4)
+        return QLinear.apply(x, self.w, self)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,13 +255,16 @@ def init_params(seed):
 
 
 def param_groups(p, recipe):
-    """AdamW groups: weight decay 0.01 on BF16 matmul weights, 0 on NVFP4 ones, embeddings, gains."""
-    decay, no_decay = [], [p["wte"], p["wpe"], p["final_norm"]]
-    decay.append(p["output"])
+    """AdamW groups: weight decay 0.01 on BF16 matmul weights, 0 on low-precision ones,
+    embeddings and gains."""
+    _, _, sites = RECIPES[recipe]
+    decay, no_decay = [p["output"]], [p["wte"], p["wpe"], p["final_norm"]]
     for i, l in enumerate(p["layers"]):
         no_decay += [l["attn_norm"], l["mlp_norm"]]
-        decay += [l["qkv"], l["proj"], l["router"], l["sh_fc1"], l["sh_fc2"]]
-        (no_decay if i in NVFP4_LAYERS[recipe] else decay).extend(l["fc1"] + l["fc2"])
+        decay += [l["router"], l["sh_fc1"], l["sh_fc2"]]
+        for name in ("qkv", "proj", "fc1", "fc2"):
+            ws = l[name] if isinstance(l[name], list) else [l[name]]
+            (no_decay if i in LOW_LAYERS and name in sites else decay).extend(ws)
     return [{"params": decay, "weight_decay": WD_BF16}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -186,20 +276,23 @@ def all_params(p):
     return out + [p["final_norm"], p["output"]]
 
 
-def prepare(p, fp4_layers):
+def prepare(p, recipe):
     """PreparedModel::new: every matmul site quantized for this step."""
+    fmt, mode, sites = RECIPES[recipe]
     layers = []
     for i, l in enumerate(p["layers"]):
-        fp4 = i in fp4_layers
+        def site(name, w):
+            low = i in LOW_LAYERS and name in sites
+            return Site(w, fmt, mode) if low else Site(w)
         layers.append({
             "attn_norm": l["attn_norm"], "mlp_norm": l["mlp_norm"],
-            "qkv": Site(l["qkv"], False), "proj": Site(l["proj"], False),
-            "router": Site(l["router"], False),
-            "fc1": [Site(w, fp4) for w in l["fc1"]], "fc2": [Site(w, fp4) for w in l["fc2"]],
-            "sh_fc1": Site(l["sh_fc1"], False), "sh_fc2": Site(l["sh_fc2"], False),
+            "qkv": site("qkv", l["qkv"]), "proj": site("proj", l["proj"]),
+            "router": Site(l["router"]),
+            "fc1": [site("fc1", w) for w in l["fc1"]], "fc2": [site("fc2", w) for w in l["fc2"]],
+            "sh_fc1": Site(l["sh_fc1"]), "sh_fc2": Site(l["sh_fc2"]),
         })
     return {"wte": p["wte"], "wpe": p["wpe"], "layers": layers,
-            "final_norm": p["final_norm"], "output": Site(p["output"], False)}
+            "final_norm": p["final_norm"], "output": Site(p["output"])}
 
 
 def detached_copy(p):
@@ -345,13 +438,12 @@ def rewards_of(tokens, resp_len, answers):
 class Trainer:
     def __init__(self, recipe, seed=7):
         self.recipe = recipe
-        self.fp4 = NVFP4_LAYERS[recipe]
         self.params = init_params(seed)
         self.flat = all_params(self.params)
         self.opt = torch.optim.AdamW(param_groups(self.params, recipe), lr=LR, betas=BETAS,
                                      eps=ADAM_EPS)
         # Frozen BF16 reference (prepared once, as lockstep does at Trainer::new).
-        self.reference = prepare(detached_copy(self.params), set())
+        self.reference = prepare(detached_copy(self.params), "bf16")
         self.g = torch.Generator().manual_seed(seed + 1)
 
     def step(self):
@@ -359,8 +451,8 @@ class Trainer:
         t_step = time.perf_counter()
         # 1. Export: the trainer's prepared view and the rollout's own, from shipped weights.
         t0 = time.perf_counter()
-        train_prep = prepare(self.params, self.fp4)
-        roll_prep = prepare(detached_copy(self.params), self.fp4)
+        train_prep = prepare(self.params, self.recipe)
+        roll_prep = prepare(detached_copy(self.params), self.recipe)
         rec["contract_violations"] = sum(
             not torch.equal(a.w_fwd, b.w_fwd) for a, b in zip(sites_of(train_prep), sites_of(roll_prep)))
         rec["export"] = time.perf_counter() - t0
@@ -429,13 +521,30 @@ class Trainer:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--recipe", default="all", help="bf16, nvfp4-dq or all")
+    ap.add_argument("--recipe", default="all",
+                    help="comma-separated presets (" + ", ".join(RECIPES) + ") or all")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true",
+                    help="one JSON object per recipe (median seconds), for `lockstep bench engine`")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    recipes = ["bf16", "nvfp4-dq"] if args.recipe == "all" else args.recipe.split(",")
+    recipes = list(RECIPES) if args.recipe == "all" else args.recipe.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        ap.error(f"unknown recipe {unknown[0]!r}: one of {', '.join(RECIPES)}")
+    if args.json:
+        for name in recipes:
+            tr = Trainer(name)
+            tr.step()  # warm-up
+            recs = [tr.step() for _ in range(args.steps)]
+            assert all(r["contract_violations"] == 0 for r in recs)
+            med = {k: statistics.median(r[k] for r in recs)
+                   for k in ("step", "export", "rollout", "train")}
+            print(json.dumps({"recipe": name, "torch": torch.__version__,
+                              "threads": torch.get_num_threads(), **med}), flush=True)
+        return
     try:
         load = os.getloadavg()
     except OSError:

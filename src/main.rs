@@ -92,7 +92,13 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
             steps,
             recipes,
             gemm_size,
-        }) => cli::engine::bench_engine_cmd(*steps, recipes, *gemm_size),
+            pytorch,
+            python,
+            pytorch_script,
+        }) => {
+            let peer = pytorch.then_some((python.as_path(), pytorch_script.as_path()));
+            cli::engine::bench_engine_cmd(*steps, recipes, *gemm_size, peer)
+        }
         Command::Report(args) => cli::report::run(args),
         Command::Bench(BenchCommand::Report(args)) => cli::report::bench(args),
         Command::Bench(BenchCommand::Quantize {

@@ -224,7 +224,12 @@ fn short(b: &str) -> &str {
 }
 
 /// `lockstep bench engine`: print the step table and how it stands against the issue's targets.
-pub fn bench_engine_cmd(steps: usize, recipes: &[String], gemm_size: usize) -> Result<bool> {
+pub fn bench_engine_cmd(
+    steps: usize,
+    recipes: &[String],
+    gemm_size: usize,
+    peer: Option<(&std::path::Path, &std::path::Path)>,
+) -> Result<bool> {
     use lockstep::tools::bench_engine::engine_bench;
     let names: Vec<&str> = recipes.iter().map(String::as_str).collect();
     let b = engine_bench(&names, steps, gemm_size, std::time::Duration::from_secs(1))?;
@@ -271,5 +276,50 @@ pub fn bench_engine_cmd(steps: usize, recipes: &[String], gemm_size: usize) -> R
     println!(
         "targets (issue 3): bf16 step <= 0.55 s, nvfp4-dq <= 0.90 s, every recipe <= 1.6x bf16, train >= 0.40 of the GEMM rate"
     );
+    if let Some((python, script)) = peer {
+        print_peer(python, script, &names, steps, &b)?;
+    }
     Ok(true)
+}
+
+/// Times the PyTorch-eager peer on the same recipes and steps (after lockstep's, so the two
+/// never share the cores) and prints it next to lockstep's step.
+fn print_peer(
+    python: &std::path::Path,
+    script: &std::path::Path,
+    names: &[&str],
+    steps: usize,
+    b: &lockstep::tools::bench_engine::EngineBench,
+) -> Result<()> {
+    use lockstep::tools::pytorch_peer::{Peer, run_peer};
+    let rows = match run_peer(python, script, names, steps, b.threads)? {
+        Peer::Ran(rows) => rows,
+        Peer::Unavailable(why) => {
+            println!("PyTorch-eager peer: not run ({why})");
+            return Ok(());
+        }
+    };
+    let torch = rows.first().map_or("?", |r| r.torch.as_str());
+    println!(
+        "PyTorch-eager peer ({}, torch {torch}, {} threads), median of {steps} steps, run after lockstep's:",
+        script.display(),
+        rows.first().map_or(0, |r| r.threads)
+    );
+    println!(
+        "{:<10} {:>7} {:>8} {:>8} {:>8} {:>15}",
+        "recipe", "step_s", "export_s", "rollout", "train_s", "lockstep_faster"
+    );
+    for (p, r) in rows.iter().zip(&b.rows) {
+        println!(
+            "{:<10} {:>7.3} {:>8.3} {:>8.3} {:>8.3} {:>14.2}x",
+            p.recipe,
+            p.step,
+            p.export,
+            p.rollout,
+            p.train,
+            p.step / r.step_s
+        );
+    }
+    println!("target (issue 23): lockstep at least 2x the peer on every recipe, 2 threads");
+    Ok(())
 }

@@ -97,6 +97,17 @@ pub enum BenchCommand {
         /// Side of the square matmul that measures the GEMM library's own rate.
         #[arg(long, default_value_t = 1024)]
         gemm_size: usize,
+        /// Also time the PyTorch-eager peer (`bench/pytorch_step.py`, same recipes and steps,
+        /// after lockstep's) and print how many times faster lockstep is; says so when Python or
+        /// torch is missing.
+        #[arg(long)]
+        pytorch: bool,
+        /// Python interpreter for `--pytorch`.
+        #[arg(long, default_value = "python3")]
+        python: std::path::PathBuf,
+        /// The peer script for `--pytorch`.
+        #[arg(long, default_value = "bench/pytorch_step.py")]
+        pytorch_script: std::path::PathBuf,
     },
     /// Time building a report for a synthetic nightly-sized suite (target: under 10 s).
     Report(report::BenchReportArgs),

@@ -4,4 +4,5 @@
 pub mod bench;
 pub mod bench_engine;
 pub mod bench_gpu;
+pub mod pytorch_peer;
 pub mod quantize;
