@@ -369,12 +369,11 @@ impl Ops for GpuOps {
         d: usize,
     ) -> OpResult<CudaSlice<f32>> {
         let (op, positions) = ("embedding_forward", &rows.layout.positions);
-        let mut out = self.output(n * d)?;
         if d == 0 {
             return Err(shape(format!("{op}: d = 0")).into());
         }
         let nd = checked(n, d, op, "n x d")?;
-        need(op, "out", out.len(), nd)?;
+        let mut out = self.output(nd)?;
         need(op, "tokens", tokens.len(), n)?;
         need(op, "positions", positions.len(), n)?;
         let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
@@ -384,8 +383,8 @@ impl Ops for GpuOps {
             let mut b = self.stream.launch_builder(&self.k.embedding);
             b.arg(&mut out).arg(tokens).arg(positions).arg(wte).arg(wpe);
             b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos);
-            // SAFETY: element idx < n*d <= out.len(); row i < n indexes tokens and positions (>= n
-            // each); wte/wpe are read at t*d + c, p*d + c only for t < vocab = wte.len()/d and
+            // SAFETY: element idx < n*d, the length `out` was allocated with; row i < n indexes
+            // tokens and positions (>= n each); wte/wpe are read at t*d + c, p*d + c only for t < vocab = wte.len()/d and
             // p < npos = wpe.len()/d, c < d.
             unsafe { b.launch(cfg(nd)) }?;
         }
@@ -436,11 +435,10 @@ impl Ops for GpuOps {
         d: usize,
     ) -> OpResult<(CudaSlice<f32>, CudaSlice<f32>)> {
         let op = "rmsnorm_forward";
-        let (mut out, mut rstd) = (self.output(n * d)?, self.output(n)?);
         let nd = checked(n, d, op, "n x d")?;
+        // Allocated here at n x d and n: only the inputs' lengths need checking.
+        let (mut out, mut rstd) = (self.output(nd)?, self.output(n)?);
         need(op, "x", x.len(), nd)?;
-        need(op, "out", out.len(), nd)?;
-        need(op, "rstd", rstd.len(), n)?;
         need(op, "g", g.len(), d)?;
         let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
         if n > 0 {
@@ -450,7 +448,8 @@ impl Ops for GpuOps {
             b.arg(&mut out).arg(&mut rstd).arg(x).arg(g);
             b.arg(&n32).arg(&d32).arg(&d_f).arg(&eps);
             // SAFETY: a warp per row r < n: x and out are touched at r*d + c, c < d (n*d
-            // elements each, checked), rstd at r < n, g at c < d.
+            // elements each: x checked, out allocated so), rstd at r < n (allocated so), g at
+            // c < d (checked).
             unsafe { b.launch(cfg_warps(n)) }?;
         }
         Ok((out, rstd))
@@ -513,15 +512,14 @@ impl Ops for GpuOps {
     /// Within an ulp or two of the CPU (the GPU's `expf`).
     fn swiglu(&self, x: &CudaSlice<f32>, n: usize, f: usize) -> OpResult<CudaSlice<f32>> {
         let op = "swiglu_forward";
-        let mut out = self.output(n * f)?;
         let nf = checked(n, f, op, "n x f")?;
-        need(op, "out", out.len(), nf)?;
+        let mut out = self.output(nf)?;
         need(op, "inp", x.len(), checked(nf, 2, op, "n x 2f")?)?;
         let (n32, f32_) = (dim(op, "n", n)?, dim(op, "f", f)?);
         if nf > 0 {
             let mut b = self.stream.launch_builder(&self.k.swiglu);
             b.arg(&mut out).arg(x).arg(&n32).arg(&f32_);
-            // SAFETY: element idx < n*f <= out.len(); reads at i*2f + c and i*2f + f + c with
+            // SAFETY: element idx < n*f, the length `out` was allocated with; reads at i*2f + c and i*2f + f + c with
             // i < n, c < f stay below n*2f <= x.len().
             unsafe { b.launch(cfg(nf)) }?;
         }
@@ -732,20 +730,17 @@ impl Ops for GpuOps {
         replay: Option<&[u32]>,
     ) -> OpResult<(CudaSlice<u32>, CudaSlice<f32>)> {
         let (op, s) = ("router_forward", &self.stream);
-        // Not zeroed: the router writes every row's probabilities, ids and weights.
-        // SAFETY: device memory, fully written by the launch below before any read.
-        let mut probs = unsafe { s.alloc::<f32>((n * e).max(1))? };
-        let mut ids = unsafe { s.alloc::<u32>((n * k).max(1))? };
-        let mut weights = unsafe { s.alloc::<f32>((n * k).max(1))? };
-        let replay = replay.map(|r| s.clone_htod(r)).transpose()?;
         if k == 0 || k > e {
             return Err(shape(format!("{op}: top-k {k} of {e} experts")).into());
         }
         let (ne, nk) = (checked(n, e, op, "n x e")?, checked(n, k, op, "n x k")?);
-        need(op, "probs", probs.len(), ne)?;
         need(op, "logits", logits.len(), ne)?;
-        need(op, "ids", ids.len(), nk)?;
-        need(op, "weights", weights.len(), nk)?;
+        // Not zeroed: the router writes every row's probabilities, ids and weights.
+        // SAFETY: device memory, fully written by the launch below before any read.
+        let mut probs = unsafe { s.alloc::<f32>(ne.max(1))? };
+        let mut ids = unsafe { s.alloc::<u32>(nk.max(1))? };
+        let mut weights = unsafe { s.alloc::<f32>(nk.max(1))? };
+        let replay = replay.map(|r| s.clone_htod(r)).transpose()?;
         if let Some(r) = &replay {
             need(op, "replay", r.len(), nk)?;
         }
@@ -764,8 +759,9 @@ impl Ops for GpuOps {
                 b.arg(r);
             }
             b.arg(&n32).arg(&e32).arg(&k32);
-            // SAFETY: a thread per row r < n: probs and logits at r*e + i, i < e (n*e each); ids,
-            // weights and replay at r*k + j, j < k (n*k each); p is indexed by an id only if < e.
+            // SAFETY: a thread per row r < n: probs and logits at r*e + i, i < e (n*e each: probs
+            // allocated so, logits checked); ids, weights and replay at r*k + j, j < k (n*k each,
+            // likewise); p is indexed by an id only if < e.
             unsafe { b.launch(cfg(n)) }?;
         }
         Ok((ids, weights))
@@ -782,12 +778,11 @@ impl Ops for GpuOps {
         k: usize,
     ) -> OpResult<CudaSlice<f32>> {
         let op = "router_backward";
-        let mut dlogits = self.zeros_f(n * e)?;
         if k == 0 || k > e {
             return Err(shape(format!("{op}: top-k {k} of {e} experts")).into());
         }
         let nk = checked(n, k, op, "n x k")?;
-        need(op, "dlogits", dlogits.len(), checked(n, e, op, "n x e")?)?;
+        let mut dlogits = self.zeros_f(checked(n, e, op, "n x e")?)?;
         need(op, "dweights", dweights.len(), nk)?;
         need(op, "ids", ids.len(), nk)?;
         need(op, "weights", weights.len(), nk)?;
@@ -848,12 +843,11 @@ impl Ops for GpuOps {
         (n, k, d): (usize, usize, usize),
     ) -> OpResult<CudaSlice<f32>> {
         let (op, slot_row) = ("moe_combine", &disp.slot_row);
-        let mut out = self.output(n * d)?;
         if d == 0 {
             return Err(shape(format!("{op}: d = 0")).into());
         }
         let (nd, nk) = (checked(n, d, op, "n x d")?, checked(n, k, op, "n x k")?);
-        need(op, "out", out.len(), nd)?;
+        let mut out = self.output(nd)?;
         need(op, "shared_y", shared.len(), nd)?;
         need(op, "x", x.len(), nd)?;
         need(op, "slot_row", slot_row.len(), nk)?;
@@ -866,7 +860,7 @@ impl Ops for GpuOps {
             b.arg(&mut out).arg(shared).arg(experts).arg(slot_row);
             b.arg(ids).arg(weights).arg(x);
             b.arg(&n32).arg(&k32).arg(&d32).arg(&y_rows);
-            // SAFETY: element idx = t*d + c < n*d (out, shared, x); slots t*k + j < n*k (ids,
+            // SAFETY: element idx = t*d + c < n*d (`out`'s allocated length; shared, x); slots t*k + j < n*k (ids,
             // weights, slot_row); experts read at row*d + c only for row < experts.len()/d.
             unsafe { b.launch(cfg(nd)) }?;
         }

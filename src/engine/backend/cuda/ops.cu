@@ -178,17 +178,6 @@ extern "C" __global__ void add_into(float *__restrict__ dst, const float *__rest
     for (u64 i = gtid(); i < len; i += gstride()) dst[i] = dst[i] + src[i];
 }
 
-// dst[r] = src[rows[r]] for r < m; src has `src_rows` rows.
-extern "C" __global__ void gather_rows(float *__restrict__ dst, const float *__restrict__ src,
-                                       const u32 *__restrict__ rows, u32 m, u32 d, u32 src_rows) {
-    u64 total = (u64)m * d;
-    for (u64 idx = gtid(); idx < total; idx += gstride()) {
-        u64 r = idx / d, c = idx % d;
-        u32 sr = rows[r];
-        dst[idx] = sr < src_rows ? src[(u64)sr * d + c] : NAN_F;
-    }
-}
-
 // The end of `moe_forward` for token t: o = shared_y[t]; then its k choices in (expert id, slot)
 // order, the order the CPU's loop over experts and their slot lists visits them,
 // o += weights[s] * y_all[slot_row[s]]; then o += x[t]. A thread per element.
