@@ -237,10 +237,10 @@ pub fn quantize_row_with(
     let globals = match globals {
         RowGlobals::Given(g) => g,
         RowGlobals::FromBlocks(out) => {
-            // A shard's amax is the maximum of its blocks' (as bit patterns, NaN included).
+            // A shard's amax is the maximum of its blocks' (a NaN block amax propagating).
             scratch.globals.clear();
             for (a, m) in out.iter_mut().zip(bmax.chunks(per_shard)) {
-                *a = amax_from_bits(m.iter().fold(0u32, |t, b| t.max(b.to_bits())));
+                *a = amax_nan_propagating(m);
                 scratch.globals.push(GlobalScale::from_amax(*a));
             }
             &scratch.globals[..]

@@ -361,29 +361,27 @@ impl<'a> Blocked<'a> {
         }
     }
 
-    /// Per-token NVFP4 amax of blocked rows `r0..r0 + n`, one per shard, into `out`
-    /// (`[n, shards]`). For column blocks the maxima are taken down the input's rows, the
+    /// Per-token NVFP4 amax of the column blocks' blocked rows `r0..r0 + n` (input columns),
+    /// one per shard, into `out` (`[n, shards]`): maxima taken down the input's rows, the
     /// strip's columns side by side (a max is exact in any order, so no transpose is needed).
-    fn token_amax_into(&self, isa: Isa, r0: usize, n: usize, shards: usize, out: &mut [f32]) {
-        match self.axis {
-            Axis::Row => {
-                let rows = self.x[r0 * self.cols..].chunks_exact(self.cols);
-                for (a, row) in out.chunks_exact_mut(shards).zip(rows) {
-                    for (a, xs) in a.iter_mut().zip(row.chunks(self.cols / shards)) {
-                        *a = amax_of(isa, xs);
-                    }
-                }
-            }
-            Axis::Col => {
-                let h = self.rows / shards;
-                let mut bits = vec![0u32; n];
-                for s in 0..shards {
-                    let x = &self.x[s * h * self.cols + r0..];
-                    column_amax_bits(isa, x, self.cols, h, &mut bits);
-                    for (t, &b) in bits.iter().enumerate() {
-                        out[t * shards + s] = nvfp4::amax_from_bits(b);
-                    }
-                }
+    /// Row blocks take theirs from their block amaxes in the row's own pass instead
+    /// ([`nvfp4::RowGlobals::FromBlocks`]).
+    fn column_token_amax_into(
+        &self,
+        isa: Isa,
+        r0: usize,
+        n: usize,
+        shards: usize,
+        out: &mut [f32],
+    ) {
+        debug_assert_eq!(self.axis, Axis::Col);
+        let h = self.rows / shards;
+        let mut bits = vec![0u32; n];
+        for s in 0..shards {
+            let x = &self.x[s * h * self.cols + r0..];
+            column_amax_bits(isa, x, self.cols, h, &mut bits);
+            for (t, &b) in bits.iter().enumerate() {
+                out[t * shards + s] = nvfp4::amax_from_bits(b);
             }
         }
     }
@@ -1096,7 +1094,7 @@ fn nvfp4_bands(
                 // row's own pass (the row is read once); columns need a pass down the strip.
                 let from_blocks = second == SecondScale::PerToken && !given && whole_rows;
                 if second == SecondScale::PerToken && !given && !whole_rows {
-                    src.token_amax_into(isa, k * band, n, shards, aband);
+                    src.column_token_amax_into(isa, k * band, n, shards, aband);
                 }
                 let mut st = QuantStats::default();
                 for seg in &segs {
@@ -1419,9 +1417,13 @@ mod tests {
                     let p_ref = pack_fp4(&c_ref);
                     // Every compile this CPU runs, with the scales given and, per token,
                     // also taken from the row's own block amaxes.
-                    let from_blocks = [false, amax_of.is_none()];
+                    let modes: &[bool] = if amax_of.is_none() {
+                        &[false, true]
+                    } else {
+                        &[false]
+                    };
                     for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
-                        for fused in from_blocks.into_iter().filter(|f| !f || amax_of.is_none()) {
+                        for &fused in modes {
                             let mut amax = vec![-1.0f32; shards];
                             let g = if fused {
                                 nvfp4::RowGlobals::FromBlocks(&mut amax)
