@@ -365,6 +365,16 @@ impl Trainer {
         rec
     }
 
+    /// One GRPO step of several runs at once (same model shape and workload; seeds and recipes
+    /// may differ): the device passes of all of them go through the backend's batched calls
+    /// ([`Backend::decoder_batch`], [`Backend::train_forward_batch`],
+    /// [`Backend::forward_logits_batch`]), the host work of each run stays its own. Each run's
+    /// record is what [`Trainer::step`] alone would give on a device whose batched passes equal
+    /// its single ones (the CPU: bit for bit).
+    pub fn step_batch(trainers: &mut [&mut Trainer], be: &dyn Backend) -> Vec<StepRecord> {
+        trainers.iter_mut().map(|t| t.step(be)).collect()
+    }
+
     /// Export the current weights to the rollout, keeping the last `policy_lag + 1` exports.
     fn export(&mut self) {
         let prep = PreparedModel::new(&self.params, &self.rollout_plan)

@@ -12,7 +12,8 @@ pub use cpu::CpuBackend;
 
 use crate::engine::device::OpError;
 use crate::engine::layout::Layout;
-use crate::engine::model::{PreparedModel, Routing, TrainPass};
+use crate::engine::model::{Params, PreparedModel, Routing, TrainPass};
+use crate::formats::QuantStats;
 use crate::engine::rollout::Decoder;
 
 /// Where the engine runs.
@@ -193,4 +194,130 @@ pub trait Backend: Send + Sync {
         layout: &Layout,
         replay: Option<&Routing>,
     ) -> Result<Box<dyn TrainPass + 'a>, OpError>;
+
+    /// How many runs one batched call should carry on this device: 1 where batching gains
+    /// nothing (the CPU, whose passes already use every core), more on a GPU.
+    fn batch_runs(&self) -> usize {
+        1
+    }
+
+    /// [`Backend::forward_logits`] of several runs; the logits of each, in order. A device
+    /// that batches runs them as one pass.
+    fn forward_logits_batch(&self, items: &[ForwardItem<'_>]) -> Result<Vec<Vec<f32>>, OpError> {
+        items
+            .iter()
+            .map(|i| self.forward_logits(i.prep, i.tokens, i.layout, i.replay))
+            .collect()
+    }
+
+    /// [`Backend::train_forward`] of several runs, kept for one backward of all of them.
+    fn train_forward_batch<'a>(
+        &'a self,
+        items: &[ForwardItem<'a>],
+    ) -> Result<Box<dyn TrainBatch + 'a>, OpError> {
+        let passes = items
+            .iter()
+            .map(|i| self.train_forward(i.prep, i.tokens, i.layout, i.replay))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(LoopBatch(passes)))
+    }
+
+    /// [`Backend::decoder`] of several runs, stepped together.
+    fn decoder_batch<'a>(
+        &'a self,
+        preps: &[&'a PreparedModel],
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
+        let decs = preps
+            .iter()
+            .map(|p| self.decoder(p, seqs, positions))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(LoopDecoder(decs)))
+    }
+}
+
+// ===================================================================================================
+// Several runs at once
+
+/// One run's input to a batched forward ([`Backend::forward_logits_batch`],
+/// [`Backend::train_forward_batch`]).
+#[derive(Clone, Copy)]
+pub struct ForwardItem<'a> {
+    pub prep: &'a PreparedModel,
+    pub tokens: &'a [u32],
+    pub layout: &'a Layout,
+    pub replay: Option<&'a Routing>,
+}
+
+/// The training forward of several runs ("members") at once, and their backward. A device that
+/// batches computes every member in one pass; what a member gets never depends on the others.
+pub trait TrainBatch: Send {
+    /// Members, in the order of the items that made it.
+    fn members(&self) -> usize;
+    /// Member `m`'s logits `[rows, V]` in its layout's row order ([`TrainPass::logits`]).
+    fn logits(&self, m: usize) -> &[f32];
+    /// Member `m`'s activation counts ([`TrainPass::quant_stats`]).
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)>;
+    /// The gradients of every member given its dL/dlogits ([`TrainPass::backward`]); a member
+    /// given `None` is skipped and gets `None`.
+    fn backward(&self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Params>>;
+}
+
+/// The decoders of several runs stepped together: every member has the same number of
+/// sequences and positions; member `m`'s tokens and results are at index `m`.
+pub trait BatchDecoder {
+    fn members(&self) -> usize;
+    /// [`Decoder::step`] of every member.
+    fn step(&mut self, tokens: &[Vec<u32>]) -> Vec<(Vec<f32>, Routing)>;
+    /// [`Decoder::feed`] of every member, `count` positions each.
+    fn feed(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<Vec<Routing>>;
+    /// [`Decoder::repeat_each`] of every member.
+    fn repeat_each(&mut self, samples: usize);
+}
+
+/// [`TrainBatch`] of a device that does not batch: one [`TrainPass`] per member.
+pub struct LoopBatch<'a>(pub Vec<Box<dyn TrainPass + 'a>>);
+
+impl TrainBatch for LoopBatch<'_> {
+    fn members(&self) -> usize {
+        self.0.len()
+    }
+    fn logits(&self, m: usize) -> &[f32] {
+        self.0[m].logits()
+    }
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
+        self.0[m].quant_stats()
+    }
+    fn backward(&self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Params>> {
+        self.0
+            .iter()
+            .zip(dlogits)
+            .map(|(p, d)| d.map(|d| p.backward(d)))
+            .collect()
+    }
+}
+
+/// [`BatchDecoder`] of a device that does not batch: one [`Decoder`] per member.
+pub struct LoopDecoder<'a>(pub Vec<Box<dyn Decoder + 'a>>);
+
+impl BatchDecoder for LoopDecoder<'_> {
+    fn members(&self) -> usize {
+        self.0.len()
+    }
+    fn step(&mut self, tokens: &[Vec<u32>]) -> Vec<(Vec<f32>, Routing)> {
+        self.0.iter_mut().zip(tokens).map(|(d, t)| d.step(t)).collect()
+    }
+    fn feed(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<Vec<Routing>> {
+        self.0
+            .iter_mut()
+            .zip(tokens)
+            .map(|(d, t)| d.feed(t, count))
+            .collect()
+    }
+    fn repeat_each(&mut self, samples: usize) {
+        for d in &mut self.0 {
+            d.repeat_each(samples);
+        }
+    }
 }
