@@ -62,6 +62,12 @@ pub trait Ops: Sync {
     /// A decoder's keys and values, every layer.
     type Kv: Send;
 
+    /// Runs this op set steps at once (1 but on a device that batches runs): every tensor holds
+    /// each run's rows in turn, every weight each run's copy, and ops never mix runs.
+    fn runs(&self) -> usize {
+        1
+    }
+
     // -- storage --------------------------------------------------------------------------
     /// A zero tensor of `n` values.
     fn zeros(&self, n: usize) -> OpResult<Self::T>;

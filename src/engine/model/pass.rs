@@ -84,7 +84,8 @@ struct LayerCache<O: Ops> {
 
 /// Everything [`backward`] needs from one [`forward`].
 pub struct Cache<O: Ops> {
-    layout: Layout,
+    /// Rows of the forward (every run's, on a device stepping several).
+    n: usize,
     rows: O::Rows,
     tokens: O::Ids,
     layers: Vec<LayerCache<O>>,
@@ -95,11 +96,6 @@ pub struct Cache<O: Ops> {
 }
 
 impl<O: Ops> Cache<O> {
-    /// The row layout of the forward that made it.
-    pub fn layout(&self) -> &Layout {
-        &self.layout
-    }
-
     /// Layers of the model that made it.
     pub fn n_layers(&self) -> usize {
         self.layers.len()
@@ -383,11 +379,24 @@ pub fn forward<O: Ops>(
     layout: &Layout,
     replay: Option<&Routing>,
 ) -> OpResult<(Vec<f32>, Cache<O>, Routing)> {
-    let cfg = &w.config;
-    check_layout_inputs(cfg, tokens, layout, replay).map_err(shape_err)?;
-    let (n, d) = (layout.rows(), cfg.d_model);
+    check_layout_inputs(&w.config, tokens, layout, replay).map_err(shape_err)?;
     let rows = ops.rows(layout)?;
     let toks = ops.ids(tokens)?;
+    forward_on(ops, w, toks, rows, layout.rows(), replay)
+}
+
+/// [`forward`] over rows and tokens already on the device (`n` rows; a device stepping several
+/// runs lays their rows out itself). The inputs are the caller's to check.
+pub fn forward_on<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    toks: O::Ids,
+    rows: O::Rows,
+    n: usize,
+    replay: Option<&Routing>,
+) -> OpResult<(Vec<f32>, Cache<O>, Routing)> {
+    let cfg = &w.config;
+    let d = cfg.d_model;
     let mut h = ops.embedding(&toks, &rows, &w.wte, &w.wpe, n, d)?;
     let mut layers = Vec::with_capacity(cfg.n_layers);
     for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
@@ -407,7 +416,7 @@ pub fn forward<O: Ops>(
         layers: ops.ids_to_host(&ids, n * cfg.top_k)?,
     };
     let cache = Cache {
-        layout: layout.clone(),
+        n,
         rows,
         tokens: toks,
         layers,
@@ -419,7 +428,8 @@ pub fn forward<O: Ops>(
 }
 
 /// A forward's activation counts, one per matmul site and layer in `model::quant_sites` order
-/// (the routed experts of a layer merged into their site).
+/// (the routed experts of a layer merged into their site); on a device stepping several runs,
+/// each site's counts run by run (`sites x runs`, site-major).
 pub fn quant_stats<O: Ops>(ops: &O, c: &Cache<O>) -> OpResult<Vec<QuantStats>> {
     let mut sites = Vec::with_capacity(7 * c.layers.len() + 1);
     for l in &c.layers {
@@ -490,19 +500,38 @@ pub fn backward<O: Ops>(
     c: &Cache<O>,
     dlogits: &[f32],
 ) -> OpResult<Params> {
+    let mut all = backward_runs(ops, w, c, dlogits)?;
+    match (all.pop(), all.is_empty()) {
+        (Some(p), true) => Ok(p),
+        _ => Err(OpError::Shape(
+            "backward: an op set stepping several runs gives one gradient per run (backward_runs)"
+                .into(),
+        )),
+    }
+}
+
+/// [`backward`] on an op set stepping `ops.runs()` runs at once: each run's gradients, in run
+/// order (`dlogits` holds every run's rows, as the forward laid them out).
+pub fn backward_runs<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    c: &Cache<O>,
+    dlogits: &[f32],
+) -> OpResult<Vec<Params>> {
     let cfg = &w.config;
-    let (n, d, v) = (c.layout.rows(), cfg.d_model, cfg.vocab);
+    let (n, d, v, runs) = (c.n, cfg.d_model, cfg.vocab, ops.runs());
     if dlogits.len() != n * v {
         return Err(OpError::Shape(format!(
             "backward: dlogits must be [N, V] = [{n}, {v}], got {} values",
             dlogits.len()
         )));
     }
-    // Tensor lengths in `Params::named_tensors` order: wte, wpe, 9 per layer, final norm, output.
+    // Tensor lengths in `Params::named_tensors` order: wte, wpe, 9 per layer, final norm, output;
+    // every run's copy of a tensor back to back.
     let lens: Vec<usize> = cfg
         .named_shapes()
         .iter()
-        .map(|(_, s)| s.iter().product())
+        .map(|(_, s)| runs * s.iter().product::<usize>())
         .collect();
     let last = lens.len() - 2;
     let (mut dwte, mut dwpe) = (ops.zeros(lens[0])?, ops.zeros(lens[1])?);
@@ -544,8 +573,19 @@ pub fn backward<O: Ops>(
     let mut all = vec![dwte, dwpe];
     all.extend(grads.into_iter().flat_map(LayerGrads::into_list));
     all.extend([dfinal, dout]);
-    let host = ops.all_to_host(all.into_iter().zip(lens).collect())?;
-    Params::from_tensors(cfg, host).map_err(shape_err)
+    let host = ops.all_to_host(all.into_iter().zip(lens.iter().copied()).collect())?;
+    (0..runs)
+        .map(|r| {
+            let tensors = host
+                .iter()
+                .map(|t| {
+                    let len = t.len() / runs;
+                    t[r * len..(r + 1) * len].to_vec()
+                })
+                .collect();
+            Params::from_tensors(cfg, tensors).map_err(shape_err)
+        })
+        .collect()
 }
 
 // ===================================================================================================
@@ -635,7 +675,7 @@ fn attn_infer<O: Ops>(
 fn infer_rows<O: Ops>(
     ops: &O,
     w: &Weights<O>,
-    tokens: &[u32],
+    toks: &O::Ids,
     rows: &O::Rows,
     n: usize,
     replay: Option<&Routing>,
@@ -643,8 +683,7 @@ fn infer_rows<O: Ops>(
 ) -> OpResult<(Vec<f32>, Routing)> {
     let cfg = &w.config;
     let d = cfg.d_model;
-    let toks = ops.ids(tokens)?;
-    let mut x = ops.embedding(&toks, rows, &w.wte, &w.wpe, n, d)?;
+    let mut x = ops.embedding(toks, rows, &w.wte, &w.wpe, n, d)?;
     let mut ids = Vec::with_capacity(cfg.n_layers);
     for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
         let mid = attn_infer(ops, lw, p, cfg, &x, n, |qkv| attend(l, qkv))?;
@@ -674,12 +713,24 @@ pub fn infer<O: Ops>(
     layout: &Layout,
     replay: Option<&Routing>,
 ) -> OpResult<(Vec<f32>, Routing)> {
-    let cfg = &w.config;
-    check_layout_inputs(cfg, tokens, layout, replay).map_err(shape_err)?;
+    check_layout_inputs(&w.config, tokens, layout, replay).map_err(shape_err)?;
     let rows = ops.rows(layout)?;
-    let (h, d) = (cfg.n_heads, cfg.d_model);
-    infer_rows(ops, w, tokens, &rows, layout.rows(), replay, |_, qkv| {
-        ops.attention(qkv, &rows, h, d).map(|(att, _)| att)
+    let toks = ops.ids(tokens)?;
+    infer_on(ops, w, &toks, &rows, layout.rows(), replay)
+}
+
+/// [`infer`] over rows and tokens already on the device (see [`forward_on`]).
+pub fn infer_on<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    toks: &O::Ids,
+    rows: &O::Rows,
+    n: usize,
+    replay: Option<&Routing>,
+) -> OpResult<(Vec<f32>, Routing)> {
+    let (h, d) = (w.config.n_heads, w.config.d_model);
+    infer_rows(ops, w, toks, rows, n, replay, |_, qkv| {
+        ops.attention(qkv, rows, h, d).map(|(att, _)| att)
     })
 }
 
@@ -709,7 +760,8 @@ pub fn decode<O: Ops>(
         .map_err(shape_err)?;
     let (h, d) = (cfg.n_heads, cfg.d_model);
     let rows = ops.decode_rows(kv, count)?;
-    let out = infer_rows(ops, w, tokens, &rows, n, replay, |l, qkv| {
+    let toks = ops.ids(tokens)?;
+    let out = infer_rows(ops, w, &toks, &rows, n, replay, |l, qkv| {
         ops.kv_attend(kv, l, qkv, &rows, h, d, count)
     })?;
     ops.kv_advance(kv, count);
