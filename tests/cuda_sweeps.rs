@@ -71,6 +71,7 @@ fn sweep(
         force: false,
         cache: dir.join("cache"),
         threads_per_worker: None,
+        batch_runs: None,
     };
     run_suite(backends, &s, &runs, &opts, &|p| on_progress(&p)).unwrap()
 }
@@ -252,6 +253,7 @@ fn a_card_that_faults_fails_its_run_and_no_later_run_goes_to_it(g0: CudaBackend)
         force: false,
         cache: d.path().join("cache"),
         threads_per_worker: None,
+        batch_runs: None,
     };
     let started = Mutex::new(0usize);
     let planted = Mutex::new(false);

@@ -476,6 +476,10 @@ pub struct NightlyArgs {
     /// Worker processes per device (default: 2 per GPU, 1 on the CPU); see `lockstep run`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub processes: Option<u16>,
+    /// Runs a worker steps together (default: what the device suits, 1 on the CPU); see
+    /// `lockstep run`.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub batch_runs: Option<u16>,
     /// Compare what is in the store without running anything.
     #[arg(long)]
     pub no_run: bool,
@@ -524,6 +528,7 @@ pub fn nightly_cmd(a: &NightlyArgs) -> Result<bool> {
         store: a.store.clone(),
         jobs: a.jobs,
         processes: a.processes,
+        batch_runs: a.batch_runs,
         force: false,
         reingest: false,
         device: a.device.clone(),

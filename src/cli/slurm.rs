@@ -301,6 +301,7 @@ pub fn run_task(
         force,
         cache: cache.unwrap_or_else(default_cache),
         threads_per_worker: None,
+        batch_runs: None,
     };
     let who = TaskIdentity::from_env();
     if let Some(w) = &who

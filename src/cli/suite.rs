@@ -128,6 +128,12 @@ pub struct RunArgs {
     /// process queue on the CUDA driver's lock; each process has its own.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub processes: Option<u16>,
+    /// Runs a worker steps together, one batched device call per pass for all of them: runs of
+    /// one model, task and workload shape, the seeds of one configuration first (built-in
+    /// engine). Default: what the device suits (1 on the CPU, whose passes already use every
+    /// core); 1 runs each run by itself. Every run's metrics are the same either way.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub batch_runs: Option<u16>,
     /// Redo finished runs too.
     #[arg(long)]
     pub force: bool,
@@ -166,6 +172,9 @@ pub fn run_cmd(args: &RunArgs) -> Result<bool> {
     note_unplanned_runs(&s, &runs, &args.store);
     if args.processes.is_some() && args.executor != Executor::Local {
         bail!("--processes only applies with --executor local (Slurm runs each run as a task)");
+    }
+    if args.batch_runs.is_some() && args.executor != Executor::Local {
+        bail!("--batch-runs only applies with --executor local (Slurm runs each run as a task)");
     }
     if args.executor == Executor::Slurm {
         return super::slurm::run(args, &s, &runs);
@@ -234,6 +243,7 @@ pub fn run_local(
         force: args.force,
         cache: default_cache(),
         threads_per_worker: worker_threads(on_gpu, jobs),
+        batch_runs: args.batch_runs.map(usize::from),
     };
     let total = runs.len();
     let start = Instant::now();
@@ -242,8 +252,12 @@ pub fn run_local(
         1 => String::new(),
         p => format!(" in {} processes", p * infos.len()),
     };
+    let batches = match opts.batch_runs {
+        Some(n) if n > 1 && s.engine == "builtin" => format!(" stepping up to {n} runs together"),
+        _ => String::new(),
+    };
     println!(
-        "suite {}: {total} runs, {jobs} workers{in_processes} on {}, store {}",
+        "suite {}: {total} runs, {jobs} workers{in_processes}{batches} on {}, store {}",
         s.name,
         infos
             .iter()

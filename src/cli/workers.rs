@@ -39,6 +39,8 @@ pub struct Job {
     pub device: String,
     pub jobs: usize,
     pub threads_per_worker: Option<usize>,
+    /// Runs each worker steps together (`None`: what the device suits).
+    pub batch_runs: Option<usize>,
     /// The parent's pid: a worker that finds another parent was orphaned before it started.
     pub parent: u32,
 }
@@ -140,6 +142,7 @@ pub fn worker_cmd() -> Result<bool> {
         force: job.force,
         cache: job.cache.clone(),
         threads_per_worker: job.threads_per_worker,
+        batch_runs: job.batch_runs,
     };
     let emit = |e: &Event| {
         if let Ok(line) = serde_json::to_string(e) {
@@ -201,14 +204,15 @@ pub struct Split {
     pub jobs: usize,
 }
 
-/// The runs each process gets: `runs` dealt round robin over `processes` shares (a device's
-/// processes are spread over the list, so consecutive runs go to different devices). Shares
-/// that get no run are dropped.
-fn deal(runs: &[RunSpec], processes: usize) -> Vec<Vec<RunSpec>> {
+/// The runs each process gets: `runs` dealt round robin over `processes` shares, `together`
+/// consecutive runs at a time (a device's processes are spread over the list, so consecutive
+/// deals go to different devices). Runs a worker may step together are dealt together: the
+/// plan lists a configuration's seeds one after the other. Shares that get no run are dropped.
+fn deal(runs: &[RunSpec], processes: usize, together: usize) -> Vec<Vec<RunSpec>> {
     let n = processes.max(1);
     let mut shares = vec![Vec::new(); n];
-    for (i, r) in runs.iter().enumerate() {
-        shares[i % n].push(r.clone());
+    for (i, chunk) in runs.chunks(together.max(1)).enumerate() {
+        shares[i % n].extend_from_slice(chunk);
     }
     shares.retain(|s| !s.is_empty());
     shares
@@ -238,7 +242,8 @@ pub fn run(
     let slots: Vec<&String> = (0..split.per_device)
         .flat_map(|_| split.devices.iter())
         .collect();
-    let shares = deal(&todo, slots.len());
+    // Without --batch-runs the device's batch size is not known here (the workers open it).
+    let shares = deal(&todo, slots.len(), opts.batch_runs.unwrap_or(1));
     let jobs_each = (split.jobs / shares.len().max(1)).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let processes = shares.len().max(1);
@@ -265,6 +270,7 @@ pub fn run(
             device: device.clone(),
             jobs: jobs_each,
             threads_per_worker,
+            batch_runs: opts.batch_runs,
             parent: std::process::id(),
         };
         workers.push(start(&exe, job, pool)?);
@@ -448,15 +454,19 @@ mod tests {
     #[test]
     fn runs_are_dealt_round_robin_and_empty_shares_dropped() {
         let r = runs(5);
-        let shares = deal(&r, 2);
+        let shares = deal(&r, 2, 1);
         let seeds = |s: &[RunSpec]| s.iter().map(|r| r.seed).collect::<Vec<_>>();
         assert_eq!(seeds(&shares[0]), [0, 2, 4]);
         assert_eq!(seeds(&shares[1]), [1, 3]);
         assert_eq!(
-            deal(&r[..1], 4).len(),
+            deal(&r[..1], 4, 1).len(),
             1,
             "three processes would get nothing"
         );
+        // Runs stepped together in batches of 2 are dealt 2 at a time.
+        let shares = deal(&r, 2, 2);
+        assert_eq!(seeds(&shares[0]), [0, 1, 4]);
+        assert_eq!(seeds(&shares[1]), [2, 3]);
     }
 
     #[test]

@@ -101,17 +101,6 @@ impl Decoder for HostDecoder<'_> {
     }
 }
 
-/// The backend's decoder for `prep`; a device that fails to make one panics with its name.
-fn decoder<'a>(
-    be: &'a dyn Backend,
-    prep: &'a PreparedModel,
-    seqs: usize,
-    positions: usize,
-) -> Box<dyn Decoder + 'a> {
-    be.decoder(prep, seqs, positions)
-        .unwrap_or_else(|e| panic!("{}: decoder failed: {e}", be.name()))
-}
-
 /// Log-softmax of one row of logits at `temperature` (> 0), in place into `out`.
 fn log_softmax_row(logits: &[f32], temperature: f32, out: &mut [f32]) {
     let inv = 1.0 / temperature;
@@ -142,6 +131,15 @@ fn sample(logp: &[f32], u: f32) -> usize {
         .unwrap_or(0)
 }
 
+/// One run's part of a batched rollout ([`generate_batch`]): its exported policy, its prompts and
+/// the seed of its sampling stream.
+#[derive(Clone, Copy)]
+pub struct RolloutItem<'a> {
+    pub prep: &'a PreparedModel,
+    pub prompts: &'a [Vec<u32>],
+    pub seed: u64,
+}
+
 /// Generate `samples` responses for each prompt (all prompts the same length). `temperature` 0 is
 /// greedy decoding (evaluation); otherwise tokens are drawn from the tempered softmax with an RNG
 /// seeded by `seed`. Deterministic: one RNG, sequences drawn in a fixed order.
@@ -158,38 +156,169 @@ pub fn generate(
     temperature: f32,
     seed: u64,
 ) -> Rollout {
-    generate_with(be, prep, prompts, samples, max_new, temperature, seed, true)
+    let item = RolloutItem {
+        prep,
+        prompts,
+        seed,
+    };
+    generate_batch(be, &[item], samples, max_new, temperature).remove(0)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn generate_with(
+/// [`generate`] of several runs at once through one [`BatchDecoder`](super::backend::BatchDecoder): every position of every
+/// member is one batched decoder call. Members share the shapes (prompt count and length,
+/// `samples`, `max_new`, `temperature`); each has its own model, prompts and sampling stream, and
+/// gets exactly the rollout [`generate`] would give it on a device whose batched passes equal its
+/// single ones.
+pub fn generate_batch(
     be: &dyn Backend,
-    prep: &PreparedModel,
-    prompts: &[Vec<u32>],
+    items: &[RolloutItem<'_>],
     samples: usize,
     max_new: usize,
     temperature: f32,
-    seed: u64,
-    share_prompts: bool,
-) -> Rollout {
-    let cfg = &prep.config;
-    let prompt_len = prompts.first().map_or(0, |p| p.len());
-    assert!(
-        prompts.iter().all(|p| p.len() == prompt_len),
-        "rollout: prompts must have equal length"
-    );
-    let (b, t, v) = (prompts.len() * samples, prompt_len + max_new, cfg.vocab);
-    let mut tokens = vec![PAD; b * t];
-    for (i, p) in prompts.iter().enumerate() {
-        for s in 0..samples {
-            tokens[(i * samples + s) * t..][..prompt_len].copy_from_slice(p);
+) -> Vec<Rollout> {
+    generate_with(be, items, samples, max_new, temperature, true)
+}
+
+/// One member's rollout while it is being decoded.
+struct Sampling {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    response_len: Vec<usize>,
+    done: Vec<bool>,
+    rng: ChaCha8Rng,
+    /// The routing of each decoded position, in order.
+    steps: Vec<Routing>,
+    decoded_rows: usize,
+}
+
+impl Sampling {
+    /// `samples` copies of each prompt, padded to `t` tokens.
+    fn new(prompts: &[Vec<u32>], samples: usize, t: usize, seed: u64) -> Sampling {
+        let (b, prompt_len) = (
+            prompts.len() * samples,
+            prompts.first().map_or(0, |p| p.len()),
+        );
+        let mut tokens = vec![PAD; b * t];
+        for (i, p) in prompts.iter().enumerate() {
+            for s in 0..samples {
+                tokens[(i * samples + s) * t..][..prompt_len].copy_from_slice(p);
+            }
+        }
+        Sampling {
+            tokens,
+            logprobs: vec![0.0; b * t],
+            response_len: vec![0; b],
+            done: vec![false; b],
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            steps: Vec::with_capacity(t.saturating_sub(1)),
+            decoded_rows: 0,
         }
     }
-    let mut logprobs = vec![0.0f32; b * t];
-    let mut response_len = vec![0usize; b];
-    let mut done = vec![false; b];
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut steps = Vec::with_capacity(t.saturating_sub(1));
+
+    fn all_done(&self) -> bool {
+        self.done.iter().all(|d| *d)
+    }
+
+    /// Every sequence's token at `pos` (the decoder's input).
+    fn column(&self, pos: usize, t: usize) -> Vec<u32> {
+        (0..self.done.len())
+            .map(|s| self.tokens[s * t + pos])
+            .collect()
+    }
+
+    /// Every sequence's tokens at `range`, sequence-major (a [`Decoder::feed`] input).
+    fn block(&self, range: std::ops::Range<usize>, t: usize) -> Vec<u32> {
+        (0..self.done.len())
+            .flat_map(|s| self.tokens[s * t..][range.clone()].to_vec())
+            .collect()
+    }
+
+    /// Choose token `next` of every live sequence from its `[B, V]` logits: drawn at
+    /// `temperature`, or the most likely (lowest index on ties) at 0.
+    fn choose(&mut self, logits: &[f32], next: usize, t: usize, temperature: f32, row: &mut [f32]) {
+        let v = row.len();
+        for s in 0..self.done.len() {
+            if self.done[s] {
+                continue;
+            }
+            let l = &logits[s * v..(s + 1) * v];
+            log_softmax_row(l, if temperature > 0.0 { temperature } else { 1.0 }, row);
+            let tok = if temperature > 0.0 {
+                sample(row, self.rng.random::<f32>())
+            } else {
+                row.iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
+                    .map_or(0, |(i, _)| i)
+            };
+            self.tokens[s * t + next] = tok as u32;
+            self.logprobs[s * t + next] = row[tok];
+            self.response_len[s] += 1;
+            if tok as u32 == EOS {
+                self.done[s] = true;
+            }
+        }
+    }
+
+    fn finish(self, t: usize, prompt_len: usize, top_k: usize) -> Rollout {
+        let truncated: Vec<bool> = self.done.iter().map(|d| !d).collect();
+        let routing = Routing::from_steps(&self.steps).unwrap_or(Routing {
+            top_k,
+            n_tokens: 0,
+            layers: vec![],
+        });
+        Rollout {
+            b: self.done.len(),
+            t,
+            prompt_len,
+            response_len: self.response_len,
+            logprobs: self.logprobs,
+            routing,
+            truncated,
+            decoded_rows: self.decoded_rows,
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// [`generate_batch`], with the prompts' shared positions decoded once per distinct prompt
+/// (`share_prompts`) or once per sequence.
+///
+/// A member whose sequences have all ended keeps being stepped on its padding, its routing
+/// recorded as for any other position, until every member has ended: then the positions left
+/// are fed to all members at once. Alone, a member is fed its padding from the position it
+/// ended at, and a host decoder feeds position by position, so the two record the same.
+fn generate_with(
+    be: &dyn Backend,
+    items: &[RolloutItem<'_>],
+    samples: usize,
+    max_new: usize,
+    temperature: f32,
+    share_prompts: bool,
+) -> Vec<Rollout> {
+    let Some(first) = items.first() else {
+        return Vec::new();
+    };
+    let cfg = &first.prep.config;
+    let n_prompts = first.prompts.len();
+    let prompt_len = first.prompts.first().map_or(0, |p| p.len());
+    assert!(
+        items
+            .iter()
+            .all(|i| i.prompts.len() == n_prompts && i.prep.config == *cfg),
+        "rollout: batched members must share the model shape and prompt count"
+    );
+    assert!(
+        items
+            .iter()
+            .all(|i| i.prompts.iter().all(|p| p.len() == prompt_len)),
+        "rollout: prompts must have equal length"
+    );
+    let (b, t, v) = (n_prompts * samples, prompt_len + max_new, cfg.vocab);
+    let mut runs: Vec<Sampling> = items
+        .iter()
+        .map(|i| Sampling::new(i.prompts, samples, t, i.seed))
+        .collect();
     let mut row = vec![0.0f32; v];
     // Prompt positions but the last, once per distinct prompt (or per sequence without sharing).
     let shared = if share_prompts && samples > 1 && prompt_len > 1 {
@@ -199,81 +328,56 @@ fn generate_with(
     };
     // Positions 0..T-1 are decoded (the last token is sampled, never read back).
     let positions = t.saturating_sub(1).max(1);
-    let seqs = if shared > 0 { prompts.len() } else { b };
-    let mut dec = decoder(be, prep, seqs, positions);
-    let mut decoded_rows = seqs * shared;
+    let seqs = if shared > 0 { n_prompts } else { b };
+    let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
+    let mut dec = be
+        .decoder_batch(&preps, seqs, positions)
+        .unwrap_or_else(|e| panic!("{}: decoder failed: {e}", be.name()));
     if shared > 0 {
-        let input: Vec<u32> = prompts.iter().flat_map(|p| p[..shared].to_vec()).collect();
-        for routing in dec.feed(&input, shared) {
-            steps.push(routing.repeat_each(samples));
+        let inputs: Vec<Vec<u32>> = items
+            .iter()
+            .map(|i| {
+                i.prompts
+                    .iter()
+                    .flat_map(|p| p[..shared].to_vec())
+                    .collect()
+            })
+            .collect();
+        for (run, fed) in runs.iter_mut().zip(dec.feed(&inputs, shared)) {
+            run.decoded_rows += seqs * shared;
+            run.steps
+                .extend(fed.iter().map(|routing| routing.repeat_each(samples)));
         }
         dec.repeat_each(samples);
     }
     for pos in shared..t.saturating_sub(1) {
-        let input: Vec<u32> = (0..b).map(|s| tokens[s * t + pos]).collect();
-        let (logits, routing) = dec.step(&input);
-        decoded_rows += b;
-        steps.push(routing);
+        let inputs: Vec<Vec<u32>> = runs.iter().map(|r| r.column(pos, t)).collect();
+        let stepped = dec.step(&inputs);
         let next = pos + 1;
-        if next < prompt_len {
-            continue; // still reading the prompt
-        }
-        for s in 0..b {
-            if done[s] {
-                continue;
-            }
-            let l = &logits[s * v..(s + 1) * v];
-            log_softmax_row(
-                l,
-                if temperature > 0.0 { temperature } else { 1.0 },
-                &mut row,
-            );
-            let tok = if temperature > 0.0 {
-                sample(&row, rng.random::<f32>())
-            } else {
-                row.iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
-                    .map_or(0, |(i, _)| i)
-            };
-            tokens[s * t + next] = tok as u32;
-            logprobs[s * t + next] = row[tok];
-            response_len[s] += 1;
-            if tok as u32 == EOS {
-                done[s] = true;
+        for (run, (logits, routing)) in runs.iter_mut().zip(stepped) {
+            run.decoded_rows += b;
+            run.steps.push(routing);
+            if next >= prompt_len {
+                run.choose(&logits, next, t, temperature, &mut row);
             }
         }
-        if done.iter().all(|d| *d) {
-            // Everyone finished: the remaining positions are padding; still record routing for them
-            // so replay covers the full [B, T-1] block the trainer reads.
+        if runs.iter().all(Sampling::all_done) {
+            // Everyone finished: the remaining positions are padding; still record routing for
+            // them so replay covers the full [B, T-1] block the trainer reads.
             let rest = (pos + 1)..t.saturating_sub(1);
             if !rest.is_empty() {
-                decoded_rows += b * rest.len();
-                let input: Vec<u32> = (0..b)
-                    .flat_map(|s| tokens[s * t..][rest.clone()].to_vec())
-                    .collect();
-                steps.extend(dec.feed(&input, rest.len()));
+                let inputs: Vec<Vec<u32>> = runs.iter().map(|r| r.block(rest.clone(), t)).collect();
+                for (run, fed) in runs.iter_mut().zip(dec.feed(&inputs, rest.len())) {
+                    run.decoded_rows += b * rest.len();
+                    run.steps.extend(fed);
+                }
             }
             break;
         }
     }
-    let truncated: Vec<bool> = done.iter().map(|d| !d).collect();
-    let routing = Routing::from_steps(&steps).unwrap_or(Routing {
-        top_k: cfg.top_k,
-        n_tokens: 0,
-        layers: vec![],
-    });
-    Rollout {
-        tokens,
-        b,
-        t,
-        prompt_len,
-        response_len,
-        logprobs,
-        routing,
-        truncated,
-        decoded_rows,
-    }
+    runs.into_iter()
+        .map(|r| r.finish(t, prompt_len, cfg.top_k))
+        .collect()
 }
 
 #[cfg(test)]
@@ -302,8 +406,13 @@ mod tests {
         }
         for plan in &plans {
             let prep = PreparedModel::new(&params, plan).unwrap();
-            let shared = generate_with(&CpuBackend, &prep, &prompts, 4, 5, 1.0, 9, true);
-            let each = generate_with(&CpuBackend, &prep, &prompts, 4, 5, 1.0, 9, false);
+            let item = [RolloutItem {
+                prep: &prep,
+                prompts: &prompts,
+                seed: 9,
+            }];
+            let shared = generate_with(&CpuBackend, &item, 4, 5, 1.0, true).remove(0);
+            let each = generate_with(&CpuBackend, &item, 4, 5, 1.0, false).remove(0);
             assert_eq!(shared.tokens, each.tokens);
             let bits = |r: &Rollout| r.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&shared), bits(&each));
@@ -353,5 +462,84 @@ mod tests {
             }
         }
         assert_eq!(routing.n_tokens, a.routing.n_tokens);
+    }
+
+    /// A model that ends a sample about as often as `eos` says (0: as its initialisation does):
+    /// every embedding carries a large first component, which the final norm turns into a
+    /// positive one of about sqrt(d_model), and only `<eos>` reads it, with weight `eos`.
+    fn ending(seed: u64, eos: f32, preset: &str) -> PreparedModel {
+        let cfg = ModelConfig::tiny();
+        let d = cfg.d_model;
+        let mut params = Params::init(&cfg, seed).unwrap();
+        params.wte.chunks_mut(d).for_each(|e| e[0] += 10.0);
+        for (v, row) in params.output_layer.chunks_mut(d).enumerate() {
+            row[0] = if v == EOS as usize { eos } else { 0.0 };
+        }
+        let plan = crate::recipe::presets::preset(preset)
+            .unwrap()
+            .resolve(cfg.n_layers)
+            .unwrap();
+        PreparedModel::new(&params, &plan).unwrap()
+    }
+
+    #[test]
+    fn a_batched_rollout_gives_each_member_its_rollout_alone() {
+        let models = [
+            ending(1, 0.7, "bf16"),
+            ending(2, 0.0, "nvfp4-dq"),
+            ending(3, 0.45, "mxfp8"),
+        ];
+        let prompts = [
+            vec![vec![1, 2, 10, 3, 4, 11], vec![5, 6, 10, 7, 8, 11]],
+            vec![vec![9, 9, 10, 0, 1, 11], vec![2, 2, 10, 2, 2, 11]],
+            vec![vec![3, 1, 10, 4, 1, 11], vec![5, 9, 10, 2, 6, 11]],
+        ];
+        let items: Vec<RolloutItem> = models
+            .iter()
+            .zip(&prompts)
+            .zip([21, 22, 23])
+            .map(|((prep, prompts), seed)| RolloutItem {
+                prep,
+                prompts,
+                seed,
+            })
+            .collect();
+        let bits = |r: &Rollout| r.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (samples, temperature) in [(3, 1.0), (1, 1.0), (2, 0.0)] {
+            let together = generate_batch(&CpuBackend, &items, samples, 12, temperature);
+            // The position after which every sequence of a member is padding.
+            let mut ends = Vec::new();
+            for (m, (item, got)) in items.iter().zip(&together).enumerate() {
+                let alone = generate(
+                    &CpuBackend,
+                    item.prep,
+                    item.prompts,
+                    samples,
+                    12,
+                    temperature,
+                    item.seed,
+                );
+                let case = format!("member {m}, {samples} samples at {temperature}");
+                assert_eq!(got.tokens, alone.tokens, "{case}");
+                assert_eq!(bits(got), bits(&alone), "{case}");
+                assert_eq!(got.routing, alone.routing, "{case}");
+                assert_eq!(got.response_len, alone.response_len, "{case}");
+                assert_eq!(got.truncated, alone.truncated, "{case}");
+                assert_eq!(got.decoded_rows, alone.decoded_rows, "{case}");
+                ends.push(alone.response_len.iter().max().copied());
+            }
+            // The members end at different positions (one of them before the last), so the
+            // batch steps a finished member on its padding while the others still sample.
+            ends.sort();
+            ends.dedup();
+            assert!(
+                ends.len() >= 2,
+                "{samples} samples at {temperature}: ends {ends:?}"
+            );
+            assert!(
+                ends[0] < Some(12),
+                "{samples} samples at {temperature}: ends {ends:?}"
+            );
+        }
     }
 }

@@ -9,16 +9,20 @@
 //! train/rollout mismatch low-precision rollouts introduce. The optional KL-to-reference term uses
 //! the k3 estimator against the BF16 warm start (coefficient 0 by default, as in the published runs:
 //! it is still measured, as `train/kl_loss`).
+//!
+//! Runs of one shape can step together ([`Trainer::step_batch`]): each device pass of the step is
+//! then one batched backend call over all of them, which is what keeps a GPU busy with runs this
+//! small; a single run's step is a batch of one.
 
-use super::backend::Backend;
+use super::backend::{Backend, ForwardItem, TrainBatch};
 use super::contract;
 use super::cost;
 use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
-use super::model::{self, ModelConfig, Params, PreparedModel, Routing, TrainPass};
+use super::model::{self, ModelConfig, Params, PreparedModel, Routing};
 use super::optim::AdamW;
-use super::rollout::{self, Rollout};
-use super::task::{Split, Task};
+use super::rollout::{self, Rollout, RolloutItem};
+use super::task::{Problem, Split, Task};
 use crate::formats::{MxScaleRule, QuantStats, SecondScale};
 use crate::recipe::{ModelPlan, Precision, Recipe, RecipeError, SitePlan};
 use rayon::prelude::*;
@@ -259,43 +263,140 @@ impl Trainer {
 
     /// One GRPO step: export, rollout, score, update. Returns everything it measured.
     pub fn step(&mut self, be: &dyn Backend) -> StepRecord {
-        let c = self.config.clone();
-        let mut rec = StepRecord {
-            step: self.step,
-            ..Default::default()
+        Trainer::step_batch(&mut [self], be).remove(0)
+    }
+
+    /// One GRPO step of several runs at once ("members", of one [`BatchShape`]; seeds, recipes
+    /// and optimizer settings may differ): every device pass of all of them is one batched call
+    /// ([`Backend::decoder_batch`], [`Backend::train_forward_batch`],
+    /// [`Backend::forward_logits_batch`]), and the host work of each member stays its own, the
+    /// members' side by side. Each member's record is what its step alone would give on a device
+    /// whose batched passes equal its single ones (the CPU: bit for bit), except for the `perf/*`
+    /// times of the phases the members go through together (export, rollout, train and its first
+    /// forward and backwards, the whole step): those are the batch phase's wall time, recorded
+    /// for every member.
+    ///
+    /// # Panics
+    /// When the members' shapes differ, or a device pass fails (the message names the device).
+    pub fn step_batch(trainers: &mut [&mut Trainer], be: &dyn Backend) -> Vec<StepRecord> {
+        let Some(first) = trainers.first() else {
+            return Vec::new();
         };
+        let shape = first.batch_shape();
+        assert!(
+            trainers.iter().all(|t| t.batch_shape() == shape),
+            "Trainer::step_batch: members must share the model, the task and the rollout's sizes"
+        );
         let t_step = Instant::now();
+        let mut recs: Vec<StepRecord> = trainers
+            .iter()
+            .map(|t| StepRecord {
+                step: t.step,
+                ..Default::default()
+            })
+            .collect();
 
         // 1. Live weight export: the rollout builds its own quantized view of the shipped weights
         // (the master weights as they stand, read-only: no copy is needed to ship them).
         let t0 = Instant::now();
-        self.export();
-        rec.set("perf/export_time", t0.elapsed().as_secs_f64());
-        let (newest, sampled) = self.newest_and_sampled();
+        trainers.par_iter_mut().for_each(|t| t.export());
+        set_each(&mut recs, "perf/export_time", t0.elapsed().as_secs_f64());
 
-        // 2. Rollout and, side by side, the trainer's own preparation of its weights (it
-        // quantizes independently of the export: the contract check compares the two).
-        let problems = self.train_problems();
-        let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
-        let ((ro, rollout_time), train_prep) = rayon::join(
+        // 2. Rollout, the trainers' own weights, rewards and advantages.
+        let scored = Trainer::rollout_batch(trainers, be, &mut recs);
+
+        // 3. Train: old logprobs, mismatch metrics, minibatch updates.
+        let t0 = Instant::now();
+        let diverged = Trainer::train_batch(trainers, be, &scored, &mut recs);
+        let train_time = t0.elapsed().as_secs_f64();
+        for (rec, sc) in recs.iter_mut().zip(&scored) {
+            rec.set("perf/train_time", train_time);
+            rec.set(
+                "perf/train_tokens_per_s",
+                (sc.ro.b * (sc.ro.t - 1)) as f64 / train_time.max(1e-9),
+            );
+        }
+
+        // 4. Held-out accuracy.
+        Trainer::evaluate_due(trainers, be, &diverged, &mut recs);
+
+        set_each(&mut recs, "perf/step_time", t_step.elapsed().as_secs_f64());
+        for (t, sc) in trainers.iter_mut().zip(scored) {
+            t.last_rollout = Some(sc.ro);
+            t.step += 1;
+        }
+        recs
+    }
+
+    /// The shape of this trainer's device passes: what the members of one batch share.
+    pub fn batch_shape(&self) -> BatchShape {
+        BatchShape::new(&self.params.config, self.task, &self.config)
+    }
+
+    /// Every member's rollout (one batched decode) and, side by side, each trainer's own
+    /// preparation of its weights (it quantizes independently of the export: the contract check
+    /// compares the two); then each member's contract check, rewards and advantages.
+    fn rollout_batch(
+        trainers: &[&mut Trainer],
+        be: &dyn Backend,
+        recs: &mut [StepRecord],
+    ) -> Vec<Scored> {
+        let c = &trainers[0].config; // the sizes all members share
+        let problems: Vec<Vec<Problem>> = trainers.iter().map(|t| t.train_problems()).collect();
+        let prompts: Vec<Vec<Vec<u32>>> = problems
+            .iter()
+            .map(|ps| ps.iter().map(|p| p.prompt.clone()).collect())
+            .collect();
+        let items: Vec<RolloutItem> = trainers
+            .iter()
+            .zip(&prompts)
+            .map(|(t, prompts)| RolloutItem {
+                prep: t.newest_and_sampled().1,
+                prompts,
+                seed: t.sampling_seed(),
+            })
+            .collect();
+        let ((rollouts, rollout_time), preps) = rayon::join(
             || {
                 let t0 = Instant::now();
-                let ro = rollout::generate(
+                let ros = rollout::generate_batch(
                     be,
-                    sampled,
-                    &prompts,
+                    &items,
                     c.samples_per_prompt,
                     c.max_response_tokens,
                     c.temperature,
-                    self.sampling_seed(),
                 );
-                (ro, t0.elapsed().as_secs_f64())
+                (ros, t0.elapsed().as_secs_f64())
             },
-            || PreparedModel::new(&self.params, &self.plan),
+            || {
+                trainers
+                    .par_iter()
+                    .map(|t| {
+                        PreparedModel::new(&t.params, &t.plan)
+                            .expect("plan checked at construction")
+                    })
+                    .collect::<Vec<_>>()
+            },
         );
-        let train_prep = train_prep.expect("plan checked at construction");
+        (trainers, rollouts, preps, problems, recs)
+            .into_par_iter()
+            .map(|(t, ro, prep, problems, rec)| t.score(ro, prep, &problems, rollout_time, rec))
+            .collect()
+    }
+
+    /// This member's rollout checked against its trainer's weights `prep` (the contract) and
+    /// scored: rewards, group-normalised advantages, and the rows its training reads.
+    fn score(
+        &self,
+        ro: Rollout,
+        prep: PreparedModel,
+        problems: &[Problem],
+        rollout_time: f64,
+        rec: &mut StepRecord,
+    ) -> Scored {
+        let (newest, _) = self.newest_and_sampled();
         let bad = contract::mismatches(
-            &contract::fingerprints(&train_prep),
+            &contract::fingerprints(&prep),
             &contract::fingerprints(newest),
         );
         rec.set("contract/violations", bad.len() as f64);
@@ -322,14 +423,11 @@ impl Trainer {
             gen_tokens as f64 / rollout_time.max(1e-9),
         );
 
-        // 3. Rewards and group-normalised advantages.
+        let n = self.config.samples_per_prompt;
         let rewards: Vec<f32> = (0..ro.b)
-            .map(|s| {
-                self.task
-                    .reward(&problems[s / c.samples_per_prompt], ro.response(s))
-            })
+            .map(|s| self.task.reward(&problems[s / n], ro.response(s)))
             .collect();
-        let adv = group_advantages(&rewards, c.samples_per_prompt);
+        let adv = group_advantages(&rewards, n);
         rec.set(
             "rollout/raw_reward",
             mean(rewards.iter().map(|r| *r as f64)),
@@ -343,36 +441,13 @@ impl Trainer {
             "rollout/truncated_ratio",
             mean(ro.truncated.iter().map(|t| f64::from(u8::from(*t)))),
         );
-
-        // 4. Train: old logprobs, mismatch metrics, minibatch updates.
-        let t0 = Instant::now();
-        let diverged = self.train_on(be, &train_prep, &ro, &adv, &mut rec);
-        let train_time = t0.elapsed().as_secs_f64();
-        rec.set("perf/train_time", train_time);
-        rec.set(
-            "perf/train_tokens_per_s",
-            (ro.b * (ro.t - 1)) as f64 / train_time.max(1e-9),
-        );
-
-        // 5. Held-out accuracy.
-        if !diverged && c.eval_every > 0 && self.step.is_multiple_of(c.eval_every) {
-            let (newest, _) = self.newest_and_sampled();
-            rec.set("eval/accuracy", self.evaluate(be, newest));
+        let rows = TrainRows::new(&ro, &self.config);
+        Scored {
+            ro,
+            prep,
+            adv,
+            rows,
         }
-        rec.set("perf/step_time", t_step.elapsed().as_secs_f64());
-        self.last_rollout = Some(ro);
-        self.step += 1;
-        rec
-    }
-
-    /// One GRPO step of several runs at once (same model shape and workload; seeds and recipes
-    /// may differ): the device passes of all of them go through the backend's batched calls
-    /// ([`Backend::decoder_batch`], [`Backend::train_forward_batch`],
-    /// [`Backend::forward_logits_batch`]), the host work of each run stays its own. Each run's
-    /// record is what [`Trainer::step`] alone would give on a device whose batched passes equal
-    /// its single ones (the CPU: bit for bit).
-    pub fn step_batch(trainers: &mut [&mut Trainer], be: &dyn Backend) -> Vec<StepRecord> {
-        trainers.iter_mut().map(|t| t.step(be)).collect()
     }
 
     /// Export the current weights to the rollout, keeping the last `policy_lag + 1` exports.
@@ -425,65 +500,124 @@ impl Trainer {
         )
     }
 
-    /// Forward/backward/update over the rollout; returns true if the loss went non-finite.
-    fn train_on<'p>(
-        &mut self,
-        be: &'p dyn Backend,
-        prep0: &'p PreparedModel,
-        ro: &Rollout,
-        adv: &[f32],
-        rec: &mut StepRecord,
-    ) -> bool {
-        let c = self.config.clone();
-        let cfg = self.params.config.clone();
-        let (b, t_in, v) = (ro.b, ro.t - 1, cfg.vocab);
-        let inputs = ro.tokens_inputs();
-        // The samples of a group share their prompt: its rows are computed once; a sample keeps no
-        // row past the one that predicts its last token (see `layout`).
-        let used: Vec<usize> = (0..b)
-            .map(|s| {
-                (ro.prompt_len + ro.response_len[s])
-                    .saturating_sub(1)
-                    .min(t_in)
-            })
-            .collect();
-        let layout = Layout::shared_prefix(
-            &inputs,
-            b,
-            t_in,
-            c.samples_per_prompt,
-            ro.prompt_len,
-            Some(&used),
-        );
-        let rows = layout.pack(&inputs, 1);
-        let replay = if c.routing_replay && ro.routing.n_tokens == b * t_in {
-            Some(pack_routing(&layout, &ro.routing))
-        } else {
-            None
-        };
-        let replay = replay.as_ref();
-
+    /// Train every member on its rollout. The first forward (policy and BF16 reference, side by
+    /// side), each later minibatch's fresh forward and each minibatch's backward are one batched
+    /// call over the members still in their minibatch loop; losses, norms and updates are each
+    /// member's own. Returns whether each member's loss went non-finite.
+    fn train_batch(
+        trainers: &mut [&mut Trainer],
+        be: &dyn Backend,
+        scored: &[Scored],
+        recs: &mut [StepRecord],
+    ) -> Vec<bool> {
+        let v = trainers[0].params.config.vocab;
+        let everyone: Vec<usize> = (0..scored.len()).collect();
         // Old policy logprobs (and the first minibatch's forward, reused below), and the BF16
-        // reference's logits for the KL metric: two independent forwards, run side by side so each
-        // fills the other's serial stretches (same bits as one after the other). The reference
-        // needs no cache, so it is the backend's cheaper `forward_logits`.
-        let reference = || {
-            let logits = be
-                .forward_logits(&self.reference, &rows, &layout, replay)
-                .unwrap_or_else(|e| panic!("{}: reference forward failed: {e}", be.name()));
-            layout.unpack(&logits, v)
-        };
+        // reference's logits for the KL metric: two independent forwards, run side by side so
+        // each fills the other's serial stretches (same bits as one after the other). The
+        // reference needs no cache, so it is the backend's cheaper `forward_logits`.
+        let items: Vec<ForwardItem> = scored.iter().map(|sc| sc.rows.item(&sc.prep)).collect();
         let t_fwd = Instant::now();
-        let ((logits0, cache0), ref_logits) = rayon::join(
-            || policy_forward(be, prep0, &rows, &layout, replay),
-            reference,
+        let (first, ref_logits) = {
+            let refs: Vec<ForwardItem> = trainers
+                .iter()
+                .zip(scored)
+                .map(|(t, sc)| sc.rows.item(&t.reference))
+                .collect();
+            rayon::join(
+                || policy_forward(be, &items),
+                || {
+                    be.forward_logits_batch(&refs)
+                        .unwrap_or_else(|e| panic!("{}: reference forward failed: {e}", be.name()))
+                },
+            )
+        };
+        set_each(
+            recs,
+            "perf/train_forward_time",
+            t_fwd.elapsed().as_secs_f64(),
         );
-        rec.set("perf/train_forward_time", t_fwd.elapsed().as_secs_f64());
-        let lp0 = token_logprobs(&logits0, ro, v);
-        let mask: Vec<bool> = (0..b * t_in)
-            .map(|r| ro.is_response(r / t_in, r % t_in + 1))
+        let logits0 = unpack_logits(first.as_ref(), &everyone, scored, v);
+        let quant0: Vec<Vec<(String, QuantStats)>> =
+            (0..scored.len()).map(|m| first.quant_stats(m)).collect();
+        let mut tallies: Vec<Tally> = (
+            trainers.par_iter_mut(),
+            scored,
+            &logits0,
+            ref_logits,
+            quant0,
+            recs.par_iter_mut(),
+        )
+            .into_par_iter()
+            .map(|(t, sc, l0, r, q, rec)| t.first_forward(sc, l0, &r, q, rec))
             .collect();
-        let n_tok = mask.iter().filter(|m| **m).count().max(1) as f64;
+
+        // Minibatches of whole groups; the first reuses the forward above.
+        let round = Round {
+            k: 0,
+            batch: first.as_ref(),
+            members: &everyone,
+            logits: logits0,
+        };
+        Trainer::minibatch(trainers, round, scored, &mut tallies, recs);
+        drop(first);
+        for k in 1.. {
+            let members: Vec<usize> = everyone
+                .iter()
+                .copied()
+                .filter(|&m| tallies[m].in_round(k))
+                .collect();
+            if members.is_empty() {
+                break;
+            }
+            let fresh: Vec<PreparedModel> = members
+                .par_iter()
+                .map(|&m| {
+                    PreparedModel::new(&trainers[m].params, &trainers[m].plan)
+                        .expect("plan checked at construction")
+                })
+                .collect();
+            let items: Vec<ForwardItem> = members
+                .iter()
+                .zip(&fresh)
+                .map(|(&m, prep)| scored[m].rows.item(prep))
+                .collect();
+            let batch = policy_forward(be, &items);
+            for &m in &members {
+                tallies[m].forwards += 1;
+            }
+            let round = Round {
+                k,
+                batch: batch.as_ref(),
+                logits: unpack_logits(batch.as_ref(), &members, scored, v),
+                members: &members,
+            };
+            Trainer::minibatch(trainers, round, scored, &mut tallies, recs);
+        }
+        (
+            trainers.par_iter_mut(),
+            scored,
+            tallies,
+            recs.par_iter_mut(),
+        )
+            .into_par_iter()
+            .map(|(t, sc, y, rec)| t.finish_train(sc, y, rec))
+            .collect()
+    }
+
+    /// What this member's first forward measures (train/rollout mismatch, entropy, KL to the
+    /// BF16 reference, activation quantization counts), and its tally for the minibatches.
+    fn first_forward(
+        &mut self,
+        sc: &Scored,
+        logits0: &[f32],
+        ref_logits: &[f32],
+        quant0: Vec<(String, QuantStats)>,
+        rec: &mut StepRecord,
+    ) -> Tally {
+        let (ro, mask, n_tok) = (&sc.ro, &sc.rows.mask, sc.rows.n_tok);
+        let (b, t_in, v) = (ro.b, ro.t - 1, self.params.config.vocab);
+        let lp0 = token_logprobs(logits0, ro, v);
 
         // Train/rollout mismatch on the rollout's own samples: r = logp_train - logp_rollout (the
         // sampling policy's logprobs: under `policy_lag`, those of the older export).
@@ -499,10 +633,10 @@ impl Trainer {
         rec.set("train/train_rollout_kl_k1", k1 / n_tok);
         rec.set("train/train_rollout_kl_k2", k2 / n_tok);
         rec.set("train/train_rollout_kl", k3 / n_tok);
-        rec.set("train/entropy", entropy(&logits0, &mask, v) / n_tok);
+        rec.set("train/entropy", entropy(logits0, mask, v) / n_tok);
 
         // KL to the BF16 reference (k3 with r = logp_ref - logp_train, samples ~ policy).
-        let lp_ref = token_logprobs(&ref_logits, ro, v);
+        let lp_ref = token_logprobs(&sc.rows.layout.unpack(ref_logits, v), ro, v);
         let kl_ref = (0..b * t_in)
             .filter(|r| mask[*r])
             .map(|r| {
@@ -517,169 +651,260 @@ impl Trainer {
 
         // Quantization counts of this forward, per site and layer.
         let mut quant: BTreeMap<(String, i64), QuantStats> = BTreeMap::new();
-        for (name, st) in cache0.quant_stats() {
+        for (name, st) in quant0 {
             let (site, layer) = site_of(&name);
             let e = quant.entry((site, layer)).or_default();
             *e = e.merge(st);
         }
-
-        // Minibatches of whole groups; the first reuses the forward above.
-        let mut first: Option<(Vec<f32>, Box<dyn TrainPass + 'p>)> = Some((logits0, cache0));
-        let groups = b / c.samples_per_prompt;
-        let mb = c.minibatches.clamp(1, groups.max(1));
-        let (mut clip_n, mut ppo_kl, mut tis_sum, mut tis_clip, mut loss_sum) =
-            (0.0, 0.0, 0.0, 0.0, 0.0);
-        let mut grad_norms: BTreeMap<(String, i64), f64> = BTreeMap::new();
-        let mut global_norm = 0.0;
-        let (mut upd_sq, mut w_sq) = (0.0f64, 0.0f64);
-        let mut diverged = false;
-        let (mut backward_time, mut optimizer_time) = (0.0, 0.0);
-        // Forwards over `layout`'s rows (the reference and the first policy forward so far) and
-        // backwards, for the step's GEMM work.
-        let (mut forwards, mut backwards) = (2, 0);
-        for k in 0..mb {
-            let seqs: Vec<usize> = (0..b)
-                .filter(|s| (s / c.samples_per_prompt) * mb / groups.max(1) == k)
-                .collect();
-            let fresh;
-            let (logits, cache) = match first.take() {
-                Some(first) => first,
-                None => {
-                    fresh = PreparedModel::new(&self.params, &self.plan)
-                        .expect("plan checked at construction");
-                    forwards += 1;
-                    policy_forward(be, &fresh, &rows, &layout, replay)
-                }
-            };
-            let lp = token_logprobs(&logits, ro, v);
-            // dL/dlogp per token, then through log-softmax.
-            let mut dlogp = vec![0.0f32; b * t_in * v];
-            let mut loss = 0.0f64;
-            for &s in &seqs {
-                for p in 0..t_in {
-                    let r = s * t_in + p;
-                    if !mask[r] {
-                        continue;
-                    }
-                    let a = adv[s] as f64;
-                    let ratio = ((lp[r] - lp0[r]) as f64).exp();
-                    let w = match c.tis_cap {
-                        Some(cap) => {
-                            let iw = ((lp0[r] - ro.logprobs[s * ro.t + p + 1]) as f64).exp();
-                            tis_sum += iw.min(cap as f64);
-                            tis_clip += f64::from(u8::from(iw > cap as f64));
-                            iw.min(cap as f64)
-                        }
-                        None => 1.0,
-                    };
-                    let clipped = ratio.clamp(1.0 - c.clip_low as f64, 1.0 + c.clip_high as f64);
-                    let unclipped_active = ratio * a <= clipped * a;
-                    clip_n += f64::from(u8::from(!unclipped_active));
-                    ppo_kl += ((lp0[r] - lp[r]) as f64).max(f64::MIN);
-                    loss += -w * (ratio * a).min(clipped * a);
-                    let mut g = if unclipped_active {
-                        -w * a * ratio
-                    } else {
-                        0.0
-                    };
-                    if c.kl_coef > 0.0 {
-                        let d = (lp_ref[r] - lp[r]) as f64;
-                        loss += c.kl_coef as f64 * (d.exp() - 1.0 - d);
-                        g += c.kl_coef as f64 * (1.0 - d.exp());
-                    }
-                    let target = ro.tokens[s * ro.t + p + 1] as usize;
-                    dlogp[r * v + target] = (g / n_tok) as f32;
-                }
-            }
-            loss_sum += loss / n_tok;
-            if !loss.is_finite() {
-                rec.events.push(Event {
-                    step: self.step,
-                    kind: "non_finite".into(),
-                    site: "train/loss".into(),
-                    layer: -1,
-                    value: loss,
-                    detail: "policy loss is not finite; update skipped and run stopped".into(),
-                });
-                diverged = true;
-                break;
-            }
-            let logp_full = log_softmax(&logits, b * t_in, v);
-            let mut dlogits = vec![0.0f32; b * t_in * v];
-            super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp_full, b * t_in, v);
-            let t_bwd = Instant::now();
-            let grads = cache.backward(&layout.fold(&dlogits, v));
-            backward_time += t_bwd.elapsed().as_secs_f64();
-            backwards += 1;
-            let t_opt = Instant::now();
-            // Norms per site and layer, global norm (before clipping).
-            let mut sq_total = 0.0f64;
-            let mut finite = true;
-            // Each tensor's sum in element order (one task per tensor), combined in tensor order:
-            // the same bits whatever the thread count.
-            let named = grads.named_tensors();
-            let sums: Vec<f64> = named
-                .par_iter()
-                .map(|(_, g)| g.iter().map(|x| (*x as f64) * (*x as f64)).sum())
-                .collect();
-            for ((name, _), sq) in named.iter().zip(sums) {
-                finite &= sq.is_finite();
-                sq_total += sq;
-                *grad_norms.entry(site_of(name)).or_default() += sq;
-            }
-            let norm = sq_total.sqrt();
-            global_norm += norm / mb as f64;
-            if !finite {
-                rec.events.push(Event {
-                    step: self.step,
-                    kind: "non_finite".into(),
-                    site: "train/grad_norm".into(),
-                    layer: -1,
-                    value: norm,
-                    detail: "gradient has non-finite values; update skipped".into(),
-                });
-                continue;
-            }
-            let scale = if norm > c.grad_clip as f64 {
-                c.grad_clip as f64 / (norm + 1e-6)
-            } else {
-                1.0
-            };
-            let (u, w) = self.adam_update(&grads, scale as f32);
-            upd_sq += u;
-            w_sq = w;
-            optimizer_time += t_opt.elapsed().as_secs_f64();
+        let groups = b / self.config.samples_per_prompt;
+        Tally {
+            lp0,
+            lp_ref,
+            quant,
+            minibatches: self.config.minibatches.clamp(1, groups.max(1)),
+            // The reference and the first policy forward.
+            forwards: 2,
+            ..Default::default()
         }
+    }
+
+    /// One minibatch of every member in `round`: each member's loss from its logits, one
+    /// backward of all of them (a member whose loss went non-finite is skipped), then each
+    /// member's gradient norms and update.
+    fn minibatch(
+        trainers: &mut [&mut Trainer],
+        round: Round<'_>,
+        scored: &[Scored],
+        tallies: &mut [Tally],
+        recs: &mut [StepRecord],
+    ) {
+        let k = round.k;
+        let mut logits: Vec<Option<Vec<f32>>> = vec![None; scored.len()];
+        for (&m, l) in round.members.iter().zip(round.logits) {
+            logits[m] = Some(l);
+        }
+        let dlogits: Vec<Option<Vec<f32>>> = (
+            trainers.par_iter(),
+            scored,
+            logits,
+            tallies.par_iter_mut(),
+            recs.par_iter_mut(),
+        )
+            .into_par_iter()
+            .map(|(t, sc, l, y, rec)| l.and_then(|l| t.minibatch_loss(k, sc, &l, y, rec)))
+            .collect();
+        let inputs: Vec<Option<&[f32]>> = round
+            .members
+            .iter()
+            .map(|&m| dlogits[m].as_deref())
+            .collect();
+        let t_bwd = Instant::now();
+        let grads = round.batch.backward(&inputs);
+        let backward_time = t_bwd.elapsed().as_secs_f64();
+        let mut by_member: Vec<Option<Params>> = (0..scored.len()).map(|_| None).collect();
+        for (&m, g) in round.members.iter().zip(grads) {
+            by_member[m] = g;
+        }
+        (
+            trainers.par_iter_mut(),
+            by_member,
+            tallies.par_iter_mut(),
+            recs.par_iter_mut(),
+        )
+            .into_par_iter()
+            .for_each(|(t, g, y, rec)| {
+                if let Some(g) = g {
+                    y.backward_time += backward_time;
+                    y.backwards += 1;
+                    t.apply_gradients(&g, y, rec);
+                }
+            });
+    }
+
+    /// Minibatch `k`'s PPO-clipped loss of this member from its forward's `logits`; the dL/dlogits
+    /// its backward takes (in its layout's rows), or `None` when the loss is not finite: the
+    /// member then takes no more minibatches this step, and its run stops.
+    fn minibatch_loss(
+        &self,
+        k: usize,
+        sc: &Scored,
+        logits: &[f32],
+        y: &mut Tally,
+        rec: &mut StepRecord,
+    ) -> Option<Vec<f32>> {
+        let c = &self.config;
+        let (ro, mask, n_tok) = (&sc.ro, &sc.rows.mask, sc.rows.n_tok);
+        let (b, t_in, v) = (ro.b, ro.t - 1, self.params.config.vocab);
+        let groups = b / c.samples_per_prompt;
+        let seqs: Vec<usize> = (0..b)
+            .filter(|s| (s / c.samples_per_prompt) * y.minibatches / groups.max(1) == k)
+            .collect();
+        let (lp0, lp_ref) = (&y.lp0, &y.lp_ref);
+        let lp = token_logprobs(logits, ro, v);
+        // dL/dlogp per token, then through log-softmax.
+        let mut dlogp = vec![0.0f32; b * t_in * v];
+        let mut loss = 0.0f64;
+        for &s in &seqs {
+            for p in 0..t_in {
+                let r = s * t_in + p;
+                if !mask[r] {
+                    continue;
+                }
+                let a = sc.adv[s] as f64;
+                let ratio = ((lp[r] - lp0[r]) as f64).exp();
+                let w = match c.tis_cap {
+                    Some(cap) => {
+                        let iw = ((lp0[r] - ro.logprobs[s * ro.t + p + 1]) as f64).exp();
+                        y.tis_sum += iw.min(cap as f64);
+                        y.tis_clip += f64::from(u8::from(iw > cap as f64));
+                        iw.min(cap as f64)
+                    }
+                    None => 1.0,
+                };
+                let clipped = ratio.clamp(1.0 - c.clip_low as f64, 1.0 + c.clip_high as f64);
+                let unclipped_active = ratio * a <= clipped * a;
+                y.clip_n += f64::from(u8::from(!unclipped_active));
+                y.ppo_kl += ((lp0[r] - lp[r]) as f64).max(f64::MIN);
+                loss += -w * (ratio * a).min(clipped * a);
+                let mut g = if unclipped_active {
+                    -w * a * ratio
+                } else {
+                    0.0
+                };
+                if c.kl_coef > 0.0 {
+                    let d = (lp_ref[r] - lp[r]) as f64;
+                    loss += c.kl_coef as f64 * (d.exp() - 1.0 - d);
+                    g += c.kl_coef as f64 * (1.0 - d.exp());
+                }
+                let target = ro.tokens[s * ro.t + p + 1] as usize;
+                dlogp[r * v + target] = (g / n_tok) as f32;
+            }
+        }
+        y.loss_sum += loss / n_tok;
+        if !loss.is_finite() {
+            rec.events.push(Event {
+                step: self.step,
+                kind: "non_finite".into(),
+                site: "train/loss".into(),
+                layer: -1,
+                value: loss,
+                detail: "policy loss is not finite; update skipped and run stopped".into(),
+            });
+            y.diverged = true;
+            return None;
+        }
+        let logp_full = log_softmax(logits, b * t_in, v);
+        let mut dlogits = vec![0.0f32; b * t_in * v];
+        super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp_full, b * t_in, v);
+        Some(sc.rows.layout.fold(&dlogits, v))
+    }
+
+    /// This member's gradient norms per site and layer and overall (before clipping) and, when
+    /// they are finite, its clipped AdamW update.
+    fn apply_gradients(&mut self, grads: &Params, y: &mut Tally, rec: &mut StepRecord) {
+        let t_opt = Instant::now();
+        let mut sq_total = 0.0f64;
+        let mut finite = true;
+        // Each tensor's sum in element order (one task per tensor), combined in tensor order:
+        // the same bits whatever the thread count.
+        let named = grads.named_tensors();
+        let sums: Vec<f64> = named
+            .par_iter()
+            .map(|(_, g)| g.iter().map(|x| (*x as f64) * (*x as f64)).sum())
+            .collect();
+        for ((name, _), sq) in named.iter().zip(sums) {
+            finite &= sq.is_finite();
+            sq_total += sq;
+            *y.grad_norms.entry(site_of(name)).or_default() += sq;
+        }
+        let norm = sq_total.sqrt();
+        y.global_norm += norm / y.minibatches as f64;
+        if !finite {
+            rec.events.push(Event {
+                step: self.step,
+                kind: "non_finite".into(),
+                site: "train/grad_norm".into(),
+                layer: -1,
+                value: norm,
+                detail: "gradient has non-finite values; update skipped".into(),
+            });
+            return;
+        }
+        let clip = self.config.grad_clip as f64;
+        let scale = if norm > clip {
+            clip / (norm + 1e-6)
+        } else {
+            1.0
+        };
+        let (u, w) = self.adam_update(grads, scale as f32);
+        y.upd_sq += u;
+        y.w_sq = w;
+        y.optimizer_time += t_opt.elapsed().as_secs_f64();
+    }
+
+    /// This member's train metrics from its tally, and its per-site rows and spike events;
+    /// returns whether its loss went non-finite.
+    fn finish_train(&mut self, sc: &Scored, y: Tally, rec: &mut StepRecord) -> bool {
         // Where the train phase goes: forward (policy and reference side by side), backward,
         // gradient norms with the optimizer.
-        rec.set("perf/train_backward_time", backward_time);
-        rec.set("perf/optimizer_time", optimizer_time);
+        rec.set("perf/train_backward_time", y.backward_time);
+        rec.set("perf/optimizer_time", y.optimizer_time);
         // The step's matrix arithmetic: the rollout's decoded rows and these passes (the held-out
         // evaluation's decode is left out).
-        let (fwd_rows, bwd_rows) = (layout.rows() * forwards, layout.rows() * backwards);
+        let rows = sc.rows.layout.rows();
+        let (fwd_rows, bwd_rows) = (rows * y.forwards, rows * y.backwards);
         rec.set(
             "perf/gemm_flops",
-            cost::gemm_flops(&cfg, ro.decoded_rows + fwd_rows, bwd_rows),
+            cost::gemm_flops(&self.params.config, sc.ro.decoded_rows + fwd_rows, bwd_rows),
         );
-        rec.set("train/loss", loss_sum);
-        rec.set("train/pg_clipfrac", clip_n / n_tok);
-        rec.set("train/ppo_kl", ppo_kl / n_tok);
-        if c.tis_cap.is_some() {
-            rec.set("train/tis", tis_sum / n_tok);
-            rec.set("train/tis_clipfrac", tis_clip / n_tok);
+        let n_tok = sc.rows.n_tok;
+        rec.set("train/loss", y.loss_sum);
+        rec.set("train/pg_clipfrac", y.clip_n / n_tok);
+        rec.set("train/ppo_kl", y.ppo_kl / n_tok);
+        if self.config.tis_cap.is_some() {
+            rec.set("train/tis", y.tis_sum / n_tok);
+            rec.set("train/tis_clipfrac", y.tis_clip / n_tok);
         }
-        rec.set("train/grad_norm", global_norm);
+        rec.set("train/grad_norm", y.global_norm);
         rec.set(
             "train/update_weight_ratio",
-            (upd_sq / w_sq.max(1e-30)).sqrt(),
+            (y.upd_sq / y.w_sq.max(1e-30)).sqrt(),
         );
-        let (sat, under) = quant.values().fold((0u64, 0u64), |(a, b), s| {
+        let (sat, under) = y.quant.values().fold((0u64, 0u64), |(a, b), s| {
             (a + s.saturated, b + s.underflowed)
         });
         rec.set("quant/saturated", sat as f64);
         rec.set("quant/underflowed", under as f64);
-        self.record_layers(rec, &grad_norms, &quant);
-        diverged
+        self.record_layers(rec, &y.grad_norms, &y.quant);
+        y.diverged
+    }
+
+    /// Held-out accuracy of the members due for it (not diverged, on an evaluation step), one
+    /// batched greedy decode of their newest exports.
+    fn evaluate_due(
+        trainers: &[&mut Trainer],
+        be: &dyn Backend,
+        diverged: &[bool],
+        recs: &mut [StepRecord],
+    ) {
+        let due: Vec<usize> = (0..trainers.len())
+            .filter(|&m| {
+                let (t, every) = (&trainers[m], trainers[m].config.eval_every);
+                !diverged[m] && every > 0 && t.step.is_multiple_of(every)
+            })
+            .collect();
+        let Some(&first) = due.first() else {
+            return;
+        };
+        let members: Vec<(&PreparedModel, u64)> = due
+            .iter()
+            .map(|&m| (trainers[m].newest_and_sampled().0, trainers[m].seed))
+            .collect();
+        let (task, c) = (trainers[first].task, &trainers[first].config);
+        let accuracy = evaluate_batch(be, task, c.eval_prompts, c.max_response_tokens, &members);
+        for (&m, a) in due.iter().zip(accuracy) {
+            recs[m].set("eval/accuracy", a);
+        }
     }
 
     /// Per-site rows and spike events.
@@ -744,20 +969,173 @@ impl Trainer {
     }
 }
 
-/// The trainer's policy forward over `layout`'s rows: logits of every sequence position, [B·T, V]
-/// sequence-major, and the backend's pass that holds the forward's cache for the backward.
-fn policy_forward<'a>(
-    be: &'a dyn Backend,
-    prep: &'a PreparedModel,
-    rows: &[u32],
-    layout: &Layout,
-    replay: Option<&Routing>,
-) -> (Vec<f32>, Box<dyn TrainPass + 'a>) {
-    let pass = be
-        .train_forward(prep, rows, layout, replay)
-        .unwrap_or_else(|e| panic!("{}: training forward failed: {e}", be.name()));
-    let v = prep.config.vocab;
-    (layout.unpack(pass.logits(), v), pass)
+/// What the members of one [`Trainer::step_batch`] share, so that each of their device passes
+/// has one shape: the model, the task, and the rollout's and the evaluation's sizes. Recipes,
+/// seeds, contract breaks and the optimizer's and the loop's settings (learning rate,
+/// minibatches, policy lag, when to evaluate) may differ from member to member.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchShape {
+    pub model: ModelConfig,
+    pub task: Task,
+    pub prompts_per_step: usize,
+    pub samples_per_prompt: usize,
+    pub max_response_tokens: usize,
+    pub temperature: f32,
+    pub eval_prompts: usize,
+}
+
+impl BatchShape {
+    pub fn new(model: &ModelConfig, task: Task, grpo: &GrpoConfig) -> BatchShape {
+        BatchShape {
+            model: model.clone(),
+            task,
+            prompts_per_step: grpo.prompts_per_step,
+            samples_per_prompt: grpo.samples_per_prompt,
+            max_response_tokens: grpo.max_response_tokens,
+            temperature: grpo.temperature,
+            eval_prompts: grpo.eval_prompts,
+        }
+    }
+}
+
+/// One member's rollout, scored, with the rows its training reads: fixed for the rest of its step.
+struct Scored {
+    ro: Rollout,
+    /// The trainer's own quantized weights: its first forward runs on them.
+    prep: PreparedModel,
+    adv: Vec<f32>,
+    rows: TrainRows,
+}
+
+/// The rows a member's forwards run over this step, the same for all its minibatches.
+struct TrainRows {
+    layout: Layout,
+    /// The rollout's input tokens in `layout`'s rows.
+    rows: Vec<u32>,
+    /// The rollout's routing in `layout`'s rows, under routing replay.
+    replay: Option<Routing>,
+    /// Response positions of the `[B, T-1]` inputs: the tokens the loss and metrics count.
+    mask: Vec<bool>,
+    /// How many there are (at least 1).
+    n_tok: f64,
+}
+
+impl TrainRows {
+    fn new(ro: &Rollout, c: &GrpoConfig) -> TrainRows {
+        let (b, t_in) = (ro.b, ro.t - 1);
+        let inputs = ro.tokens_inputs();
+        // The samples of a group share their prompt: its rows are computed once; a sample keeps no
+        // row past the one that predicts its last token (see `layout`).
+        let used: Vec<usize> = (0..b)
+            .map(|s| {
+                (ro.prompt_len + ro.response_len[s])
+                    .saturating_sub(1)
+                    .min(t_in)
+            })
+            .collect();
+        let layout = Layout::shared_prefix(
+            &inputs,
+            b,
+            t_in,
+            c.samples_per_prompt,
+            ro.prompt_len,
+            Some(&used),
+        );
+        let rows = layout.pack(&inputs, 1);
+        let replay = (c.routing_replay && ro.routing.n_tokens == b * t_in)
+            .then(|| pack_routing(&layout, &ro.routing));
+        let mask: Vec<bool> = (0..b * t_in)
+            .map(|r| ro.is_response(r / t_in, r % t_in + 1))
+            .collect();
+        let n_tok = mask.iter().filter(|m| **m).count().max(1) as f64;
+        TrainRows {
+            layout,
+            rows,
+            replay,
+            mask,
+            n_tok,
+        }
+    }
+
+    /// A forward of `prep` over these rows.
+    fn item<'a>(&'a self, prep: &'a PreparedModel) -> ForwardItem<'a> {
+        ForwardItem {
+            prep,
+            tokens: &self.rows,
+            layout: &self.layout,
+            replay: self.replay.as_ref(),
+        }
+    }
+}
+
+/// A member's sums over its minibatches, and what its first forward measured.
+#[derive(Default)]
+struct Tally {
+    /// Old policy logprobs (the first forward's) and the BF16 reference's, `[B·(T-1)]`.
+    lp0: Vec<f32>,
+    lp_ref: Vec<f32>,
+    quant: BTreeMap<(String, i64), QuantStats>,
+    /// Minibatches this step (whole groups each).
+    minibatches: usize,
+    /// The loss went non-finite: no more minibatches this step.
+    diverged: bool,
+    clip_n: f64,
+    ppo_kl: f64,
+    tis_sum: f64,
+    tis_clip: f64,
+    loss_sum: f64,
+    grad_norms: BTreeMap<(String, i64), f64>,
+    global_norm: f64,
+    upd_sq: f64,
+    w_sq: f64,
+    backward_time: f64,
+    optimizer_time: f64,
+    /// Forwards over the member's rows (the reference's included) and backwards, for the step's
+    /// GEMM work.
+    forwards: usize,
+    backwards: usize,
+}
+
+impl Tally {
+    /// Whether the member takes minibatch `k`.
+    fn in_round(&self, k: usize) -> bool {
+        !self.diverged && k < self.minibatches
+    }
+}
+
+/// One minibatch's batched forward: member `members[j]` is the batch's member `j`, its logits
+/// unpacked to sequence-major `[B·(T-1), V]` in `logits[j]`.
+struct Round<'b> {
+    k: usize,
+    batch: &'b dyn TrainBatch,
+    members: &'b [usize],
+    logits: Vec<Vec<f32>>,
+}
+
+/// The trainer's policy forward of several members, kept for their backward.
+fn policy_forward<'a>(be: &'a dyn Backend, items: &[ForwardItem<'a>]) -> Box<dyn TrainBatch + 'a> {
+    be.train_forward_batch(items)
+        .unwrap_or_else(|e| panic!("{}: training forward failed: {e}", be.name()))
+}
+
+/// The logits of `batch`'s members (member `members[j]` at index `j`), sequence-major.
+fn unpack_logits(
+    batch: &dyn TrainBatch,
+    members: &[usize],
+    scored: &[Scored],
+    v: usize,
+) -> Vec<Vec<f32>> {
+    members
+        .iter()
+        .enumerate()
+        .map(|(j, &m)| scored[m].rows.layout.unpack(batch.logits(j), v))
+        .collect()
+}
+
+fn set_each(recs: &mut [StepRecord], key: &str, v: f64) {
+    for r in recs {
+        r.set(key, v);
+    }
 }
 
 /// The rollout's routing record (sequence-major) in the rows of `layout`.
@@ -782,10 +1160,42 @@ pub fn evaluate(
     max_new: usize,
     seed: u64,
 ) -> f64 {
-    let problems = task.sample(Split::Eval, count, seed);
-    let prompts: Vec<Vec<u32>> = problems.iter().map(|p| p.prompt.clone()).collect();
-    let ro = rollout::generate(be, prep, &prompts, 1, max_new, 0.0, 0);
-    mean((0..ro.b).map(|s| task.reward(&problems[s], ro.response(s)) as f64))
+    evaluate_batch(be, task, count, max_new, &[(prep, seed)])[0]
+}
+
+/// [`evaluate`] of several models, each on the evaluation prompts of its own seed, decoded
+/// together (one batched greedy decode).
+pub fn evaluate_batch(
+    be: &dyn Backend,
+    task: Task,
+    count: usize,
+    max_new: usize,
+    members: &[(&PreparedModel, u64)],
+) -> Vec<f64> {
+    let problems: Vec<Vec<Problem>> = members
+        .iter()
+        .map(|(_, seed)| task.sample(Split::Eval, count, *seed))
+        .collect();
+    let prompts: Vec<Vec<Vec<u32>>> = problems
+        .iter()
+        .map(|ps| ps.iter().map(|p| p.prompt.clone()).collect())
+        .collect();
+    let items: Vec<RolloutItem> = members
+        .iter()
+        .zip(&prompts)
+        .map(|((prep, _), prompts)| RolloutItem {
+            prep,
+            prompts,
+            seed: 0,
+        })
+        .collect();
+    rollout::generate_batch(be, &items, 1, max_new, 0.0)
+        .iter()
+        .zip(&problems)
+        .map(|(ro, problems)| {
+            mean((0..ro.b).map(|s| task.reward(&problems[s], ro.response(s)) as f64))
+        })
+        .collect()
 }
 
 /// Validate a training setup without running it (model, lengths, recipe, every site's blocks).
@@ -1008,5 +1418,210 @@ mod tests {
         assert_eq!(rp.layers[0].experts_fc1.act_scale, SecondScale::PerTensor);
         assert_eq!(rp.layers[0].linear_qkv, plan.layers[0].linear_qkv);
         assert_eq!(rollout_plan(&plan, ContractBreak::None), plan);
+    }
+
+    /// A tiny model trained a little on the task, so rewards (and advantages) are not all zero.
+    fn warm() -> &'static Params {
+        static INIT: std::sync::OnceLock<Params> = std::sync::OnceLock::new();
+        INIT.get_or_init(|| {
+            let ws = crate::engine::warmstart::WarmStartConfig {
+                max_steps: 4000,
+                target_accuracy: 0.15,
+                eval_prompts: 16,
+                ..Default::default()
+            };
+            let be = crate::engine::backend::CpuBackend;
+            crate::engine::warmstart::warm_start(
+                &be,
+                &ModelConfig::tiny(),
+                Task::Add(2),
+                &ws,
+                None,
+                |_| {},
+            )
+            .unwrap()
+            .0
+        })
+    }
+
+    /// Three trainers of one batch shape whose recipes, seeds and loop settings differ: more
+    /// minibatches, a KL term and a lagged rollout, evaluation on other steps.
+    fn three() -> Vec<Trainer> {
+        let task = Task::Add(2);
+        let base = GrpoConfig {
+            prompts_per_step: 4,
+            samples_per_prompt: 4,
+            max_response_tokens: task.answer_len() + 2,
+            eval_every: 2,
+            eval_prompts: 8,
+            ..Default::default()
+        };
+        let members = [
+            (
+                "bf16",
+                11,
+                GrpoConfig {
+                    minibatches: 2,
+                    ..base.clone()
+                },
+            ),
+            (
+                "mxfp8",
+                12,
+                GrpoConfig {
+                    kl_coef: 0.1,
+                    policy_lag: 1,
+                    ..base.clone()
+                },
+            ),
+            (
+                "nvfp4-dq",
+                13,
+                GrpoConfig {
+                    minibatches: 4,
+                    tis_cap: None,
+                    eval_every: 3,
+                    ..base
+                },
+            ),
+        ];
+        members
+            .into_iter()
+            .map(|(recipe, seed, grpo)| {
+                let r = crate::recipe::presets::preset(recipe).unwrap();
+                Trainer::new(warm().clone(), task, r, grpo, seed, ContractBreak::None).unwrap()
+            })
+            .collect()
+    }
+
+    /// All a record holds but its wall-clock times, values as bits (a NaN equals itself).
+    type Content = (usize, BTreeMap<String, u64>, Vec<String>, Vec<String>);
+
+    fn content(r: &StepRecord) -> Content {
+        let layers = r.layers.iter().map(|l| {
+            let bits = l.grad_norm.to_bits();
+            format!(
+                "{} {} {} {bits} {} {}",
+                l.site, l.layer, l.precision, l.saturated, l.underflowed
+            )
+        });
+        let events = r.events.iter().map(|e| {
+            let bits = e.value.to_bits();
+            format!(
+                "{} {} {} {} {bits} {}",
+                e.step, e.kind, e.site, e.layer, e.detail
+            )
+        });
+        (
+            r.step,
+            r.deterministic_scalars(),
+            layers.collect(),
+            events.collect(),
+        )
+    }
+
+    /// Every weight's bits.
+    fn weights(t: &Trainer) -> Vec<u32> {
+        t.params
+            .named_tensors()
+            .iter()
+            .flat_map(|(_, w)| w.iter().map(|x| x.to_bits()))
+            .collect()
+    }
+
+    /// Step each of `trainers` alone `steps` times.
+    fn alone(trainers: &mut [Trainer], steps: usize) -> Vec<Vec<Content>> {
+        let be = crate::engine::backend::CpuBackend;
+        trainers
+            .iter_mut()
+            .map(|t| (0..steps).map(|_| content(&t.step(&be))).collect())
+            .collect()
+    }
+
+    /// Step the `members` of `trainers` together once; their records by member.
+    fn together(trainers: &mut [Trainer], members: &[usize]) -> Vec<Content> {
+        let mut batch: Vec<&mut Trainer> = trainers
+            .iter_mut()
+            .enumerate()
+            .filter(|(m, _)| members.contains(m))
+            .map(|(_, t)| t)
+            .collect();
+        let be = crate::engine::backend::CpuBackend;
+        Trainer::step_batch(&mut batch, &be)
+            .iter()
+            .map(content)
+            .collect()
+    }
+
+    #[test]
+    fn runs_stepped_together_record_what_each_records_alone() {
+        let steps = 4;
+        let mut solo = three();
+        let want = alone(&mut solo, steps);
+        let mut batch = three();
+        let mut got = vec![Vec::new(); 3];
+        for _ in 0..steps {
+            for (m, rec) in together(&mut batch, &[0, 1, 2]).into_iter().enumerate() {
+                got[m].push(rec);
+            }
+        }
+        for m in 0..3 {
+            assert_eq!(got[m], want[m], "member {m}");
+            assert_eq!(
+                weights(&batch[m]),
+                weights(&solo[m]),
+                "member {m}'s weights"
+            );
+        }
+        // The members' records differ, so a member given another's work would show; and the
+        // steps measured what they are about (rewards, updates, evaluations on their own steps).
+        let scalar = |m: usize, step: usize, key: &str| want[m][step].1.get(key).copied();
+        assert_ne!(want[0], want[1]);
+        assert_ne!(want[1], want[2]);
+        // (Without a KL term, a gradient comes from non-zero advantages only.)
+        let learned = |m: usize| (0..steps).any(|s| scalar(m, s, "train/grad_norm") != Some(0));
+        assert!(learned(0) && learned(2), "advantages were all zero");
+        assert!(scalar(0, 2, "eval/accuracy").is_some() && scalar(0, 3, "eval/accuracy").is_none());
+        assert!(scalar(2, 3, "eval/accuracy").is_some() && scalar(2, 2, "eval/accuracy").is_none());
+        assert!((0..3).all(|m| scalar(m, 1, "train/update_weight_ratio") != Some(0)));
+    }
+
+    #[test]
+    fn a_diverging_run_leaves_the_others_it_is_stepped_with_as_they_are_alone() {
+        // A NaN in one member's output layer: its first loss is not finite.
+        let poisoned = || {
+            let mut t = three();
+            for (name, w) in t[1].params.named_tensors_mut() {
+                if name == "output_layer.weight" {
+                    w[5] = f32::NAN;
+                }
+            }
+            t
+        };
+        let steps = 3;
+        let mut solo = poisoned();
+        let want = alone(&mut solo[..1], steps)
+            .into_iter()
+            .chain(alone(&mut solo[1..2], 1))
+            .chain(alone(&mut solo[2..], steps))
+            .collect::<Vec<_>>();
+        let diverged = |c: &Content| c.3.iter().any(|e| e.contains("non_finite train/loss"));
+        assert!(diverged(&want[1][0]));
+        assert!(!want[0].iter().chain(&want[2]).any(diverged));
+        // Step 0 together; then the diverged run drops out (as a sweep drops it) and the
+        // others go on together.
+        let mut batch = poisoned();
+        let first = together(&mut batch, &[0, 1, 2]);
+        assert_eq!(first[1], want[1][0], "the diverged run's record");
+        let mut got = [vec![first[0].clone()], vec![first[2].clone()]];
+        for _ in 1..steps {
+            for (i, rec) in together(&mut batch, &[0, 2]).into_iter().enumerate() {
+                got[i].push(rec);
+            }
+        }
+        assert_eq!(got[0], want[0]);
+        assert_eq!(got[1], want[2]);
+        assert_eq!(weights(&batch[0]), weights(&solo[0]));
+        assert_eq!(weights(&batch[2]), weights(&solo[2]));
     }
 }

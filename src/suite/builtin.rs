@@ -1,7 +1,9 @@
 //! One configuration and seed, end to end: warm start (cached), precision conversion, GRPO steps,
 //! and the run folder the run store holds. A non-finite loss stops the run with status `diverged`
 //! and its events recorded; a panic inside the engine becomes status `failed` — neither takes the
-//! process (or a sweep) down.
+//! process (or a sweep) down. Several runs of one shape can run as one batch
+//! ([`run_batch_until`]), stepped together through the device's batched passes; each run's folder
+//! is what it would be alone.
 
 use crate::engine::backend::Backend;
 use crate::engine::metrics::StepRecord;
@@ -97,7 +99,7 @@ pub fn run_one(
 }
 
 /// [`run_one`], checking `stop` before every step: when it names a signal, the run ends there with
-/// status `interrupted` and the steps so far written.
+/// status `interrupted` and the steps so far written. A batch of one ([`run_batch_until`]).
 pub fn run_one_until(
     be: &dyn Backend,
     cfg: &RunConfig,
@@ -107,11 +109,157 @@ pub fn run_one_until(
     mut on_step: impl FnMut(&StepRecord),
     stop: &dyn Fn() -> Option<i32>,
 ) -> Result<Manifest, IoError> {
+    let run = BatchRun {
+        cfg,
+        run_id,
+        out,
+        on_step: &mut on_step,
+    };
+    let mut ended = None;
+    run_batch_until(be, vec![run], cache, stop, &mut |_, result| {
+        ended = Some(result)
+    });
+    ended.expect("every run of a batch ends")
+}
+
+/// One run of [`run_batch_until`]: what [`run_one_until`] takes for it.
+pub struct BatchRun<'a> {
+    pub cfg: &'a RunConfig,
+    pub run_id: &'a str,
+    pub out: &'a Path,
+    pub on_step: &'a mut dyn FnMut(&StepRecord),
+}
+
+/// Several runs stepped together ([`Trainer::step_batch`]: one batched device call per pass),
+/// each into its own folder exactly as [`run_one_until`] would write it alone: its own warm
+/// start (through the shared `cache`), manifest, log, metrics and status. A run that diverges,
+/// finishes its steps or cannot start leaves the batch and the others go on; `stop` naming a
+/// signal ends every run still stepping as `interrupted`; a panic in a batched step (a device
+/// failure) fails every run still stepping, with its message. `on_end(i, result)` is called as
+/// run `i` ends, with what [`run_one_until`] would have returned for it. The runs must share a
+/// [`BatchShape`](crate::engine::trainer::BatchShape) (runs that do not fail at their first step).
+pub fn run_batch_until(
+    be: &dyn Backend,
+    runs: Vec<BatchRun<'_>>,
+    cache: Option<&Path>,
+    stop: &dyn Fn() -> Option<i32>,
+    on_end: &mut dyn FnMut(usize, Result<Manifest, IoError>),
+) {
+    let mut live = Vec::new();
+    for (index, run) in runs.into_iter().enumerate() {
+        match start(be, index, run, cache) {
+            Ok(Start::Ready(l)) => live.push(*l),
+            Ok(Start::Failed(m)) => on_end(index, Ok(*m)),
+            Err(e) => on_end(index, Err(e)),
+        }
+    }
+    loop {
+        let (done, stepping): (Vec<Live>, Vec<Live>) = live
+            .into_iter()
+            .partition(|l| l.records.len() >= l.run.cfg.steps);
+        for l in done {
+            l.end(RunStatus::Ok, None, on_end);
+        }
+        live = stepping;
+        if live.is_empty() {
+            return;
+        }
+        if let Some(sig) = stop() {
+            for l in live {
+                let step = l.records.len();
+                let why =
+                    format!("interrupted by signal {sig} before step {step}; rerun to redo it");
+                l.end(RunStatus::Interrupted, Some(why), on_end);
+            }
+            return;
+        }
+        let stepped =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(be, &mut live)));
+        match stepped {
+            Ok(diverged) => {
+                let mut next = Vec::new();
+                for (l, diverged) in live.into_iter().zip(diverged) {
+                    if diverged {
+                        l.end(RunStatus::Diverged, None, on_end);
+                    } else {
+                        next.push(l);
+                    }
+                }
+                live = next;
+            }
+            Err(p) => {
+                let why = panic_message(p.as_ref());
+                for l in live {
+                    l.end(RunStatus::Failed, Some(why.clone()), on_end);
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// A run of a batch that is stepping.
+struct Live<'a> {
+    index: usize,
+    run: BatchRun<'a>,
+    dir: RunDir,
+    manifest: Manifest,
+    trainer: Trainer,
+    records: Vec<StepRecord>,
+}
+
+impl Live<'_> {
+    /// Write the run's metrics and final manifest, and report it ended.
+    fn end(
+        mut self,
+        status: RunStatus,
+        error: Option<String>,
+        on_end: &mut dyn FnMut(usize, Result<Manifest, IoError>),
+    ) {
+        let written = finish(&self.dir, &mut self.manifest, &self.records, status, error);
+        on_end(self.index, written.map(|()| self.manifest));
+    }
+}
+
+/// Record a run's end: its metrics, then its manifest (written last: it is what says the run is
+/// finished).
+fn finish(
+    dir: &RunDir,
+    manifest: &mut Manifest,
+    records: &[StepRecord],
+    status: RunStatus,
+    error: Option<String>,
+) -> Result<(), IoError> {
+    dir.write_metrics(records)?;
+    manifest.status = status;
+    manifest.error = error;
+    manifest.steps_done = records.len();
+    manifest.finished = Some(crate::store::run::now_utc());
+    dir.write_manifest(manifest)
+}
+
+/// How starting a run went.
+enum Start<'a> {
+    /// Ready to step.
+    Ready(Box<Live<'a>>),
+    /// Failed before its first step (in its warm start, or making its trainer): its final
+    /// manifest, written.
+    Failed(Box<Manifest>),
+}
+
+/// Start a run: its folder and first manifest, its warm start, its trainer.
+fn start<'a>(
+    be: &dyn Backend,
+    index: usize,
+    run: BatchRun<'a>,
+    cache: Option<&Path>,
+) -> Result<Start<'a>, IoError> {
+    let (cfg, out) = (run.cfg, run.out);
     let dir = RunDir::create(out)?;
     let config_json =
         serde_json::to_value(cfg).map_err(|e| IoError::invalid(out, e.to_string()))?;
     let mut manifest = Manifest::start(
-        run_id,
+        run.run_id,
         "builtin",
         config_json,
         cfg.seed,
@@ -136,59 +284,59 @@ pub fn run_one_until(
             manifest.error = Some(format!("warm start: {}", panic_message(p.as_ref())));
             manifest.finished = Some(crate::store::run::now_utc());
             dir.write_manifest(&manifest)?;
-            return Ok(manifest);
+            return Ok(Start::Failed(Box::new(manifest)));
         }
     };
     manifest.extra.insert(
         "warm_start".into(),
         serde_json::to_value(&ws).unwrap_or_default(),
     );
-    let mut records: Vec<StepRecord> = Vec::new();
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-        || -> Result<RunStatus, (RunStatus, String)> {
-            let mut trainer = Trainer::new(
-                init,
-                cfg.task,
-                cfg.recipe.clone(),
-                cfg.grpo.clone(),
-                cfg.seed,
-                cfg.contract_break,
-            )
-            .map_err(|e| (RunStatus::Failed, e.to_string()))?;
-            for step in 0..cfg.steps {
-                if let Some(sig) = stop() {
-                    return Err((
-                        RunStatus::Interrupted,
-                        format!("interrupted by signal {sig} before step {step}; rerun to redo it"),
-                    ));
-                }
-                let rec = trainer.step(be);
-                let diverged = rec
-                    .events
-                    .iter()
-                    .any(|e| e.kind == "non_finite" && e.site == "train/loss");
-                dir.log(&step_line(&rec));
-                on_step(&rec);
-                records.push(rec);
-                if diverged {
-                    return Ok(RunStatus::Diverged);
-                }
-            }
-            Ok(RunStatus::Ok)
-        },
-    ));
-    let (status, error) = match outcome {
-        Ok(Ok(s)) => (s, None),
-        Ok(Err((status, why))) => (status, Some(why)),
-        Err(p) => (RunStatus::Failed, Some(panic_message(p.as_ref()))),
-    };
-    dir.write_metrics(&records)?;
-    manifest.status = status;
-    manifest.error = error;
-    manifest.steps_done = records.len();
-    manifest.finished = Some(crate::store::run::now_utc());
-    dir.write_manifest(&manifest)?;
-    Ok(manifest)
+    let trainer = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Trainer::new(
+            init,
+            cfg.task,
+            cfg.recipe.clone(),
+            cfg.grpo.clone(),
+            cfg.seed,
+            cfg.contract_break,
+        )
+        .map_err(|e| e.to_string())
+    }))
+    .unwrap_or_else(|p| Err(panic_message(p.as_ref())));
+    match trainer {
+        Ok(trainer) => Ok(Start::Ready(Box::new(Live {
+            index,
+            run,
+            dir,
+            manifest,
+            trainer,
+            records: Vec::new(),
+        }))),
+        Err(why) => {
+            finish(&dir, &mut manifest, &[], RunStatus::Failed, Some(why))?;
+            Ok(Start::Failed(Box::new(manifest)))
+        }
+    }
+}
+
+/// One step of every run in `live`, together; each run's step logged, reported and kept.
+/// Returns which runs diverged (their loss went non-finite).
+fn step(be: &dyn Backend, live: &mut [Live<'_>]) -> Vec<bool> {
+    let mut trainers: Vec<&mut Trainer> = live.iter_mut().map(|l| &mut l.trainer).collect();
+    let recs = Trainer::step_batch(&mut trainers, be);
+    live.iter_mut()
+        .zip(recs)
+        .map(|(l, rec)| {
+            let diverged = rec
+                .events
+                .iter()
+                .any(|e| e.kind == "non_finite" && e.site == "train/loss");
+            l.dir.log(&step_line(&rec));
+            (l.run.on_step)(&rec);
+            l.records.push(rec);
+            diverged
+        })
+        .collect()
 }
 
 /// `engine panicked: <message>` for a caught panic's payload.
@@ -235,6 +383,7 @@ pub fn default_cache() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::device::OpError;
 
     fn config(recipe: Recipe) -> RunConfig {
         RunConfig {
@@ -319,5 +468,148 @@ mod tests {
         let per_layer = 2.0 * n - (n * 9.0 / 16.0 + 8.0);
         let diff = bf16_shared.weight_bytes().unwrap() - fp4_shared.weight_bytes().unwrap();
         assert!((diff - layers as f64 * per_layer).abs() < 1e-6, "{diff}");
+    }
+
+    /// A tiny run of `steps` steps of `recipe` under `seed`.
+    fn tiny(recipe: &str, seed: u64, steps: usize) -> RunConfig {
+        let mut cfg = config(crate::recipe::presets::preset(recipe).unwrap());
+        cfg.model = ModelConfig::tiny();
+        cfg.task = Task::Add(2);
+        cfg.seed = seed;
+        cfg.steps = steps;
+        cfg.warm_start.max_steps = 10;
+        cfg.warm_start.eval_prompts = 8;
+        cfg.grpo = GrpoConfig {
+            prompts_per_step: 2,
+            max_response_tokens: 5,
+            eval_every: 0,
+            ..GrpoConfig::default()
+        };
+        cfg
+    }
+
+    /// Run `cfgs` as one batch into `root/<i>`; each run's manifest.
+    fn batch(
+        be: &dyn Backend,
+        cfgs: &[RunConfig],
+        root: &Path,
+        stop: &dyn Fn() -> Option<i32>,
+    ) -> Vec<Manifest> {
+        let outs: Vec<PathBuf> = (0..cfgs.len()).map(|i| root.join(i.to_string())).collect();
+        let mut on_steps: Vec<_> = cfgs.iter().map(|_| |_: &StepRecord| {}).collect();
+        let runs = cfgs
+            .iter()
+            .zip(&outs)
+            .zip(&mut on_steps)
+            .map(|((cfg, out), on_step)| BatchRun {
+                cfg,
+                run_id: "r",
+                out,
+                on_step,
+            })
+            .collect();
+        let mut ended: Vec<Option<Manifest>> = vec![None; cfgs.len()];
+        let cache = root.join("cache");
+        run_batch_until(be, runs, Some(&cache), stop, &mut |i, m| {
+            ended[i] = Some(m.unwrap())
+        });
+        ended.into_iter().map(|m| m.expect("ended")).collect()
+    }
+
+    #[test]
+    fn a_signal_stops_every_run_of_a_batch_at_its_own_step() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfgs = [tiny("bf16", 1, 1), tiny("bf16", 2, 4), tiny("mxfp8", 3, 4)];
+        let asked = std::cell::Cell::new(0);
+        // The signal comes after the batch's second step.
+        let stop = || {
+            asked.set(asked.get() + 1);
+            (asked.get() > 2).then_some(15)
+        };
+        let be = crate::engine::backend::CpuBackend;
+        let ms = batch(&be, &cfgs, tmp.path(), &stop);
+        assert_eq!((ms[0].status, ms[0].steps_done), (RunStatus::Ok, 1));
+        for m in &ms[1..] {
+            assert_eq!((m.status, m.steps_done), (RunStatus::Interrupted, 2));
+            assert_eq!(
+                m.error.as_deref(),
+                Some("interrupted by signal 15 before step 2; rerun to redo it")
+            );
+        }
+        let steps = RunDir::open(&tmp.path().join("2")).read_scalars().unwrap();
+        assert_eq!(steps.len(), 2, "the steps so far are written");
+    }
+
+    /// The CPU backend, but a batched training forward of more than one run fails, as a
+    /// device fault in a batched pass would.
+    struct FailsBatches;
+
+    impl Backend for FailsBatches {
+        fn name(&self) -> String {
+            "cpu-failing-batches".into()
+        }
+        fn decoder<'a>(
+            &'a self,
+            prep: &'a crate::engine::model::PreparedModel,
+            seqs: usize,
+            positions: usize,
+        ) -> Result<Box<dyn crate::engine::rollout::Decoder + 'a>, OpError> {
+            crate::engine::backend::CpuBackend.decoder(prep, seqs, positions)
+        }
+        fn forward_logits(
+            &self,
+            prep: &crate::engine::model::PreparedModel,
+            tokens: &[u32],
+            layout: &crate::engine::layout::Layout,
+            replay: Option<&crate::engine::model::Routing>,
+        ) -> Result<Vec<f32>, OpError> {
+            crate::engine::backend::CpuBackend.forward_logits(prep, tokens, layout, replay)
+        }
+        fn train_forward<'a>(
+            &'a self,
+            prep: &'a crate::engine::model::PreparedModel,
+            tokens: &[u32],
+            layout: &crate::engine::layout::Layout,
+            replay: Option<&crate::engine::model::Routing>,
+        ) -> Result<Box<dyn crate::engine::model::TrainPass + 'a>, OpError> {
+            crate::engine::backend::CpuBackend.train_forward(prep, tokens, layout, replay)
+        }
+        fn train_forward_batch<'a>(
+            &'a self,
+            items: &[crate::engine::backend::ForwardItem<'a>],
+        ) -> Result<Box<dyn crate::engine::backend::TrainBatch + 'a>, OpError> {
+            if items.len() > 1 {
+                return Err(OpError::Device("planted fault".into()));
+            }
+            let passes = items
+                .iter()
+                .map(|i| self.train_forward(i.prep, i.tokens, i.layout, i.replay))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(Box::new(crate::engine::backend::LoopBatch(passes)))
+        }
+    }
+
+    #[test]
+    fn a_failed_batched_pass_fails_every_run_of_the_batch_with_its_message() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfgs = [tiny("bf16", 1, 2), tiny("nvfp4-dq", 2, 2)];
+        let ms = batch(&FailsBatches, &cfgs, tmp.path(), &|| None);
+        for m in &ms {
+            assert_eq!((m.status, m.steps_done), (RunStatus::Failed, 0));
+            let e = m.error.as_deref().unwrap_or_default();
+            assert!(
+                e.contains("cpu-failing-batches: training forward failed")
+                    && e.contains("planted fault"),
+                "{e}"
+            );
+        }
+        // Alone, the same run computes.
+        let alone = batch(
+            &FailsBatches,
+            &cfgs[..1],
+            &tmp.path().join("alone"),
+            &|| None,
+        );
+        assert_eq!((alone[0].status, alone[0].steps_done), (RunStatus::Ok, 2));
     }
 }

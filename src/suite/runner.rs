@@ -5,13 +5,15 @@
 //! Two processes on one store coordinate through per-run lock files (`<run-id>.lock`, a
 //! [`PidLock`]: a lock whose process is gone is taken over).
 
+use super::builtin::{BatchRun, run_batch_until};
 use super::plan::RunSpec;
 use super::spec::SuiteSpec;
 use crate::engine::backend::Backend;
 use crate::engine::metrics::StepRecord;
+use crate::engine::trainer::BatchShape;
 use crate::io::IoError;
 use crate::io::lock::PidLock;
-use crate::store::{RunDir, RunStatus};
+use crate::store::{Manifest, RunDir, RunStatus};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -30,6 +32,10 @@ pub struct RunnerOptions {
     /// one pool stall each other's host phases: on an H200 with 8 workers, every phase of a step
     /// took 5x its one-worker time.
     pub threads_per_worker: Option<usize>,
+    /// Runs a worker steps together, one batched device call per pass for all of them
+    /// ([`crate::engine::trainer::Trainer::step_batch`]; built-in engine only); `None`, what the
+    /// device says suits it ([`Backend::batch_runs`]: 1 on the CPU). 1 runs each run alone.
+    pub batch_runs: Option<usize>,
 }
 
 /// What the runner tells its progress display.
@@ -190,7 +196,9 @@ pub fn unplanned_runs(root: &Path, runs: &[RunSpec]) -> Vec<String> {
 /// `backends[w % backends.len()]`, so a sweep spreads over every device it is given (one backend
 /// per GPU; with more workers than GPUs, several workers share a GPU). A device that stops
 /// computing fails the run it had (the error names it) and takes no more: the others finish the
-/// sweep; runs that no device is left to take count as `not_run`.
+/// sweep; runs that no device is left to take count as `not_run`. With batches of more than one
+/// run ([`RunnerOptions::batch_runs`]), a worker takes up to that many runs of one shape at a
+/// time, the seeds of one configuration first, and steps them together.
 pub fn run_suite(
     backends: &[&dyn Backend],
     suite: &SuiteSpec,
@@ -202,17 +210,12 @@ pub fn run_suite(
     std::fs::create_dir_all(&root).map_err(|e| IoError::io(&root, e))?;
     let queue: Mutex<VecDeque<&RunSpec>> = Mutex::new(runs.iter().collect());
     let summary = Mutex::new(Summary::default());
-    let bump = |f: &dyn Fn(&mut Summary)| {
-        if let Ok(mut s) = summary.lock() {
-            f(&mut s);
-        }
-    };
     assert!(!backends.is_empty(), "run_suite needs at least one backend");
     let lost = |name: &str| summary.lock().is_ok_and(|s| s.is_lost(name));
     std::thread::scope(|scope| {
         for w in 0..opts.jobs.max(1) {
             let be = backends[w % backends.len()];
-            let (queue, bump, root, lost, summary) = (&queue, &bump, &root, &lost, &summary);
+            let (queue, root, lost, summary) = (&queue, &root, &lost, &summary);
             let pool = opts.threads_per_worker.and_then(|t| {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(t.max(1))
@@ -222,19 +225,21 @@ pub fn run_suite(
             });
             scope.spawn(move || {
                 let device = be.name();
-                let work = || loop {
-                    if super::interrupt::requested().is_some() || lost(&device) {
-                        break; // stopping, or this device is gone: start nothing new
-                    }
-                    let next = queue.lock().ok().and_then(|mut q| q.pop_front());
-                    let Some(run) = next else { break };
-                    match run_planned(be, suite, run, root, opts, progress) {
+                // Counts a run's outcome; true when its device was lost.
+                let record = |outcome: Outcome| -> bool {
+                    let bump = |f: &dyn Fn(&mut Summary)| {
+                        if let Ok(mut s) = summary.lock() {
+                            f(&mut s);
+                        }
+                    };
+                    match outcome {
                         Outcome::Skipped => bump(&|s| s.skipped += 1),
                         Outcome::Busy => bump(&|s| s.busy += 1),
                         Outcome::Finished(status) => bump(&|s| s.ran(&device, status)),
                         Outcome::DeviceLost(why) => {
                             // Checked and recorded under one lock: the device's other workers
-                            // may lose it at the same time, and it is reported once.
+                            // (and the other runs of this batch) may lose it at the same time,
+                            // and it is reported once.
                             let first = summary.lock().is_ok_and(|mut s| {
                                 s.ran(&device, RunStatus::Failed);
                                 let first = !s.is_lost(&device);
@@ -249,8 +254,25 @@ pub fn run_suite(
                                     error: &why,
                                 });
                             }
-                            break;
+                            return true;
                         }
+                    }
+                    false
+                };
+                let size = batch_size(be, suite, opts);
+                let work = || loop {
+                    if super::interrupt::requested().is_some() || lost(&device) {
+                        break; // stopping, or this device is gone: start nothing new
+                    }
+                    let batch = take_batch(queue, size, root, opts, progress, &record);
+                    if batch.is_empty() {
+                        break;
+                    }
+                    let outcomes = run_admitted(be, suite, batch, opts, progress);
+                    // Every outcome is counted before the worker stops.
+                    let gone = outcomes.into_iter().fold(false, |gone, o| record(o) | gone);
+                    if gone {
+                        break;
                     }
                 };
                 match &pool {
@@ -267,6 +289,68 @@ pub fn run_suite(
     Ok(sum)
 }
 
+/// How many runs a worker on `be` steps together: `opts.batch_runs`, else what the device says
+/// suits it ([`Backend::batch_runs`]); always 1 for engines other than the built-in one.
+fn batch_size(be: &dyn Backend, suite: &SuiteSpec, opts: &RunnerOptions) -> usize {
+    match suite.engine.as_str() {
+        "builtin" => opts.batch_runs.unwrap_or_else(|| be.batch_runs()).max(1),
+        _ => 1,
+    }
+}
+
+/// The shape a run's trainer steps in: runs of one shape can be stepped together.
+fn shape_of(run: &RunSpec) -> BatchShape {
+    BatchShape::new(&run.run.model, run.run.task, &run.run.grpo)
+}
+
+/// Up to `size` runs off `queue` for one batch, each admitted ([`admit`]): the front run, then
+/// the other seeds of its configuration, then other runs of its shape, each in queue order. Runs
+/// found finished or locked on the way are passed to `record`. Empty when the queue is, or a
+/// stop was asked for before any run was admitted.
+fn take_batch<'r>(
+    queue: &Mutex<VecDeque<&'r RunSpec>>,
+    size: usize,
+    root: &Path,
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+    record: &dyn Fn(Outcome) -> bool,
+) -> Vec<Admitted<'r>> {
+    let mut batch: Vec<Admitted> = Vec::new();
+    while batch.len() < size.max(1) && super::interrupt::requested().is_none() {
+        let first = batch.first().map(|a| a.run);
+        let next = queue
+            .lock()
+            .ok()
+            .and_then(|mut q| pop_fitting(&mut q, first));
+        let Some(run) = next else { break };
+        match admit(run, root, opts, progress) {
+            Ok(a) => batch.push(a),
+            Err(passed) => {
+                record(passed);
+            }
+        }
+    }
+    batch
+}
+
+/// The next run of a batch that starts with `first`: the front of the queue for a new batch;
+/// otherwise the first run of `first`'s configuration, else the first of its shape.
+fn pop_fitting<'r>(
+    queue: &mut VecDeque<&'r RunSpec>,
+    first: Option<&RunSpec>,
+) -> Option<&'r RunSpec> {
+    let Some(first) = first else {
+        return queue.pop_front();
+    };
+    let shape = shape_of(first);
+    let fits = |r: &RunSpec| shape_of(r) == shape;
+    let at = queue
+        .iter()
+        .position(|r| r.config == first.config && fits(r))
+        .or_else(|| queue.iter().position(|r| fits(r)))?;
+    queue.remove(at)
+}
+
 /// What became of one planned run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -281,6 +365,39 @@ pub enum Outcome {
     DeviceLost(String),
 }
 
+/// A run this process is to compute now: not finished, its lock held until it ends, its folder
+/// cleared.
+struct Admitted<'r> {
+    run: &'r RunSpec,
+    dir: PathBuf,
+    lock: PidLock,
+}
+
+/// Admit `run` into `root/<run-id>` unless it is finished ([`Outcome::Skipped`]) or another
+/// live process holds its lock ([`Outcome::Busy`]); reports either.
+fn admit<'r>(
+    run: &'r RunSpec,
+    root: &Path,
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Result<Admitted<'r>, Outcome> {
+    let dir = root.join(&run.run_id);
+    if !opts.force && is_finished(&dir) {
+        progress(Progress::Skipped { run });
+        return Err(Outcome::Skipped);
+    }
+    let Some(lock) = PidLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
+        progress(Progress::Busy { run });
+        return Err(Outcome::Busy);
+    };
+    if !opts.force && is_finished(&dir) {
+        progress(Progress::Skipped { run }); // finished by another process meanwhile
+        return Err(Outcome::Skipped);
+    }
+    let _ = std::fs::remove_dir_all(&dir); // a half-written run is redone from scratch
+    Ok(Admitted { run, dir, lock })
+}
+
 /// Run one planned run into `root/<run-id>` unless it is finished or locked: the per-run step of
 /// [`run_suite`], shared with `lockstep run-one --suite` (a Slurm array task), so a run made by
 /// either lands in the store identically. Reports every [`Progress`] event for the run.
@@ -292,26 +409,94 @@ pub fn run_planned(
     opts: &RunnerOptions,
     progress: &(dyn Fn(Progress<'_>) + Sync),
 ) -> Outcome {
-    let dir = root.join(&run.run_id);
-    if !opts.force && is_finished(&dir) {
-        progress(Progress::Skipped { run });
-        return Outcome::Skipped;
+    match admit(run, root, opts, progress) {
+        Ok(admitted) => run_admitted(be, suite, vec![admitted], opts, progress).remove(0),
+        Err(passed) => passed,
     }
-    let Some(_lock) = PidLock::acquire(&root.join(format!("{}.lock", run.run_id))) else {
-        progress(Progress::Busy { run });
-        return Outcome::Busy;
-    };
-    if !opts.force && is_finished(&dir) {
-        progress(Progress::Skipped { run }); // finished by another process meanwhile
-        return Outcome::Skipped;
-    }
-    let _ = std::fs::remove_dir_all(&dir); // a half-written run is redone from scratch
+}
+
+/// Run admitted runs as one batch: the built-in engine's stepped together
+/// ([`crate::suite::builtin::run_batch_until`]), a command engine's one after the other. Each
+/// run is reported, recorded and released as it ends, as [`run_planned`] does for one; returns
+/// the outcome of each, in order.
+fn run_admitted(
+    be: &dyn Backend,
+    suite: &SuiteSpec,
+    batch: Vec<Admitted<'_>>,
+    opts: &RunnerOptions,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Vec<Outcome> {
     let device = be.name();
-    progress(Progress::Started {
-        run,
-        device: &device,
-    });
-    let (status, mut error) = match execute(be, suite, run, &dir, opts, progress) {
+    for a in &batch {
+        progress(Progress::Started {
+            run: a.run,
+            device: &device,
+        });
+    }
+    let (members, mut locks): (Vec<(&RunSpec, PathBuf)>, Vec<Option<PidLock>>) = batch
+        .into_iter()
+        .map(|a| ((a.run, a.dir), Some(a.lock)))
+        .unzip();
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; members.len()];
+    let mut ended = |i: usize, result: Result<Manifest, IoError>| {
+        let (run, dir) = &members[i];
+        outcomes[i] = Some(conclude(be, suite, run, dir, result, progress));
+        locks[i] = None; // recorded: another process may take it now
+    };
+    let stop = super::interrupt::requested;
+    match suite.engine.as_str() {
+        "builtin" => {
+            let mut on_steps: Vec<_> = members
+                .iter()
+                .map(|(run, _)| move |r: &StepRecord| progress(Progress::Step { run, record: r }))
+                .collect();
+            let runs = members
+                .iter()
+                .zip(&mut on_steps)
+                .map(|((run, dir), on_step)| BatchRun {
+                    cfg: &run.run,
+                    run_id: &run.run_id,
+                    out: dir,
+                    on_step,
+                })
+                .collect();
+            run_batch_until(be, runs, Some(&opts.cache), &stop, &mut ended);
+        }
+        "command" => {
+            for (i, (run, dir)) in members.iter().enumerate() {
+                let on_step = |r: &StepRecord| progress(Progress::Step { run, record: r });
+                ended(
+                    i,
+                    super::command::run_command(suite, run, dir, &on_step, &stop),
+                );
+            }
+        }
+        other => {
+            for i in 0..members.len() {
+                let why =
+                    format!("engine `{other}` runs are not launched; `lockstep run` imports them");
+                ended(i, Err(IoError::invalid(&suite.path, why)));
+            }
+        }
+    }
+    outcomes
+        .into_iter()
+        .map(|o| o.expect("every run of a batch ends"))
+        .collect()
+}
+
+/// A run that ended: the suite's names for it added to its manifest, its device's health
+/// checked when it failed (a device that stopped computing is named in the run's error), and
+/// its end reported.
+fn conclude(
+    be: &dyn Backend,
+    suite: &SuiteSpec,
+    run: &RunSpec,
+    dir: &Path,
+    result: Result<Manifest, IoError>,
+    progress: &(dyn Fn(Progress<'_>) + Sync),
+) -> Outcome {
+    let (status, mut error) = match result.and_then(|m| label(suite, run, dir, m)) {
         Ok(m) => (m.status, m.error),
         Err(e) => (RunStatus::Failed, Some(e.to_string())),
     };
@@ -320,13 +505,14 @@ pub fn run_planned(
         _ => None,
     };
     if let Some(why) = &lost {
+        let device = be.name();
         let hw = be.hardware().map(|h| format!(" ({h})")).unwrap_or_default();
         let note = format!("{device}{hw} stopped computing: {why}; it takes no more runs");
         error = Some(match error {
             Some(e) => format!("{e}; {note}"),
             None => note,
         });
-        let rd = RunDir::open(&dir);
+        let rd = RunDir::open(dir);
         if let Ok(mut m) = rd.read_manifest() {
             m.error = error.clone();
             let _ = rd.write_manifest(&m);
@@ -339,34 +525,14 @@ pub fn run_planned(
     }
 }
 
-fn execute(
-    be: &dyn Backend,
+/// The suite's names for `run` (suite, configuration, base configuration, axes), written into
+/// its manifest.
+fn label(
     suite: &SuiteSpec,
     run: &RunSpec,
     dir: &Path,
-    opts: &RunnerOptions,
-    progress: &(dyn Fn(Progress<'_>) + Sync),
-) -> Result<crate::store::Manifest, IoError> {
-    let on_step = |r: &StepRecord| progress(Progress::Step { run, record: r });
-    let stop = super::interrupt::requested;
-    let mut m = match suite.engine.as_str() {
-        "builtin" => crate::suite::builtin::run_one_until(
-            be,
-            &run.run,
-            &run.run_id,
-            dir,
-            Some(&opts.cache),
-            on_step,
-            &stop,
-        )?,
-        "command" => crate::suite::command::run_command(suite, run, dir, &on_step, &stop)?,
-        other => {
-            return Err(IoError::invalid(
-                &suite.path,
-                format!("engine `{other}` runs are not launched; `lockstep run` imports them"),
-            ));
-        }
-    };
+    mut m: Manifest,
+) -> Result<Manifest, IoError> {
     m.suite = Some(suite.name.clone());
     m.extra
         .insert("config_name".into(), run.config.clone().into());
@@ -483,6 +649,7 @@ mod tests {
             force: false,
             cache: d.path().join("cache"),
             threads_per_worker: None,
+            batch_runs: None,
         };
         let started = Mutex::new(Vec::new());
         let progress = |p: Progress<'_>| {
@@ -562,6 +729,7 @@ mod tests {
             force: false,
             cache: dir.join("cache"),
             threads_per_worker: Some(1),
+            batch_runs: None,
         };
         (suite, runs, opts)
     }
@@ -626,5 +794,110 @@ mod tests {
         a.absorb(b);
         assert_eq!((a.ok, a.failed, a.lost_devices.len()), (3, 1, 1));
         assert_eq!(a.per_device["cuda:0"], 4);
+    }
+
+    /// What a run's folder holds but wall-clock times: its manifest's status, steps and error,
+    /// its scalars, layer rows and events (values as bits or text, so a NaN equals itself).
+    fn run_content(dir: &Path) -> (String, Vec<String>, String) {
+        let rd = RunDir::open(dir);
+        let m = rd.read_manifest().unwrap();
+        let head = format!("{:?} {} {:?}", m.status, m.steps_done, m.error);
+        let mut rows: Vec<String> = rd
+            .read_scalars()
+            .unwrap()
+            .iter()
+            .map(|r| format!("{} {:?}", r.step, r.deterministic_scalars()))
+            .collect();
+        rows.extend(rd.read_layers().unwrap().iter().map(|l| {
+            let bits = l.grad_norm.to_bits();
+            format!(
+                "{} {} {} {bits} {} {}",
+                l.step, l.site, l.layer, l.saturated, l.underflowed
+            )
+        }));
+        (
+            head,
+            rows,
+            std::fs::read_to_string(dir.join("events.jsonl")).unwrap(),
+        )
+    }
+
+    #[test]
+    fn runs_stepped_together_land_as_they_do_alone_and_a_diverging_one_stops_alone() {
+        let d = tempfile::tempdir().unwrap();
+        let text = "name = \"batch\"\nseeds = [0, 1]\n[workload]\nsteps = 3\nprompts_per_step = 2\neval_every = 2\n\
+                    [workload.warm_start]\nmax_steps = 20\neval_prompts = 8\n\
+                    [[configs]]\nname = \"bf16\"\nrecipe = \"bf16\"\n\
+                    [[configs]]\nname = \"boom\"\nrecipe = \"mxfp8\"\n";
+        let suite = crate::suite::spec::parse(text, Path::new("batch.toml")).unwrap();
+        let mut runs = crate::suite::plan::expand(&suite).unwrap();
+        // A learning rate that makes every weight NaN in the first update: `boom` diverges at
+        // step 1.
+        for r in runs.iter_mut().filter(|r| r.config == "boom") {
+            r.run.grpo.lr = f32::NAN;
+        }
+        let opts = |store: &str, batch: usize| RunnerOptions {
+            store: d.path().join(store),
+            jobs: 1,
+            force: false,
+            cache: d.path().join("cache"),
+            threads_per_worker: None,
+            batch_runs: Some(batch),
+        };
+        let be = CpuBackend;
+        let alone = run_suite(&[&be], &suite, &runs, &opts("alone", 1), &|_| {}).unwrap();
+        let seen = Mutex::new(Vec::new());
+        let progress = |p: Progress<'_>| {
+            let line = match p {
+                Progress::Started { run, .. } => format!("start {} {}", run.config, run.seed),
+                Progress::Step { run, record } => {
+                    format!("step {} {} {}", run.config, run.seed, record.step)
+                }
+                Progress::Finished { run, status, .. } => {
+                    format!("end {} {} {status:?}", run.config, run.seed)
+                }
+                _ => return,
+            };
+            seen.lock().unwrap().push(line);
+        };
+        let together = run_suite(&[&be], &suite, &runs, &opts("together", 3), &progress).unwrap();
+        assert_eq!((together.ok, together.diverged), (2, 2), "{together:?}");
+        assert_eq!(together, alone);
+        for r in &runs {
+            let (a, b) = (
+                opts("alone", 1).store.join("batch").join(&r.run_id),
+                opts("together", 3).store.join("batch").join(&r.run_id),
+            );
+            assert_eq!(
+                run_content(&b),
+                run_content(&a),
+                "{} seed {}",
+                r.config,
+                r.seed
+            );
+        }
+        // The bf16 seeds and boom's first were stepped together, boom's second after them; boom
+        // diverged at step 1 and the others went on to their last step.
+        let seen = seen.into_inner().unwrap();
+        let at = |line: &str| {
+            seen.iter()
+                .position(|l| l == line)
+                .unwrap_or_else(|| panic!("{line}: {seen:?}"))
+        };
+        assert!(at("start boom 0") < at("step bf16 0 0"), "{seen:?}");
+        assert!(at("end boom 0 Diverged") < at("step bf16 1 2"), "{seen:?}");
+        assert!(at("end bf16 1 Ok") < at("start boom 1"), "{seen:?}");
+
+        // A rerun skips what is done; a run whose folder went is redone, alone in its batch.
+        let redo = runs
+            .iter()
+            .find(|r| r.config == "bf16" && r.seed == 1)
+            .unwrap();
+        let dir = opts("together", 3).store.join("batch").join(&redo.run_id);
+        let before = run_content(&dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let again = run_suite(&[&be], &suite, &runs, &opts("together", 3), &|_| {}).unwrap();
+        assert_eq!((again.ok, again.skipped), (1, 3), "{again:?}");
+        assert_eq!(run_content(&dir), before);
     }
 }

@@ -13,8 +13,8 @@ pub use cpu::CpuBackend;
 use crate::engine::device::OpError;
 use crate::engine::layout::Layout;
 use crate::engine::model::{Params, PreparedModel, Routing, TrainPass};
-use crate::formats::QuantStats;
 use crate::engine::rollout::Decoder;
+use crate::formats::QuantStats;
 
 /// Where the engine runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -306,7 +306,11 @@ impl BatchDecoder for LoopDecoder<'_> {
         self.0.len()
     }
     fn step(&mut self, tokens: &[Vec<u32>]) -> Vec<(Vec<f32>, Routing)> {
-        self.0.iter_mut().zip(tokens).map(|(d, t)| d.step(t)).collect()
+        self.0
+            .iter_mut()
+            .zip(tokens)
+            .map(|(d, t)| d.step(t))
+            .collect()
     }
     fn feed(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<Vec<Routing>> {
         self.0
