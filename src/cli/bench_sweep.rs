@@ -1,10 +1,12 @@
-//! `lockstep bench sweep`: a suite's runs through several worker layouts (processes x workers)
-//! in one call, so the ratios compare like with like on one machine. The warm start is trained
+//! `lockstep bench sweep`: a suite's runs through several worker layouts (processes x workers,
+//! and runs stepped together per worker) in one call, so the ratios compare like with like on
+//! one machine. The warm start is trained
 //! (and cached) before the first layout; each layout is a `lockstep run` of its own into a fresh
 //! store, timed from start to exit. Prints wall time, run-steps per second, the ratio to the first
 //! layout, the GEMM arithmetic per second (`perf/gemm_flops` over the wall time) with the share of
 //! the device's FP32 peak it is, and whether every layout's runs hold the first one's metrics bit
-//! for bit.
+//! for bit (a batched layout on a GPU against one of another batch size: not compared, the GEMMs
+//! of other batch compositions sum in another order).
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -22,29 +24,56 @@ pub struct SweepArgs {
     /// cpu, cuda (every visible GPU) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Layouts to time, `PxJ` = P worker processes per device with J workers each (default: on
-    /// the CPU 1xN, N = cores; on GPUs 1x1,1x4,2x4).
+    /// Layouts to time, `PxJ` = P worker processes per device with J workers each, `PxJbN` with
+    /// each worker stepping up to N runs together (`--batch-runs N`). Default: on the CPU 1xN,
+    /// N = cores; on GPUs today's worker pool 2x4, then 1x1 with 1, 8, 32 and 128 runs batched.
     #[arg(long, value_delimiter = ',')]
     pub layouts: Vec<String>,
 }
 
-/// `P` processes per device, `J` workers each.
+/// `P` processes per device, `J` workers each, each worker stepping up to `batch` runs together.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Layout {
     processes: usize,
     workers: usize,
+    batch: usize,
+}
+
+impl Layout {
+    const fn new(processes: usize, workers: usize, batch: usize) -> Layout {
+        Layout {
+            processes,
+            workers,
+            batch,
+        }
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.processes, self.workers)?;
+        if self.batch > 1 {
+            write!(f, "b{}", self.batch)?;
+        }
+        Ok(())
+    }
 }
 
 fn parse_layout(s: &str) -> Result<Layout> {
-    let parsed = s
-        .trim()
+    let t = s.trim();
+    let (pool, batch) = match t.split_once('b') {
+        Some((pool, n)) => (pool, n.parse().ok()),
+        None => (t, Some(1)),
+    };
+    let parsed = pool
         .split_once('x')
-        .and_then(|(p, j)| Some((p.parse().ok()?, j.parse().ok()?)));
+        .and_then(|(p, j)| Some((p.parse().ok()?, j.parse().ok()?, batch?)));
     match parsed {
-        Some((processes, workers)) if processes > 0 && workers > 0 => {
-            Ok(Layout { processes, workers })
-        }
-        _ => bail!("layout `{s}`: use PxJ, P processes per device of J workers each, e.g. 2x4"),
+        Some((p, j, n)) if p > 0 && j > 0 && n > 0 => Ok(Layout::new(p, j, n)),
+        _ => bail!(
+            "layout `{s}`: use PxJ (P processes per device of J workers each, e.g. 2x4) or PxJbN \
+             (each worker stepping N runs together, e.g. 1x1b32)"
+        ),
     }
 }
 
@@ -65,25 +94,15 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
     let layouts: Vec<Layout> = if args.layouts.is_empty() {
         if on_gpu {
             vec![
-                Layout {
-                    processes: 1,
-                    workers: 1,
-                },
-                Layout {
-                    processes: 1,
-                    workers: 4,
-                },
-                Layout {
-                    processes: 2,
-                    workers: 4,
-                },
+                Layout::new(2, 4, 1),
+                Layout::new(1, 1, 1),
+                Layout::new(1, 1, 8),
+                Layout::new(1, 1, 32),
+                Layout::new(1, 1, 128),
             ]
         } else {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            vec![Layout {
-                processes: 1,
-                workers: cores,
-            }]
+            vec![Layout::new(1, cores, 1)]
         }
     } else {
         args.layouts
@@ -114,18 +133,19 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
         "{:<10} {:>9} {:>14} {:>9} {:>13}  metrics",
         "layout", "wall", "run-steps/s", "vs first", "GEMM GFLOP/s"
     );
-    let mut first: Option<(f64, PathBuf)> = None;
+    let mut first: Option<(f64, PathBuf, usize)> = None;
     let mut all_ok = true;
     let mut best_gflops: f64 = 0.0;
     for (i, l) in layouts.iter().enumerate() {
         // A store per entry: a layout listed twice is timed twice, not skipped as finished.
-        let store = tmp
-            .path()
-            .join(format!("{i}-{}x{}", l.processes, l.workers));
+        let store = tmp.path().join(format!("{i}-{l}"));
         let secs = time_run(&args.suite, &store, &args.device, *l, devices.len(), &cache)?;
         let same = match &first {
             None => "reference".to_string(),
-            Some((_, reference)) => match same_metrics(&runs, &s.name, reference, &store) {
+            Some((_, _, batch)) if on_gpu && *batch != l.batch => {
+                "not compared (batched on a GPU: another GEMM order)".to_string()
+            }
+            Some((_, reference, _)) => match same_metrics(&runs, &s.name, reference, &store) {
                 Ok(()) => "identical".to_string(),
                 Err(why) => {
                     all_ok = false;
@@ -133,18 +153,18 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
                 }
             },
         };
-        let ratio = first.as_ref().map_or(1.0, |(f, _)| f / secs);
+        let ratio = first.as_ref().map_or(1.0, |(f, _, _)| f / secs);
         let gflops = gemm_flops(&runs, &s.name, &store)? / secs / 1e9;
         println!(
             "{:<10} {:>8.1}s {:>14.1} {:>8.2}x {:>13.1}  {same}",
-            format!("{}x{}", l.processes, l.workers),
+            l.to_string(),
             secs,
             run_steps as f64 / secs,
             ratio,
             gflops
         );
         best_gflops = best_gflops.max(gflops);
-        first.get_or_insert((secs, store));
+        first.get_or_insert((secs, store, l.batch));
     }
     match peak {
         Some(p) => println!(
@@ -238,6 +258,7 @@ fn time_run(
         .args(["--device", device])
         .args(["--jobs", &jobs.to_string()])
         .args(["--processes", &l.processes.to_string()])
+        .args(["--batch-runs", &l.batch.to_string()])
         .env("LOCKSTEP_CACHE", cache)
         .output()
         .context("cannot start lockstep run")?;
@@ -250,9 +271,7 @@ fn time_run(
             .chain(err.lines())
             .rfind(|l| !l.trim().is_empty());
         bail!(
-            "layout {}x{}: lockstep run failed ({}): {}",
-            l.processes,
-            l.workers,
+            "layout {l}: lockstep run failed ({}): {}",
             out.status,
             last.unwrap_or("no output")
         );
@@ -265,11 +284,7 @@ fn time_run(
         .flat_map(|l| l.split(", "))
         .find_map(|part| part.strip_suffix(" skipped")?.parse::<usize>().ok());
     if skipped != Some(0) {
-        bail!(
-            "layout {}x{}: the sweep did not run every run (skipped: {skipped:?})",
-            l.processes,
-            l.workers
-        );
+        bail!("layout {l}: the sweep did not run every run (skipped: {skipped:?})");
     }
     Ok(secs)
 }
@@ -299,14 +314,11 @@ mod tests {
 
     #[test]
     fn layouts_parse_and_bad_ones_say_the_form() {
-        assert_eq!(
-            parse_layout("2x4").unwrap(),
-            Layout {
-                processes: 2,
-                workers: 4
-            }
-        );
-        for bad in ["2", "0x4", "2x0", "ax4", "2x4x1"] {
+        assert_eq!(parse_layout("2x4").unwrap(), Layout::new(2, 4, 1));
+        assert_eq!(parse_layout("1x1b32").unwrap(), Layout::new(1, 1, 32));
+        assert_eq!(Layout::new(1, 1, 32).to_string(), "1x1b32");
+        assert_eq!(Layout::new(2, 4, 1).to_string(), "2x4");
+        for bad in ["2", "0x4", "2x0", "ax4", "2x4x1", "1x1b0", "1x1b", "b8"] {
             let e = parse_layout(bad).unwrap_err().to_string();
             assert!(e.contains("use PxJ"), "{bad}: {e}");
         }
