@@ -410,11 +410,7 @@ pub fn forward_on<O: Ops>(
     let (logits, out_lin) = ops.linear(&w.plan.output_layer, &hn, n, &w.output_layer)?;
     let logits = ops.to_host(&logits, n * cfg.vocab)?;
     let ids: Vec<&O::Ids> = layers.iter().map(|l| &l.moe.ids).collect();
-    let routing = Routing {
-        top_k: cfg.top_k,
-        n_tokens: n,
-        layers: ops.ids_to_host(&ids, n * cfg.top_k)?,
-    };
+    let routing = routing_to_host(ops, cfg, &ids, n)?;
     let cache = Cache {
         n,
         rows,
@@ -696,12 +692,22 @@ fn infer_rows<O: Ops>(
     let logits = ops.apply(&w.plan.output_layer, &hn, n, &w.output_layer)?;
     let logits = ops.to_host(&logits, n * cfg.vocab)?;
     let ids: Vec<&O::Ids> = ids.iter().collect();
-    let routing = Routing {
+    Ok((logits, routing_to_host(ops, cfg, &ids, n)?))
+}
+
+/// The experts every layer chose for `n` rows (`ids`, one `[n, K]` tensor per layer), on the
+/// host in one go.
+fn routing_to_host<O: Ops>(
+    ops: &O,
+    cfg: &ModelConfig,
+    ids: &[&O::Ids],
+    n: usize,
+) -> OpResult<Routing> {
+    Ok(Routing {
         top_k: cfg.top_k,
         n_tokens: n,
-        layers: ops.ids_to_host(&ids, n * cfg.top_k)?,
-    };
-    Ok((logits, routing))
+        layers: ops.ids_to_host(ids, n * cfg.top_k)?,
+    })
 }
 
 /// [`forward`] keeping nothing for a backward (the trainer's reference forward): the same
