@@ -343,10 +343,7 @@ impl Trainer {
     ) -> Vec<Scored> {
         let c = &trainers[0].config; // the sizes all members share
         let problems: Vec<Vec<Problem>> = trainers.iter().map(|t| t.train_problems()).collect();
-        let prompts: Vec<Vec<Vec<u32>>> = problems
-            .iter()
-            .map(|ps| ps.iter().map(|p| p.prompt.clone()).collect())
-            .collect();
+        let prompts = prompts_of(&problems);
         let items: Vec<RolloutItem> = trainers
             .iter()
             .zip(&prompts)
@@ -1151,6 +1148,14 @@ fn pack_routing(layout: &Layout, routing: &Routing) -> Routing {
     }
 }
 
+/// Each member's prompts, from its problems.
+fn prompts_of(problems: &[Vec<Problem>]) -> Vec<Vec<Vec<u32>>> {
+    problems
+        .iter()
+        .map(|ps| ps.iter().map(|p| p.prompt.clone()).collect())
+        .collect()
+}
+
 /// Held-out greedy accuracy of `prep` on `count` evaluation prompts.
 pub fn evaluate(
     be: &dyn Backend,
@@ -1176,10 +1181,7 @@ pub fn evaluate_batch(
         .iter()
         .map(|(_, seed)| task.sample(Split::Eval, count, *seed))
         .collect();
-    let prompts: Vec<Vec<Vec<u32>>> = problems
-        .iter()
-        .map(|ps| ps.iter().map(|p| p.prompt.clone()).collect())
-        .collect();
+    let prompts = prompts_of(&problems);
     let items: Vec<RolloutItem> = members
         .iter()
         .zip(&prompts)
