@@ -341,6 +341,18 @@ pub fn forward_on<K: SiteKernels>(
     }
 }
 
+/// The activation counts [`forward_on`] adds for `x`, without its GEMM: a device stepping
+/// several runs in one forward counts each run's rows on their own.
+pub fn count_input<K: SiteKernels>(
+    k: &K,
+    plan: &SitePlan,
+    x: &K::Buf,
+    shape: Blocks,
+    counts: &mut K::Counts,
+) -> Result<(), K::Error> {
+    quantized_input(k, plan, x, shape, Some(counts)).map(|_| ())
+}
+
 /// [`forward_on`] without what a backward needs (an inference pass: decode, the reference
 /// forward): the same quantization and GEMM.
 pub fn apply_on<K: SiteKernels>(

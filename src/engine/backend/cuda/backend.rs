@@ -64,6 +64,9 @@ fn bump(field: &AtomicU64, v: u64) {
 /// A cuBLAS handle on `stream` in `CUBLAS_PEDANTIC_MATH`: FP32 operands and accumulation, no
 /// TF32 or other reduced-precision path, whatever `NVIDIA_TF32_OVERRIDE` says. Every cuBLAS
 /// handle of the engine is made here.
+/// [`Backend::batch_runs`] on a GPU.
+pub const BATCH_RUNS: usize = 16;
+
 pub(crate) fn pedantic_blas(stream: &Arc<CudaStream>) -> Result<CudaBlas, CudaError> {
     let blas = CudaBlas::new(stream.clone())?;
     // SAFETY: the handle is valid (just created) and owned by the caller from here on; setting
@@ -149,7 +152,8 @@ impl CudaBackend {
         self.ops.take(|| GpuOps::new(&self.dev))
     }
 
-    pub(super) fn give_ops(&self, o: GpuOps) {
+    pub(super) fn give_ops(&self, mut o: GpuOps) {
+        o.set_runs(1);
         self.ops.give(o);
     }
 
@@ -213,6 +217,35 @@ impl Backend for CudaBackend {
 
     fn one_process_only(&self) -> bool {
         self.dev.exclusive_process()
+    }
+
+    /// Runs one batched call carries: enough to amortize the launches of a step (one run of the
+    /// benchmark shape is bound by them), within memory for the shipped model shapes.
+    fn batch_runs(&self) -> usize {
+        BATCH_RUNS
+    }
+
+    fn forward_logits_batch(
+        &self,
+        items: &[crate::engine::backend::ForwardItem<'_>],
+    ) -> Result<Vec<Vec<f32>>, OpError> {
+        self.forward_logits_runs(items)
+    }
+
+    fn train_forward_batch<'a>(
+        &'a self,
+        items: &[crate::engine::backend::ForwardItem<'a>],
+    ) -> Result<Box<dyn crate::engine::backend::TrainBatch + 'a>, OpError> {
+        self.train_forward_runs(items)
+    }
+
+    fn decoder_batch<'a>(
+        &'a self,
+        preps: &[&'a PreparedModel],
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn crate::engine::backend::BatchDecoder + 'a>, OpError> {
+        self.decoder_runs(preps, seqs, positions)
     }
 
     fn decoder<'a>(

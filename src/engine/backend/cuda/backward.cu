@@ -10,11 +10,11 @@
 // -0.0, as Rust's `Sum`), then dx[c] += s*dout[c]*g[c] - c3*x[c] with c3 = s*s*s*dot/d.
 extern "C" __global__ void rmsnorm_backward_dx(float *__restrict__ dx, const float *__restrict__ dout,
                                                const float *__restrict__ x,
-                                               const float *__restrict__ g,
+                                               const float *__restrict__ gain,
                                                const float *__restrict__ rstd, u32 n, u32 d,
-                                               float d_f) {
+                                               float d_f, u32 run_rows) {
     for (u64 r = gwarp(); r < n; r += nwarps()) {
-        const float *dor = dout + r * d, *xr = x + r * d;
+        const float *dor = dout + r * d, *xr = x + r * d, *g = gain + (r / run_rows) * d;
         float s = rstd[r];
         float c3 = 0.0f;
         if (lane() == 0) {
@@ -28,14 +28,18 @@ extern "C" __global__ void rmsnorm_backward_dx(float *__restrict__ dx, const flo
 }
 
 // ops::rmsnorm_backward, gain part: dg[c] += dout[r, c]*x[r, c]*rstd[r] over rows in order. A
-// thread per column.
+// thread per (run, column): run q's rows are q*run_rows.., its gains dg[q*d..].
 extern "C" __global__ void rmsnorm_backward_dg(float *__restrict__ dg, const float *__restrict__ dout,
                                                const float *__restrict__ x,
-                                               const float *__restrict__ rstd, u32 n, u32 d) {
-    for (u64 c = gtid(); c < d; c += gstride()) {
-        float acc = dg[c];
-        for (u32 r = 0; r < n; r++) acc = acc + dout[(u64)r * d + c] * x[(u64)r * d + c] * rstd[r];
-        dg[c] = acc;
+                                               const float *__restrict__ rstd, u32 n, u32 d,
+                                               u32 run_rows) {
+    u64 runs = n / run_rows;
+    for (u64 qc = gtid(); qc < runs * d; qc += gstride()) {
+        u64 q = qc / d, c = qc % d;
+        float acc = dg[qc];
+        for (u64 r = q * run_rows; r < (q + 1) * run_rows; r++)
+            acc = acc + dout[r * d + c] * x[r * d + c] * rstd[r];
+        dg[qc] = acc;
     }
 }
 
@@ -75,24 +79,30 @@ extern "C" __global__ void router_backward(float *__restrict__ dlogits, const fl
 }
 
 // ops::embedding_backward: dwte[tokens[i]] += dout[i], dwpe[positions[i]] += dout[i], rows in
-// order (the CPU's sequential scatter-add). A thread per column, so every element's sum runs in
-// row order; a token or position out of range skips its add and poisons the column with NaN.
+// order (the CPU's sequential scatter-add). A thread per (run, column), so every element's sum
+// runs in row order; run q's rows are q*run_rows.. and its tables follow run q-1's. Padding rows
+// (PAD_ROW) add nothing; a token or position out of range skips its add and poisons the column
+// with NaN.
 extern "C" __global__ void embedding_backward(float *__restrict__ dwte, float *__restrict__ dwpe,
                                               const float *__restrict__ dout,
                                               const u32 *__restrict__ tokens,
                                               const u32 *__restrict__ positions, u32 n, u32 d,
-                                              u32 vocab, u32 npos) {
-    for (u64 c = gtid(); c < d; c += gstride()) {
+                                              u32 vocab, u32 npos, u32 run_rows) {
+    u64 runs = n / run_rows;
+    for (u64 qc = gtid(); qc < runs * d; qc += gstride()) {
+        u64 q = qc / d, c = qc % d;
+        float *te = dwte + q * vocab * d, *pe = dwpe + q * npos * d;
         bool bad = false;
-        for (u32 i = 0; i < n; i++) {
+        for (u64 i = q * run_rows; i < (q + 1) * run_rows; i++) {
             u32 t = tokens[i], p = positions[i];
-            float v = dout[(u64)i * d + c];
-            if (t < vocab) dwte[(u64)t * d + c] = dwte[(u64)t * d + c] + v; else bad = true;
-            if (p < npos) dwpe[(u64)p * d + c] = dwpe[(u64)p * d + c] + v; else bad = true;
+            if (t == PAD_ROW) continue;
+            float v = dout[i * d + c];
+            if (t < vocab) te[(u64)t * d + c] = te[(u64)t * d + c] + v; else bad = true;
+            if (p < npos) pe[(u64)p * d + c] = pe[(u64)p * d + c] + v; else bad = true;
         }
         if (bad) {
-            if (vocab > 0) dwte[c] = NAN_F;
-            if (npos > 0) dwpe[c] = NAN_F;
+            if (vocab > 0) te[c] = NAN_F;
+            if (npos > 0) pe[c] = NAN_F;
         }
     }
 }

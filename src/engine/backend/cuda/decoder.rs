@@ -112,7 +112,7 @@ impl Drop for ResidentDecoder<'_> {
 
 /// A sequence-major record of `count` positions per sequence (row `i · count + j`) as `count`
 /// records of one position each, in position order.
-fn per_position(r: &Routing, count: usize) -> Vec<Routing> {
+pub(super) fn per_position(r: &Routing, count: usize) -> Vec<Routing> {
     let (k, seqs) = (r.top_k, r.n_tokens / count.max(1));
     (0..count)
         .map(|j| Routing {

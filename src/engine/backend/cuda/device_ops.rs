@@ -31,7 +31,7 @@ use super::moe::ExpertBatch;
 use super::{CudaDevice, CudaError};
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
-use crate::engine::linear::PreparedWeight;
+use crate::engine::linear::{self, Blocks, PreparedWeight};
 use crate::engine::model::PreparedModel;
 use crate::engine::model::pass::{LayerWeights, Weights};
 use crate::engine::ops::RMSNORM_EPS;
@@ -95,6 +95,12 @@ pub struct GpuRows {
     groups: Option<DeviceGroups>,
 }
 
+impl GpuRows {
+    pub fn new(layout: DeviceLayout, groups: Option<DeviceGroups>) -> Self {
+        GpuRows { layout, groups }
+    }
+}
+
 /// The kernels of `ops.cu`, `backward.cu`, `train.cu` and `kv.cu`.
 struct Kernels {
     embedding: CudaFunction,
@@ -123,6 +129,9 @@ pub struct GpuOps {
     lin: CudaLinear,
     k: Kernels,
     batch: ExpertBatch,
+    /// Runs stepped at once ([`Ops::runs`]): each tensor holds `runs` equal blocks of rows, each
+    /// parameter `runs` copies, each weight `runs` stacked copies (experts: `runs · E`).
+    runs: usize,
 }
 
 impl GpuOps {
@@ -158,7 +167,24 @@ impl GpuOps {
             lin,
             k,
             batch: ExpertBatch::new(dev)?,
+            runs: 1,
         })
+    }
+
+    /// Step `runs` runs at once from now on (1: one run, as made).
+    pub fn set_runs(&mut self, runs: usize) {
+        self.runs = runs.max(1);
+    }
+
+    /// Rows of one run among `n`: the runs' blocks are equal.
+    fn run_rows(&self, op: &str, n: usize) -> Result<usize, CudaError> {
+        if !n.is_multiple_of(self.runs) {
+            return Err(shape(format!(
+                "{op}: {n} rows do not split into {} equal runs",
+                self.runs
+            )));
+        }
+        Ok((n / self.runs).max(1))
     }
 
     /// The stream every op is queued on.
@@ -177,7 +203,7 @@ impl GpuOps {
     /// Copy a step's prepared weights (forward and dgrad operands) to the device in one staged
     /// copy: the tensors are listed in one fixed order and taken back in the same order.
     pub fn upload_model(&self, prep: &PreparedModel) -> Result<Weights<GpuOps>, CudaError> {
-        self.upload_model_with(prep, true)
+        self.upload_models(&[prep], true)
     }
 
     /// [`GpuOps::upload_model`] without the dgrad operands, for passes that never run a
@@ -187,38 +213,77 @@ impl GpuOps {
         &self,
         prep: &PreparedModel,
     ) -> Result<Weights<GpuOps>, CudaError> {
-        self.upload_model_with(prep, false)
+        self.upload_models(&[prep], false)
     }
 
-    fn upload_model_with(
+    /// The models of runs stepped together (one shape and plan), stacked: each tensor holds
+    /// every run's copy in turn, each site every run's weights (`[runs · E, out, in]` for the
+    /// routed experts). One staged copy, as for one model; `dgrad` as [`GpuOps::upload_model`].
+    pub fn upload_models(
         &self,
-        prep: &PreparedModel,
+        preps: &[&PreparedModel],
         dgrad: bool,
     ) -> Result<Weights<GpuOps>, CudaError> {
-        let one = |x| vec![x];
-        fn parts(ws: &[PreparedWeight], dgrad: bool) -> Result<Vec<Vec<&[f32]>>, CudaError> {
+        let first = *preps
+            .first()
+            .ok_or_else(|| shape("upload: no models".into()))?;
+        if preps
+            .iter()
+            .any(|p| p.config != first.config || p.plan != first.plan)
+        {
+            return Err(shape(
+                "upload: models stepped together need one shape and one precision plan".into(),
+            ));
+        }
+        // Every run's tensor `f(prep)` as one group, and every run's weights of a site.
+        let stack = |f: &dyn Fn(&PreparedModel) -> &[f32]| -> Vec<&[f32]> {
+            preps.iter().map(|p| f(p)).collect()
+        };
+        let sites = |f: &dyn Fn(&PreparedModel) -> Vec<&PreparedWeight>| -> Vec<&PreparedWeight> {
+            preps.iter().flat_map(|p| f(p)).collect()
+        };
+        let site_list = |l: usize| -> Vec<Vec<&PreparedWeight>> {
+            let at = |f: fn(&crate::engine::model::PreparedLayer) -> Vec<&PreparedWeight>| {
+                sites(&|p: &PreparedModel| f(&p.layers[l]))
+            };
+            vec![
+                at(|l| vec![&l.linear_qkv]),
+                at(|l| vec![&l.linear_proj]),
+                at(|l| vec![&l.router]),
+                at(|l| l.experts_fc1.iter().collect()),
+                at(|l| l.experts_fc2.iter().collect()),
+                at(|l| vec![&l.shared_fc1]),
+                at(|l| vec![&l.shared_fc2]),
+            ]
+        };
+        let output = sites(&|p: &PreparedModel| vec![&p.output_layer]);
+        let layer_sites: Vec<Vec<Vec<&PreparedWeight>>> =
+            (0..first.layers.len()).map(site_list).collect();
+        fn parts<'w>(
+            ws: &[&'w PreparedWeight],
+            dgrad: bool,
+        ) -> Result<Vec<Vec<&'w [f32]>>, CudaError> {
             let [fwd, bwd] = DeviceWeight::parts(ws)?;
             Ok(if dgrad { vec![fwd, bwd] } else { vec![fwd] })
         }
-        let mut groups = vec![one(&prep.wte[..]), one(&prep.wpe), one(&prep.final_norm)];
-        groups.extend(parts(std::slice::from_ref(&prep.output_layer), dgrad)?);
-        for l in &prep.layers {
-            groups.extend([one(&l.attn_norm[..]), one(&l.mlp_norm)]);
-            for ws in [
-                std::slice::from_ref(&l.linear_qkv),
-                std::slice::from_ref(&l.linear_proj),
-                std::slice::from_ref(&l.router),
-                &l.experts_fc1,
-                &l.experts_fc2,
-                std::slice::from_ref(&l.shared_fc1),
-                std::slice::from_ref(&l.shared_fc2),
-            ] {
+        let mut groups = vec![
+            stack(&|p| &p.wte[..]),
+            stack(&|p| &p.wpe[..]),
+            stack(&|p| &p.final_norm[..]),
+        ];
+        groups.extend(parts(&output, dgrad)?);
+        for (l, ls) in layer_sites.iter().enumerate() {
+            groups.extend([
+                stack(&|p| &p.layers[l].attn_norm[..]),
+                stack(&|p| &p.layers[l].mlp_norm[..]),
+            ]);
+            for ws in ls {
                 groups.extend(parts(ws, dgrad)?);
             }
         }
         let mut bufs = self.lin.staging().upload(&groups)?.into_iter();
         let next = |b: &mut std::vec::IntoIter<_>| b.next().expect("one buffer per group");
-        let weight = |b: &mut std::vec::IntoIter<_>, ws: &[_]| {
+        let weight = |b: &mut std::vec::IntoIter<_>, ws: &[&PreparedWeight]| {
             let w_fwd = next(b);
             if dgrad {
                 DeviceWeight::from_parts(ws, w_fwd, next(b))
@@ -228,25 +293,27 @@ impl GpuOps {
         };
         let b = &mut bufs;
         let (wte, wpe, final_norm) = (next(b), next(b), next(b));
-        let output_layer = weight(b, std::slice::from_ref(&prep.output_layer));
-        let layers = prep
-            .layers
+        let output_layer = weight(b, &output);
+        let layers = layer_sites
             .iter()
-            .map(|l| LayerWeights {
-                attn_norm: next(b),
-                mlp_norm: next(b),
-                linear_qkv: weight(b, std::slice::from_ref(&l.linear_qkv)),
-                linear_proj: weight(b, std::slice::from_ref(&l.linear_proj)),
-                router: weight(b, std::slice::from_ref(&l.router)),
-                experts_fc1: weight(b, &l.experts_fc1),
-                experts_fc2: weight(b, &l.experts_fc2),
-                shared_fc1: weight(b, std::slice::from_ref(&l.shared_fc1)),
-                shared_fc2: weight(b, std::slice::from_ref(&l.shared_fc2)),
+            .map(|ls| {
+                let (attn_norm, mlp_norm) = (next(b), next(b));
+                LayerWeights {
+                    attn_norm,
+                    mlp_norm,
+                    linear_qkv: weight(b, &ls[0]),
+                    linear_proj: weight(b, &ls[1]),
+                    router: weight(b, &ls[2]),
+                    experts_fc1: weight(b, &ls[3]),
+                    experts_fc2: weight(b, &ls[4]),
+                    shared_fc1: weight(b, &ls[5]),
+                    shared_fc2: weight(b, &ls[6]),
+                }
             })
             .collect();
         Ok(Weights {
-            config: prep.config.clone(),
-            plan: prep.plan.clone(),
+            config: first.config.clone(),
+            plan: first.plan.clone(),
             wte,
             wpe,
             layers,
@@ -255,7 +322,9 @@ impl GpuOps {
         })
     }
 
-    /// [`CudaLinear::forward_counted`] into a fresh count buffer.
+    /// [`CudaLinear::forward_counted`] into a fresh count buffer (`n` rows per weight block),
+    /// three counts per run. Stepping several runs, the forward runs once for all of them and
+    /// each run's activations are counted on their own (a count is a sum over a run's blocks).
     fn linear_counted(
         &self,
         plan: &SitePlan,
@@ -263,8 +332,34 @@ impl GpuOps {
         n: usize,
         w: &DeviceWeight,
     ) -> OpResult<(CudaSlice<f32>, GpuLin)> {
-        let mut counts = self.stream.alloc_zeros::<u64>(3).map_err(CudaError::from)?;
-        let (y, cache) = self.lin.forward_counted(plan, x, n, w, Some(&mut counts))?;
+        let s = &self.stream;
+        let mut counts = s
+            .alloc_zeros::<u64>(3 * self.runs)
+            .map_err(CudaError::from)?;
+        if self.runs == 1 {
+            let (y, cache) = self.lin.forward_counted(plan, x, n, w, Some(&mut counts))?;
+            return Ok((y, GpuLin { cache, counts }));
+        }
+        let (y, cache) = self.lin.forward(plan, x, n, w)?;
+        if plan.activation_format().is_some() && n > 0 {
+            let blocks = w.batch() / self.runs;
+            let len = blocks * n * w.in_dim();
+            let mut xr = self.output(len)?;
+            let mut acc = s.alloc_zeros::<u64>(3).map_err(CudaError::from)?;
+            for r in 0..self.runs {
+                s.memcpy_dtod(&x.slice(r * len..(r + 1) * len), &mut xr)
+                    .map_err(CudaError::from)?;
+                s.memset_zeros(&mut acc).map_err(CudaError::from)?;
+                let shape = Blocks {
+                    rows: n,
+                    cols: w.in_dim(),
+                    batch: blocks,
+                };
+                linear::count_input(&self.lin, plan, &xr, shape, &mut acc)?;
+                s.memcpy_dtod(&acc, &mut counts.slice_mut(3 * r..3 * r + 3))
+                    .map_err(CudaError::from)?;
+            }
+        }
         Ok((y, GpuLin { cache, counts }))
     }
 }
@@ -280,6 +375,10 @@ impl Ops for GpuOps {
     type Dispatch = GpuDispatch;
     type Rows = GpuRows;
     type Kv = DeviceKvCache;
+
+    fn runs(&self) -> usize {
+        self.runs
+    }
 
     fn zeros(&self, n: usize) -> OpResult<CudaSlice<f32>> {
         Ok(self.zeros_f(n)?)
@@ -377,15 +476,17 @@ impl Ops for GpuOps {
         need(op, "tokens", tokens.len(), n)?;
         need(op, "positions", positions.len(), n)?;
         let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
-        let vocab = dim(op, "wte rows", wte.len() / d)?;
-        let npos = dim(op, "wpe rows", wpe.len() / d)?;
+        let vocab = dim(op, "wte rows", wte.len() / d / self.runs)?;
+        let npos = dim(op, "wpe rows", wpe.len() / d / self.runs)?;
+        let run_rows = dim(op, "run rows", self.run_rows(op, n)?)?;
         if nd > 0 {
             let mut b = self.stream.launch_builder(&self.k.embedding);
             b.arg(&mut out).arg(tokens).arg(positions).arg(wte).arg(wpe);
-            b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos);
+            b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos).arg(&run_rows);
             // SAFETY: element idx < n*d, the length `out` was allocated with; row i < n indexes
-            // tokens and positions (>= n each); wte/wpe are read at t*d + c, p*d + c only for t < vocab = wte.len()/d and
-            // p < npos = wpe.len()/d, c < d.
+            // tokens and positions (>= n each); run r = i / run_rows < runs reads wte/wpe at
+            // (r*vocab + t)*d + c, (r*npos + p)*d + c only for t < vocab = wte.len()/d/runs,
+            // p < npos = wpe.len()/d/runs, c < d.
             unsafe { b.launch(cfg(nd)) }?;
         }
         Ok(out)
@@ -411,18 +512,20 @@ impl Ops for GpuOps {
         need(op, "tokens", tokens.len(), n)?;
         need(op, "positions", positions.len(), n)?;
         let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
-        let vocab = dim(op, "dwte rows", dwte.len() / d)?;
-        let npos = dim(op, "dwpe rows", dwpe.len() / d)?;
+        let vocab = dim(op, "dwte rows", dwte.len() / d / self.runs)?;
+        let npos = dim(op, "dwpe rows", dwpe.len() / d / self.runs)?;
+        let run_rows = dim(op, "run rows", self.run_rows(op, n)?)?;
         if n == 0 {
             return Ok(());
         }
         let mut b = self.stream.launch_builder(&self.k.embedding_backward);
         b.arg(dwte).arg(dwpe).arg(dh).arg(tokens).arg(positions);
-        b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos);
-        // SAFETY: a thread per column c < d; dout read at i*d + c, i < n; dwte/dwpe touched at
-        // t*d + c, p*d + c only for t < vocab = dwte.len()/d, p < npos = dwpe.len()/d, or at c
-        // (row 0) when that table has a row.
-        unsafe { b.launch(cfg(d)) }?;
+        b.arg(&n32).arg(&d32).arg(&vocab).arg(&npos).arg(&run_rows);
+        // SAFETY: a thread per (run q < runs, column c < d); dout read at i*d + c, i < n; run
+        // q's dwte/dwpe (vocab·d and npos·d floats from q·vocab·d, q·npos·d: runs copies each)
+        // touched at t*d + c, p*d + c only for t < vocab, p < npos, or at c when that table has
+        // a row.
+        unsafe { b.launch(cfg(self.runs * d)) }?;
         Ok(())
     }
 
@@ -439,17 +542,18 @@ impl Ops for GpuOps {
         // Allocated here at n x d and n: only the inputs' lengths need checking.
         let (mut out, mut rstd) = (self.output(nd)?, self.output(n)?);
         need(op, "x", x.len(), nd)?;
-        need(op, "g", g.len(), d)?;
+        need(op, "g", g.len(), self.runs * d)?;
         let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        let run_rows = dim(op, "run rows", self.run_rows(op, n)?)?;
         if n > 0 {
             // The CPU divides by `d as f32` and adds the crate's epsilon: the same FP32 values.
             let (d_f, eps) = (d as f32, RMSNORM_EPS);
             let mut b = self.stream.launch_builder(&self.k.rmsnorm);
             b.arg(&mut out).arg(&mut rstd).arg(x).arg(g);
-            b.arg(&n32).arg(&d32).arg(&d_f).arg(&eps);
+            b.arg(&n32).arg(&d32).arg(&d_f).arg(&eps).arg(&run_rows);
             // SAFETY: a warp per row r < n: x and out are touched at r*d + c, c < d (n*d
             // elements each: x checked, out allocated so), rstd at r < n (allocated so), g at
-            // c < d (checked).
+            // (r / run_rows)*d + c < runs*d (checked).
             unsafe { b.launch(cfg_warps(n)) }?;
         }
         Ok((out, rstd))
@@ -473,24 +577,32 @@ impl Ops for GpuOps {
         need(op, "dx", dx.len(), nd)?;
         need(op, "dout", dy.len(), nd)?;
         need(op, "x", x.len(), nd)?;
-        need(op, "dg", dg.len(), d)?;
-        need(op, "g", g.len(), d)?;
+        need(op, "dg", dg.len(), self.runs * d)?;
+        need(op, "g", g.len(), self.runs * d)?;
         need(op, "rstd", rstd.len(), n)?;
         let (n32, d32) = (dim(op, "n", n)?, dim(op, "d", d)?);
+        let run_rows = dim(op, "run rows", self.run_rows(op, n)?)?;
         if nd == 0 {
             return Ok(());
         }
         let d_f = d as f32;
         let mut b = self.stream.launch_builder(&self.k.rmsnorm_dx);
         b.arg(&mut *dx).arg(dy).arg(x).arg(g).arg(rstd);
-        b.arg(&n32).arg(&d32).arg(&d_f);
+        b.arg(&n32).arg(&d32).arg(&d_f).arg(&run_rows);
         // SAFETY: a warp per row r < n: dx, dout, x at r*d + c, c < d (n*d each, checked), g at
-        // c < d, rstd at r < n.
+        // (r / run_rows)*d + c < runs*d, rstd at r < n.
         unsafe { b.launch(cfg_warps(n)) }?;
         let mut b = self.stream.launch_builder(&self.k.rmsnorm_dg);
-        b.arg(dg).arg(dy).arg(x).arg(rstd).arg(&n32).arg(&d32);
-        // SAFETY: a thread per column c < d (dg holds d); dout and x read at r*d + c, r < n.
-        unsafe { b.launch(cfg(d)) }?;
+        b.arg(dg)
+            .arg(dy)
+            .arg(x)
+            .arg(rstd)
+            .arg(&n32)
+            .arg(&d32)
+            .arg(&run_rows);
+        // SAFETY: a thread per (run q, column c), q < n / run_rows = runs (dg holds runs*d);
+        // dout and x read at r*d + c, rstd at r, for run q's rows r < n.
+        unsafe { b.launch(cfg(self.runs * d)) }?;
         Ok(())
     }
 
@@ -636,7 +748,7 @@ impl Ops for GpuOps {
         n: usize,
         w: &DeviceWeight,
     ) -> OpResult<(CudaSlice<f32>, GpuLin)> {
-        self.linear_counted(plan, x, n, w)
+        self.linear_counted(plan, x, self.run_rows("linear", n)?, w)
     }
 
     fn linear_backward(
@@ -680,7 +792,7 @@ impl Ops for GpuOps {
         n: usize,
         w: &DeviceWeight,
     ) -> OpResult<CudaSlice<f32>> {
-        Ok(self.lin.apply(plan, x, n, w)?)
+        Ok(self.lin.apply(plan, x, self.run_rows("linear", n)?, w)?)
     }
 
     fn apply_experts(
@@ -693,23 +805,25 @@ impl Ops for GpuOps {
         Ok(self.lin.apply(plan, x, disp.cap, w)?)
     }
 
+    /// Site-major, each site's runs in order (`model::pass::quant_stats`).
     fn counts(&self, sites: &[SiteCounts<'_, Self>]) -> OpResult<Vec<QuantStats>> {
-        let s = &self.stream;
+        let (s, per) = (&self.stream, 3 * self.runs);
         // Every site's counts gathered on the device: one copy back.
         let mut all = s
-            .alloc_zeros::<u64>((3 * sites.len()).max(1))
+            .alloc_zeros::<u64>((per * sites.len()).max(1))
             .map_err(CudaError::from)?;
         for (i, site) in sites.iter().enumerate() {
             let c = match site {
                 SiteCounts::One(c) | SiteCounts::Experts(c) => &c.counts,
             };
-            s.memcpy_dtod(&c.slice(..3), &mut all.slice_mut(3 * i..3 * i + 3))
+            need("counts", "site counts", c.len(), per)?;
+            s.memcpy_dtod(&c.slice(..per), &mut all.slice_mut(per * i..per * (i + 1)))
                 .map_err(CudaError::from)?;
         }
         let all = s.clone_dtoh(&all).map_err(CudaError::from)?;
         Ok(all
             .chunks_exact(3)
-            .take(sites.len())
+            .take(sites.len() * self.runs)
             .map(|v| QuantStats {
                 elements: v[0],
                 saturated: v[1],
@@ -806,13 +920,16 @@ impl Ops for GpuOps {
         k: usize,
         e: usize,
     ) -> OpResult<GpuDispatch> {
-        let cap = n.div_ceil(CAP_MULTIPLE) * CAP_MULTIPLE;
-        let slots = self.batch.route(&self.stream, ids, (n, k, e), cap)?;
+        let run_rows = self.run_rows("dispatch", n)?;
+        let cap = run_rows.div_ceil(CAP_MULTIPLE) * CAP_MULTIPLE;
+        let slots = self
+            .batch
+            .route(&self.stream, ids, (n, k, e), cap, self.runs)?;
         Ok(GpuDispatch {
             slot_row: slots.slot_row,
             src_row: slots.src_row,
             cap,
-            e,
+            e: e * self.runs,
             n,
         })
     }

@@ -110,7 +110,9 @@ impl DeviceLayout {
         Ok((n, s))
     }
 
-    fn from_host(
+    /// From host arrays: each row's position, context length and context keys (`max_context`
+    /// per row). Every key must be a row of the layout (the attention kernels rely on it).
+    pub fn from_host(
         stream: &Arc<CudaStream>,
         max_context: usize,
         positions: &[u32],
@@ -197,10 +199,19 @@ impl DeviceGroups {
                 end[r] = rows.end as u32;
             }
         }
-        dim("layout", "rows", n)?;
+        Self::from_host(stream, &first, &end)
+    }
+
+    /// From each row's first and past-the-end group row.
+    pub fn from_host(
+        stream: &Arc<CudaStream>,
+        first: &[u32],
+        end: &[u32],
+    ) -> Result<Self, CudaError> {
+        dim("layout", "rows", first.len())?;
         Ok(DeviceGroups {
-            first: upload(stream, &first)?,
-            end: upload(stream, &end)?,
+            first: upload(stream, first)?,
+            end: upload(stream, end)?,
         })
     }
 }

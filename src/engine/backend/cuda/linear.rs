@@ -45,7 +45,7 @@ impl DeviceWeight {
     /// What to upload for `ws` (weights of one shape, stacked in order): the forward operands,
     /// then the dgrad operands (an empty group where they are the forward ones), as two
     /// [`Staging::upload`] groups.
-    pub fn parts(ws: &[PreparedWeight]) -> Result<[Vec<&[f32]>; 2], CudaError> {
+    pub fn parts<'w>(ws: &[&'w PreparedWeight]) -> Result<[Vec<&'w [f32]>; 2], CudaError> {
         let first = ws
             .first()
             .ok_or_else(|| CudaError::Shape("device weight: no weights".into()))?;
@@ -57,20 +57,24 @@ impl DeviceWeight {
                 "device weight: stacked weights of different shapes".into(),
             ));
         }
-        let bwd = if ws.iter().all(PreparedWeight::bwd_is_fwd) {
+        let bwd = if ws.iter().all(|w| w.bwd_is_fwd()) {
             Vec::new()
         } else {
-            ws.iter().map(PreparedWeight::w_bwd).collect()
+            ws.iter().map(|w| w.w_bwd()).collect()
         };
-        Ok([ws.iter().map(PreparedWeight::w_fwd).collect(), bwd])
+        Ok([ws.iter().map(|w| w.w_fwd()).collect(), bwd])
     }
 
     /// `ws` on the device, from the two buffers its [`DeviceWeight::parts`] were uploaded into.
-    pub fn from_parts(ws: &[PreparedWeight], w_fwd: CudaSlice<f32>, w_bwd: CudaSlice<f32>) -> Self {
+    pub fn from_parts(
+        ws: &[&PreparedWeight],
+        w_fwd: CudaSlice<f32>,
+        w_bwd: CudaSlice<f32>,
+    ) -> Self {
         let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
         DeviceWeight {
             w_fwd,
-            w_bwd: (!ws.iter().all(PreparedWeight::bwd_is_fwd)).then_some(w_bwd),
+            w_bwd: (!ws.iter().all(|w| w.bwd_is_fwd())).then_some(w_bwd),
             has_dgrad: true,
             out_dim,
             in_dim,
@@ -80,7 +84,7 @@ impl DeviceWeight {
 
     /// `ws` for forward passes only (decode, the reference forward), from the buffer its
     /// forward operands (`parts(ws)[0]`) were uploaded into.
-    pub fn forward_only(ws: &[PreparedWeight], w_fwd: CudaSlice<f32>) -> Self {
+    pub fn forward_only(ws: &[&PreparedWeight], w_fwd: CudaSlice<f32>) -> Self {
         let (out_dim, in_dim) = ws.first().map_or((0, 0), |w| (w.out_dim, w.in_dim));
         DeviceWeight {
             w_fwd,
@@ -154,10 +158,11 @@ impl CudaLinear {
 
     /// Copy weights of one shape (a site's routed experts) to the device, stacked in order.
     pub fn upload_stacked(&self, ws: &[PreparedWeight]) -> Result<DeviceWeight, CudaError> {
-        let mut bufs = self.staging.upload(&DeviceWeight::parts(ws)?)?.into_iter();
+        let ws: Vec<&PreparedWeight> = ws.iter().collect();
+        let mut bufs = self.staging.upload(&DeviceWeight::parts(&ws)?)?.into_iter();
         let mut next = || bufs.next().expect("two groups");
         let (w_fwd, w_bwd) = (next(), next());
-        Ok(DeviceWeight::from_parts(ws, w_fwd, w_bwd))
+        Ok(DeviceWeight::from_parts(&ws, w_fwd, w_bwd))
     }
 
     /// The weight's operands as the policy of `engine::linear` reads them.

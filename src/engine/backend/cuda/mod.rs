@@ -13,6 +13,7 @@
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
 pub mod backend;
+pub mod batch;
 pub mod decoder;
 pub mod device_ops;
 pub mod fake_quant;

@@ -8,29 +8,33 @@
 
 typedef unsigned int u32;
 
-// One thread per expert walks the n*k slots in order: stable (token order) and deterministic.
-// At the shipped sizes (n*k ~ 4.5k slots, 8 experts) one pass is ~25 us; a block-wide scan would
-// replace it for larger batches. slot_row[s] = e*cap + rank; src_row[e*cap + r] = token of the
-// r-th slot, or 0xFFFFFFFF past the expert's count (a zero row). Slots whose expert id is out of
-// range get slot_row 0xFFFFFFFF.
+// One thread per expert walks its run's slots in order: stable (token order) and deterministic.
+// Runs stepped together own consecutive slot ranges (nk / runs each) and experts (e each):
+// expert ex of run q is batch expert q*e + ex. At the shipped sizes (n*k ~ 4.5k slots a run,
+// 8 experts) one pass is ~25 us; a block-wide scan would replace it for larger batches.
+// slot_row[s] = (q*e + ex)*cap + rank; src_row[(q*e + ex)*cap + r] = token of the r-th slot, or
+// 0xFFFFFFFF past the expert's count (a zero row). Slots whose expert id is out of range get
+// slot_row 0xFFFFFFFF.
 extern "C" __global__ void route_slots(const u32 *__restrict__ ids, u32 *__restrict__ slot_row,
-                                       u32 *__restrict__ src_row, u32 nk, u32 k, u32 e, u32 cap) {
-    u32 ex = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ex >= e) return;
+                                       u32 *__restrict__ src_row, u32 nk, u32 k, u32 e, u32 cap,
+                                       u32 runs) {
+    u32 qx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (qx >= e * runs) return;
+    u32 q = qx / e, ex = qx % e, run_slots = nk / runs;
     u32 r = 0;
-    for (u32 s = 0; s < nk; s++) {
+    for (u32 s = q * run_slots; s < (q + 1) * run_slots; s++) {
         u32 id = ids[s];
         if (ex == 0 && id >= e) slot_row[s] = 0xFFFFFFFFu;
         if (id != ex) continue;
         if (r < cap) {
-            slot_row[s] = ex * cap + r;
-            src_row[ex * cap + r] = s / k;
+            slot_row[s] = qx * cap + r;
+            src_row[qx * cap + r] = s / k;
         } else {
             slot_row[s] = 0xFFFFFFFFu; // cannot happen with cap >= n (a token picks an expert once)
         }
         r++;
     }
-    for (; r < cap; r++) src_row[ex * cap + r] = 0xFFFFFFFFu;
+    for (; r < cap; r++) src_row[qx * cap + r] = 0xFFFFFFFFu;
 }
 
 // dst[row] = x[src_row[row]] (d values), or zeros where src_row is 0xFFFFFFFF (or out of range).

@@ -37,34 +37,40 @@ impl ExpertBatch {
     }
 
     /// Route the `n·k` slots of `ids` (`[n, k]` expert ids) to a batch of `e` experts with `cap`
-    /// rows each (`cap >= n`: a token picks an expert at most once, so none overflows).
+    /// rows each (`cap >= n`: a token picks an expert at most once, so none overflows). With
+    /// `runs` > 1 the tokens are that many runs' rows in turn (`n / runs` each) and the batch
+    /// holds each run's `e` experts in turn, `cap >= n / runs`.
     pub fn route(
         &self,
         stream: &Arc<CudaStream>,
         ids: &CudaSlice<u32>,
         (n, k, e): (usize, usize, usize),
         cap: usize,
+        runs: usize,
     ) -> Result<Slots, CudaError> {
         let op = "moe";
-        if cap < n || ids.len() < n * k {
+        if runs == 0 || !n.is_multiple_of(runs) || cap < n / runs || ids.len() < n * k {
             return Err(CudaError::Shape(format!(
-                "{op}: capacity {cap} for {n} tokens, {} ids for {n} x {k}",
+                "{op}: capacity {cap} for {n} tokens of {runs} runs, {} ids for {n} x {k}",
                 ids.len()
             )));
         }
+        let experts = e * runs;
         // Not zeroed: `route_slots` writes every slot's row and every batch row's source.
         // SAFETY: device memory, fully written by the launch below before any read.
         let mut slot_row = unsafe { stream.alloc::<u32>((n * k).max(1))? };
-        let mut src_row = unsafe { stream.alloc::<u32>((e * cap).max(1))? };
+        let mut src_row = unsafe { stream.alloc::<u32>((experts * cap).max(1))? };
         let (nk32, k32, e32) = (dim(op, "slots", n * k)?, dim(op, "k", k)?, dim(op, "e", e)?);
-        let cap32 = dim(op, "cap", cap)?;
-        dim(op, "expert rows", e * cap)?;
+        let (cap32, runs32) = (dim(op, "cap", cap)?, dim(op, "runs", runs)?);
+        let experts32 = dim(op, "experts", experts)?;
+        dim(op, "expert rows", experts * cap)?;
         let mut b = stream.launch_builder(&self.route_slots);
         b.arg(ids).arg(&mut slot_row).arg(&mut src_row);
-        b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32);
-        // SAFETY: thread ex < e reads ids[0..n·k) and writes slot_row[s] (s < n·k) and
-        // src_row[ex·cap + r] for r < cap; both buffers hold those many entries.
-        unsafe { b.launch(LaunchConfig::for_num_elems(e32)) }?;
+        b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32).arg(&runs32);
+        // SAFETY: thread q·e + ex < e·runs reads ids in run q's slot range (within n·k) and
+        // writes slot_row[s] there and src_row[(q·e + ex)·cap + r] for r < cap; both buffers
+        // hold those many entries.
+        unsafe { b.launch(LaunchConfig::for_num_elems(experts32)) }?;
         Ok(Slots {
             slot_row,
             src_row,

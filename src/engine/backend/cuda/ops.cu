@@ -18,12 +18,20 @@ extern "C" __global__ void embedding_forward(float *__restrict__ out, const u32 
                                              const u32 *__restrict__ positions,
                                              const float *__restrict__ wte,
                                              const float *__restrict__ wpe, u32 n, u32 d, u32 vocab,
-                                             u32 npos) {
+                                             u32 npos, u32 run_rows) {
+    // Runs stepped together: row i belongs to run i / run_rows, whose tables follow the previous
+    // run's; a PAD_ROW token (a run's padding up to the batch's rows) embeds to zeros.
     u64 total = (u64)n * d;
     for (u64 idx = gtid(); idx < total; idx += gstride()) {
-        u64 i = idx / d, c = idx % d;
+        u64 i = idx / d, c = idx % d, r = i / run_rows;
         u32 t = tokens[i], p = positions[i];
-        out[idx] = (t < vocab && p < npos) ? wte[(u64)t * d + c] + wpe[(u64)p * d + c] : NAN_F;
+        if (t == PAD_ROW) {
+            out[idx] = 0.0f;
+            continue;
+        }
+        out[idx] = (t < vocab && p < npos)
+                       ? wte[(r * vocab + t) * d + c] + wpe[(r * npos + p) * d + c]
+                       : NAN_F;
     }
 }
 
@@ -31,9 +39,10 @@ extern "C" __global__ void embedding_forward(float *__restrict__ out, const u32 
 // warp writes the row.
 extern "C" __global__ void rmsnorm_forward(float *__restrict__ out, float *__restrict__ rstd,
                                            const float *__restrict__ x, const float *__restrict__ g,
-                                           u32 n, u32 d, float d_f, float eps) {
+                                           u32 n, u32 d, float d_f, float eps, u32 run_rows) {
     for (u64 r = gwarp(); r < n; r += nwarps()) {
         const float *xr = x + r * d;
+        const float *gr = g + (r / run_rows) * d;
         float s = 0.0f;
         if (lane() == 0) {
             float sum = -0.0f;
@@ -43,7 +52,7 @@ extern "C" __global__ void rmsnorm_forward(float *__restrict__ out, float *__res
             rstd[r] = s;
         }
         s = __shfl_sync(0xFFFFFFFFu, s, 0);
-        for (u32 c = lane(); c < d; c += 32) out[r * d + c] = xr[c] * s * g[c];
+        for (u32 c = lane(); c < d; c += 32) out[r * d + c] = xr[c] * s * gr[c];
     }
 }
 

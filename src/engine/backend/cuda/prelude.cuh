@@ -7,6 +7,8 @@ typedef unsigned long long u64;
 
 #define NAN_F __int_as_float(0x7FC00000)  // the CPU's f32::NAN
 #define NEG_INF __int_as_float(0xFF800000)
+// A token id marking a padding row (a run's rows padded up to the batch's): it embeds to zeros.
+#define PAD_ROW 0xFFFFFFFFu
 
 __device__ __forceinline__ u64 gtid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 gstride() { return (u64)gridDim.x * blockDim.x; }

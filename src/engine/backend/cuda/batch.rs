@@ -1,0 +1,579 @@
+//! Several runs stepped at once on one GPU: [`CudaBackend`]'s `*_batch` calls. The runs of a
+//! batch share the model's shape; those that also share a precision plan run as ONE pass of
+//! `model::pass` over an op set stepping them together ([`GpuOps::set_runs`]): their models
+//! stacked on the device ([`GpuOps::upload_models`]), each run's rows a block of every tensor,
+//! one launch per op for all of them, every GEMM one strided batched GEMM (the routed experts:
+//! runs · E blocks). Runs with another plan form a pass of their own.
+//!
+//! What a run computes does not depend on its neighbours: every op is per row or per run
+//! (norm gains, embedding tables and weights are the run's own; the expert batch, each
+//! quantization with a per-tensor scale and each count are per run). A training forward pads
+//! each run's rows up to the longest run's with rows that embed to zeros and attend only to
+//! themselves: a zero row changes no amax and so no code (the argument that already lets the
+//! expert batch pad to its capacity), and gets zero gradient. The GEMMs see other shapes than a
+//! run alone, so a run's numbers equal its numbers alone to cuBLAS's summation order (the
+//! tolerance `tests/cuda_train.rs` states), and repeat bit for bit for one batch composition.
+
+use super::CudaBackend;
+use super::CudaError;
+use super::decoder::per_position;
+use super::device_ops::{DeviceKvCache, GpuOps, GpuRows};
+use super::launch::{DeviceGroups, DeviceLayout};
+use crate::engine::backend::{BatchDecoder, ForwardItem, TrainBatch};
+use crate::engine::device::{OpError, Ops};
+use crate::engine::model::pass::{self, Cache, Weights};
+use crate::engine::model::{Params, PreparedModel, Routing, check_layout_inputs, quant_sites};
+use crate::formats::QuantStats;
+use std::sync::OnceLock;
+
+/// A token id the embedding turns into a zero row (`PAD_ROW` in the kernels' prelude).
+const PAD_ROW: u32 = u32::MAX;
+
+/// Member indices grouped by precision plan, groups in order of first appearance.
+fn by_plan(preps: &[&PreparedModel]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, p) in preps.iter().enumerate() {
+        match groups.iter_mut().find(|g| preps[g[0]].plan == p.plan) {
+            Some(g) => g.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    groups
+}
+
+/// The rows of several runs' forwards as one: run m's layout rows at `m · cap ..`, then
+/// padding rows (position 0, attending to themselves alone) up to `cap`, the longest run's rows.
+struct JointRows {
+    cap: usize,
+    /// Each run's own rows.
+    rows: Vec<usize>,
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    ctx_len: Vec<u32>,
+    ctx_keys: Vec<u32>,
+    max_context: usize,
+    group_first: Vec<u32>,
+    group_end: Vec<u32>,
+}
+
+impl JointRows {
+    fn new(items: &[&ForwardItem<'_>]) -> JointRows {
+        let cap = items
+            .iter()
+            .map(|i| i.layout.rows())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let s = items
+            .iter()
+            .map(|i| i.layout.max_context())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let n = cap * items.len();
+        let mut j = JointRows {
+            cap,
+            rows: items.iter().map(|i| i.layout.rows()).collect(),
+            tokens: vec![PAD_ROW; n],
+            positions: vec![0; n],
+            ctx_len: vec![1; n],
+            ctx_keys: vec![0; n * s],
+            max_context: s,
+            group_first: (0..n as u32).collect(),
+            group_end: (1..=n as u32).collect(),
+        };
+        for (m, it) in items.iter().enumerate() {
+            let (base, l) = (m * cap, it.layout);
+            j.tokens[base..base + l.rows()].copy_from_slice(it.tokens);
+            for (r, p) in l.positions().into_iter().enumerate() {
+                j.positions[base + r] = p as u32;
+            }
+            for r in 0..l.rows() {
+                let (len, key) = l.context(r);
+                j.ctx_len[base + r] = len as u32;
+                for (q, k) in j.ctx_keys[(base + r) * s..][..len].iter_mut().enumerate() {
+                    *k = (base + key(q)) as u32;
+                }
+            }
+            for g in 0..l.groups() {
+                let gr = l.group_rows(g);
+                for r in gr.clone() {
+                    j.group_first[base + r] = (base + gr.start) as u32;
+                    j.group_end[base + r] = (base + gr.end) as u32;
+                }
+            }
+            // Padding rows attend to themselves.
+            for r in l.rows()..cap {
+                j.ctx_keys[(base + r) * s] = (base + r) as u32;
+            }
+        }
+        j
+    }
+
+    fn n(&self) -> usize {
+        self.cap * self.rows.len()
+    }
+
+    fn upload(&self, ops: &GpuOps) -> Result<GpuRows, CudaError> {
+        let s = ops.stream();
+        let layout = DeviceLayout::from_host(
+            s,
+            self.max_context,
+            &self.positions,
+            &self.ctx_len,
+            &self.ctx_keys,
+        )?;
+        let groups = DeviceGroups::from_host(s, &self.group_first, &self.group_end)?;
+        Ok(GpuRows::new(layout, Some(groups)))
+    }
+
+    /// Every run's replay record in the joint rows (padding rows take experts 0..k), or `None`
+    /// when no run replays.
+    fn replay(&self, items: &[&ForwardItem<'_>], k: usize, layers: usize) -> Option<Routing> {
+        items.iter().find(|i| i.replay.is_some())?;
+        let n = self.n();
+        let pad: Vec<u32> = (0..k as u32).collect();
+        let layers = (0..layers)
+            .map(|l| {
+                let mut ids = Vec::with_capacity(n * k);
+                for (m, it) in items.iter().enumerate() {
+                    let rows = self.rows[m];
+                    match it.replay {
+                        Some(r) => ids.extend_from_slice(&r.layers[l][..rows * k]),
+                        None => (0..rows).for_each(|_| ids.extend_from_slice(&pad)),
+                    }
+                    (rows..self.cap).for_each(|_| ids.extend_from_slice(&pad));
+                }
+                ids
+            })
+            .collect();
+        Some(Routing {
+            top_k: k,
+            n_tokens: n,
+            layers,
+        })
+    }
+
+    /// Run m's rows of a joint `[n, width]` host tensor.
+    fn take(&self, all: &[f32], m: usize, width: usize) -> Vec<f32> {
+        all[m * self.cap * width..][..self.rows[m] * width].to_vec()
+    }
+}
+
+fn check_items(items: &[&ForwardItem<'_>]) -> Result<(), OpError> {
+    for it in items {
+        check_layout_inputs(&it.prep.config, it.tokens, it.layout, it.replay)
+            .map_err(|e| OpError::Shape(e.to_string()))?;
+    }
+    Ok(())
+}
+
+fn device_err(e: CudaError) -> OpError {
+    OpError::from(e)
+}
+
+impl CudaBackend {
+    /// An op set stepping `runs` runs, and `f` run on it; the op set goes back to the pool.
+    fn with_runs<T>(
+        &self,
+        runs: usize,
+        f: impl FnOnce(&GpuOps) -> Result<T, OpError>,
+    ) -> Result<T, OpError> {
+        let mut ops = self.take_ops()?;
+        ops.set_runs(runs);
+        let out = f(&ops);
+        self.give_ops(ops);
+        out
+    }
+
+    /// [`crate::engine::backend::Backend::forward_logits_batch`]: one pass per plan.
+    pub(super) fn forward_logits_runs(
+        &self,
+        items: &[ForwardItem<'_>],
+    ) -> Result<Vec<Vec<f32>>, OpError> {
+        let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
+        for group in by_plan(&preps) {
+            let its: Vec<&ForwardItem<'_>> = group.iter().map(|&i| &items[i]).collect();
+            check_items(&its)?;
+            let cfg = &its[0].prep.config;
+            let joint = JointRows::new(&its);
+            let logits = self.with_runs(its.len(), |ops| {
+                let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
+                let model = ops.upload_models(&members, false)?;
+                let rows = joint.upload(ops)?;
+                let toks = ops.ids(&joint.tokens)?;
+                let replay = joint.replay(&its, cfg.top_k, cfg.n_layers);
+                let (logits, _) =
+                    pass::infer_on(ops, &model, &toks, &rows, joint.n(), replay.as_ref())?;
+                Ok(logits)
+            })?;
+            for (m, &i) in group.iter().enumerate() {
+                out[i] = joint.take(&logits, m, cfg.vocab);
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`crate::engine::backend::Backend::train_forward_batch`]: one pass per plan.
+    pub(super) fn train_forward_runs<'a>(
+        &'a self,
+        items: &[ForwardItem<'a>],
+    ) -> Result<Box<dyn TrainBatch + 'a>, OpError> {
+        let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
+        let groups = by_plan(&preps);
+        let mut parts = Vec::with_capacity(groups.len());
+        let mut index = vec![(0, 0); items.len()];
+        for (g, group) in groups.iter().enumerate() {
+            let its: Vec<&ForwardItem<'_>> = group.iter().map(|&i| &items[i]).collect();
+            parts.push(GpuTrainBatch::new(self, &its)?);
+            for (m, &i) in group.iter().enumerate() {
+                index[i] = (g, m);
+            }
+        }
+        Ok(Box::new(Grouped { parts, index }))
+    }
+
+    /// [`crate::engine::backend::Backend::decoder_batch`]: one decoder per plan.
+    pub(super) fn decoder_runs<'a>(
+        &'a self,
+        preps: &[&'a PreparedModel],
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
+        let groups = by_plan(preps);
+        let parts = groups
+            .iter()
+            .map(|g| {
+                let members: Vec<&PreparedModel> = g.iter().map(|&i| preps[i]).collect();
+                GpuBatchDecoder::new(self, &members, seqs, positions)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(GroupedDecoder {
+            parts,
+            groups,
+            members: preps.len(),
+        }))
+    }
+}
+
+/// The training forward of the runs of one plan, kept for their backward.
+struct GpuTrainBatch<'a> {
+    backend: &'a CudaBackend,
+    ops: Option<GpuOps>,
+    model: Weights<GpuOps>,
+    cache: Cache<GpuOps>,
+    joint: JointRows,
+    vocab: usize,
+    logits: Vec<Vec<f32>>,
+    stats: OnceLock<Vec<Vec<(String, QuantStats)>>>,
+}
+
+impl<'a> GpuTrainBatch<'a> {
+    fn new(backend: &'a CudaBackend, its: &[&ForwardItem<'_>]) -> Result<Self, OpError> {
+        check_items(its)?;
+        let cfg = its[0].prep.config.clone();
+        let joint = JointRows::new(its);
+        let mut ops = backend.take_ops()?;
+        ops.set_runs(its.len());
+        let run = |ops: &GpuOps| -> Result<_, OpError> {
+            let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
+            let model = ops.upload_models(&members, true)?;
+            let rows = joint.upload(ops)?;
+            let toks = ops.ids(&joint.tokens)?;
+            let replay = joint.replay(its, cfg.top_k, cfg.n_layers);
+            let (logits, cache, _) =
+                pass::forward_on(ops, &model, toks, rows, joint.n(), replay.as_ref())?;
+            Ok((model, logits, cache))
+        };
+        match run(&ops) {
+            Ok((model, all, cache)) => {
+                let logits = (0..its.len())
+                    .map(|m| joint.take(&all, m, cfg.vocab))
+                    .collect();
+                Ok(GpuTrainBatch {
+                    backend,
+                    ops: Some(ops),
+                    model,
+                    cache,
+                    joint,
+                    vocab: cfg.vocab,
+                    logits,
+                    stats: OnceLock::new(),
+                })
+            }
+            Err(e) => {
+                backend.give_ops(ops);
+                Err(e)
+            }
+        }
+    }
+
+    fn ops(&self) -> &GpuOps {
+        self.ops.as_ref().expect("held until drop")
+    }
+
+    /// GPU failures cannot be returned through the trait: they panic with the device, which
+    /// the suite runner turns into failed runs with that message.
+    fn fail(&self, what: &str, e: OpError) -> ! {
+        panic!(
+            "cuda:{}: batched trainer {what} failed: {e}",
+            self.backend.device().ordinal()
+        )
+    }
+}
+
+impl TrainBatch for GpuTrainBatch<'_> {
+    fn members(&self) -> usize {
+        self.logits.len()
+    }
+
+    fn logits(&self, m: usize) -> &[f32] {
+        &self.logits[m]
+    }
+
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
+        self.stats.get_or_init(|| {
+            let runs = self.members();
+            let flat = pass::quant_stats(self.ops(), &self.cache)
+                .unwrap_or_else(|e| self.fail("quantization counts", e));
+            let names = quant_sites(self.cache.n_layers());
+            (0..runs)
+                .map(|r| {
+                    names
+                        .iter()
+                        .enumerate()
+                        .map(|(i, n)| (n.clone(), flat[i * runs + r]))
+                        .collect()
+                })
+                .collect()
+        })[m]
+            .clone()
+    }
+
+    fn backward(&self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Params>> {
+        let (v, j) = (self.vocab, &self.joint);
+        let mut all = vec![0.0f32; j.n() * v];
+        for (m, d) in dlogits.iter().enumerate() {
+            if let Some(d) = d {
+                if d.len() != j.rows[m] * v {
+                    self.fail(
+                        "backward",
+                        OpError::Shape(format!(
+                            "run {m}: dlogits hold {} values for {} rows of {v}",
+                            d.len(),
+                            j.rows[m]
+                        )),
+                    );
+                }
+                all[m * j.cap * v..][..d.len()].copy_from_slice(d);
+            }
+        }
+        let grads = pass::backward_runs(self.ops(), &self.model, &self.cache, &all)
+            .unwrap_or_else(|e| self.fail("backward", e));
+        grads
+            .into_iter()
+            .zip(dlogits)
+            .map(|(g, d)| d.map(|_| g))
+            .collect()
+    }
+}
+
+impl Drop for GpuTrainBatch<'_> {
+    fn drop(&mut self) {
+        if let Some(o) = self.ops.take() {
+            self.backend.give_ops(o);
+        }
+    }
+}
+
+/// Plan groups of a batch behind one [`TrainBatch`]: member i is `index[i]` = (group, member).
+struct Grouped<'a> {
+    parts: Vec<GpuTrainBatch<'a>>,
+    index: Vec<(usize, usize)>,
+}
+
+impl TrainBatch for Grouped<'_> {
+    fn members(&self) -> usize {
+        self.index.len()
+    }
+
+    fn logits(&self, m: usize) -> &[f32] {
+        let (g, i) = self.index[m];
+        self.parts[g].logits(i)
+    }
+
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
+        let (g, i) = self.index[m];
+        self.parts[g].quant_stats(i)
+    }
+
+    fn backward(&self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Params>> {
+        let mut out: Vec<Option<Params>> = (0..self.index.len()).map(|_| None).collect();
+        for (g, part) in self.parts.iter().enumerate() {
+            let mine: Vec<usize> = (0..self.index.len())
+                .filter(|&m| self.index[m].0 == g)
+                .collect();
+            if mine.iter().all(|&m| dlogits[m].is_none()) {
+                continue;
+            }
+            let d: Vec<Option<&[f32]>> = mine.iter().map(|&m| dlogits[m]).collect();
+            for (m, p) in mine.iter().zip(part.backward(&d)) {
+                out[*m] = p;
+            }
+        }
+        out
+    }
+}
+
+/// The decoders of the runs of one plan: one KV cache holding every run's sequences in turn.
+struct GpuBatchDecoder<'a> {
+    backend: &'a CudaBackend,
+    ops: Option<GpuOps>,
+    model: Weights<GpuOps>,
+    cache: DeviceKvCache,
+    runs: usize,
+}
+
+impl<'a> GpuBatchDecoder<'a> {
+    fn new(
+        backend: &'a CudaBackend,
+        preps: &[&PreparedModel],
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Self, OpError> {
+        let cfg = &preps[0].config;
+        if positions > cfg.max_seq {
+            return Err(OpError::Shape(format!(
+                "kv cache: {positions} positions exceed max_seq {}",
+                cfg.max_seq
+            )));
+        }
+        let mut ops = backend.take_ops()?;
+        ops.set_runs(preps.len());
+        let made = ops
+            .upload_models(preps, false)
+            .map_err(device_err)
+            .and_then(|model| {
+                let cache = ops.kv_cache(
+                    cfg.n_layers,
+                    seqs * preps.len(),
+                    positions,
+                    cfg.d_model,
+                    cfg.n_heads,
+                )?;
+                Ok((model, cache))
+            });
+        match made {
+            Ok((model, cache)) => Ok(GpuBatchDecoder {
+                backend,
+                ops: Some(ops),
+                model,
+                cache,
+                runs: preps.len(),
+            }),
+            Err(e) => {
+                backend.give_ops(ops);
+                Err(e)
+            }
+        }
+    }
+
+    fn fail(&self, what: &str, e: OpError) -> ! {
+        panic!(
+            "cuda:{}: batched {what} failed: {e}",
+            self.backend.device().ordinal()
+        )
+    }
+
+    /// `count` positions of every run's sequences (`tokens[m]` sequence-major): each run's
+    /// logits and its sequence-major routing.
+    fn decode(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<(Vec<f32>, Routing)> {
+        let joint: Vec<u32> = tokens.iter().flatten().copied().collect();
+        let ops = self.ops.as_ref().expect("held until drop");
+        let (logits, routing) =
+            match pass::decode(ops, &self.model, &mut self.cache, &joint, count, None) {
+                Ok(out) => out,
+                Err(e) => self.fail("decode", e),
+            };
+        let (v, k, runs) = (self.model.config.vocab, routing.top_k, self.runs);
+        let rows = routing.n_tokens / runs;
+        (0..runs)
+            .map(|m| {
+                let l = logits[m * rows * v..][..rows * v].to_vec();
+                let r = Routing {
+                    top_k: k,
+                    n_tokens: rows,
+                    layers: routing
+                        .layers
+                        .iter()
+                        .map(|ids| ids[m * rows * k..][..rows * k].to_vec())
+                        .collect(),
+                };
+                (l, r)
+            })
+            .collect()
+    }
+}
+
+impl Drop for GpuBatchDecoder<'_> {
+    fn drop(&mut self) {
+        if let Some(o) = self.ops.take() {
+            self.backend.give_ops(o);
+        }
+    }
+}
+
+/// Plan groups of a batch's decoders behind one [`BatchDecoder`].
+struct GroupedDecoder<'a> {
+    parts: Vec<GpuBatchDecoder<'a>>,
+    groups: Vec<Vec<usize>>,
+    members: usize,
+}
+
+impl GroupedDecoder<'_> {
+    fn each<T>(
+        &mut self,
+        tokens: &[Vec<u32>],
+        mut f: impl FnMut(&mut GpuBatchDecoder<'_>, &[Vec<u32>]) -> Vec<T>,
+    ) -> Vec<T> {
+        let mut out: Vec<Option<T>> = (0..self.members).map(|_| None).collect();
+        for (part, group) in self.parts.iter_mut().zip(&self.groups) {
+            let mine: Vec<Vec<u32>> = group.iter().map(|&m| tokens[m].clone()).collect();
+            for (&m, r) in group.iter().zip(f(part, &mine)) {
+                out[m] = Some(r);
+            }
+        }
+        out.into_iter()
+            .map(|r| r.expect("every member is in one group"))
+            .collect()
+    }
+}
+
+impl BatchDecoder for GroupedDecoder<'_> {
+    fn members(&self) -> usize {
+        self.members
+    }
+
+    fn step(&mut self, tokens: &[Vec<u32>]) -> Vec<(Vec<f32>, Routing)> {
+        self.each(tokens, |d, t| d.decode(t, 1))
+    }
+
+    fn feed(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<Vec<Routing>> {
+        self.each(tokens, |d, t| {
+            d.decode(t, count)
+                .into_iter()
+                .map(|(_, r)| per_position(&r, count))
+                .collect()
+        })
+    }
+
+    fn repeat_each(&mut self, samples: usize) {
+        for part in &mut self.parts {
+            let ops = part.ops.as_ref().expect("held until drop");
+            if let Err(e) = ops.kv_repeat_each(&mut part.cache, samples) {
+                part.fail("kv cache copy", e);
+            }
+        }
+    }
+}

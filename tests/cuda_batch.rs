@@ -1,0 +1,317 @@
+//! Several runs stepped at once on one GPU (`CudaBackend`'s `*_batch` calls, `cuda::batch`)
+//! against each run alone on the same GPU.
+//!
+//! Without a GPU each test prints why it skips and passes. On a GPU: runs of different weights,
+//! row counts and plans in one batch give each run its numbers alone to GEMM summation order
+//! (the routing replayed so both run the same experts), the same activation counts, and repeat
+//! bit for bit; a run whose weights are NaN leaves its neighbours' numbers bit for bit as they
+//! were. `cargo test --release --test cuda_batch -- --nocapture` prints the measured differences.
+
+mod common;
+
+use common::{bits, plan};
+use lockstep::engine::backend::cuda::CudaBackend;
+use lockstep::engine::backend::{Backend, ForwardItem};
+use lockstep::engine::layout::Layout;
+use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
+use lockstep::tools::bench::trainer_batch;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::sync::OnceLock;
+
+fn gpu(test: &str) -> Option<&'static CudaBackend> {
+    static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    common::gpu_fixture(&B, test, || CudaBackend::new(0))
+}
+
+/// Largest |a - b| over the largest |b|.
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+/// One run of a batch: its model, rows and the routing its CPU forward chose (replayed by the
+/// GPU passes, alone and batched, so that both run the same experts).
+struct Run {
+    prep: PreparedModel,
+    tokens: Vec<u32>,
+    layout: Layout,
+    routing: Routing,
+}
+
+fn run(cfg: &ModelConfig, plan_name: &str, seed: u64, shape: (usize, usize, usize, usize)) -> Run {
+    let params = Params::init(cfg, seed).unwrap();
+    let prep = PreparedModel::new(&params, &plan(plan_name, cfg.n_layers)).unwrap();
+    let (tokens, layout) = trainer_batch(cfg.vocab, shape, seed, true);
+    let (_, _, routing) = forward_rows(&prep, &tokens, &layout, None);
+    Run {
+        prep,
+        tokens,
+        layout,
+        routing,
+    }
+}
+
+fn items(runs: &[Run]) -> Vec<ForwardItem<'_>> {
+    runs.iter()
+        .map(|r| ForwardItem {
+            prep: &r.prep,
+            tokens: &r.tokens,
+            layout: &r.layout,
+            replay: Some(&r.routing),
+        })
+        .collect()
+}
+
+/// dL/dlogits of a run's rows, from its own seed.
+fn dlogits(r: &Run, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    common::uniform(&mut rng, r.layout.rows() * r.prep.config.vocab, 1e-2)
+}
+
+#[test]
+fn batched_training_pass_gives_each_run_its_numbers_alone() {
+    let Some(be) = gpu("batched_training_pass_gives_each_run_its_numbers_alone") else {
+        return;
+    };
+    let cfg = ModelConfig::small();
+    // (plans of the three runs, tolerance on logits, on each gradient tensor): GPU-vs-GPU, so
+    // only the GEMMs' order differs (a strided batch of a padded shape against one GEMM).
+    let cases: [([&str; 3], f32, f32); 3] = [
+        (["fp32", "fp32", "fp32"], 2e-6, 5e-6),
+        (["nvfp4-dq", "nvfp4-dq", "nvfp4-dq"], 4e-2, 0.15),
+        (["bf16", "mxfp8", "bf16"], 1e-2, 0.15),
+    ];
+    let shapes = [(8, 8, 7, 15), (6, 8, 7, 15), (8, 4, 7, 12)];
+    let mut failures = Vec::new();
+    for (plans, tol_logits, tol_grad) in cases {
+        let runs: Vec<Run> = (0..3)
+            .map(|i| run(&cfg, plans[i], 21 + i as u64, shapes[i]))
+            .collect();
+        let batch = be.train_forward_batch(&items(&runs)).unwrap();
+        let again = be.train_forward_batch(&items(&runs)).unwrap();
+        let dls: Vec<Vec<f32>> = runs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| dlogits(r, 5 + i as u64))
+            .collect();
+        let d: Vec<Option<&[f32]>> = dls.iter().map(|v| Some(&v[..])).collect();
+        let grads = batch.backward(&d);
+        let grads_again = again.backward(&d);
+        for (i, r) in runs.iter().enumerate() {
+            let alone = be
+                .train_forward(&r.prep, &r.tokens, &r.layout, Some(&r.routing))
+                .unwrap();
+            let g_alone = alone.backward(&dls[i]);
+            let g = grads[i].as_ref().expect("every run given dlogits");
+            let l_diff = rel(batch.logits(i), alone.logits());
+            let mut worst = (0.0f32, String::new());
+            for ((name, a), (_, b)) in g.named_tensors().iter().zip(g_alone.named_tensors()) {
+                let d = rel(a, b);
+                if d > worst.0 {
+                    worst = (d, name.clone());
+                }
+            }
+            eprintln!(
+                "{plans:?} run {i} ({} rows): logits {l_diff:.2e}, worst gradient {:.2e} ({})",
+                r.layout.rows(),
+                worst.0,
+                worst.1
+            );
+            if l_diff > tol_logits || worst.0 > tol_grad {
+                failures.push(format!(
+                    "{plans:?} run {i}: logits {l_diff:.2e}, {} {:.2e}",
+                    worst.1, worst.0
+                ));
+            }
+            let sat = |v: Vec<(String, lockstep::formats::QuantStats)>| -> Vec<(String, u64, u64)> {
+                v.into_iter()
+                    .map(|(n, s)| (n, s.saturated, s.underflowed))
+                    .collect()
+            };
+            if sat(batch.quant_stats(i)) != sat(alone.quant_stats()) {
+                failures.push(format!(
+                    "{plans:?} run {i}: activation counts differ from alone"
+                ));
+            }
+            if bits(batch.logits(i)) != bits(again.logits(i)) {
+                failures.push(format!("{plans:?} run {i}: logits do not repeat"));
+            }
+            let g2 = grads_again[i].as_ref().unwrap();
+            for ((name, a), (_, b)) in g.named_tensors().iter().zip(g2.named_tensors()) {
+                if bits(a) != bits(b) {
+                    failures.push(format!("{plans:?} run {i}: {name} does not repeat"));
+                }
+            }
+        }
+        // A run given no dlogits is skipped; the others' gradients are the same bits.
+        let partial = batch.backward(&[d[0], None, d[2]]);
+        assert!(partial[1].is_none());
+        for i in [0, 2] {
+            let (a, b) = (partial[i].as_ref().unwrap(), grads[i].as_ref().unwrap());
+            for ((name, x), (_, y)) in a.named_tensors().iter().zip(b.named_tensors()) {
+                if bits(x) != bits(y) {
+                    failures.push(format!(
+                        "{plans:?} run {i}: {name} depends on run 1's dlogits"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn a_non_finite_run_leaves_its_neighbours_bit_for_bit() {
+    let Some(be) = gpu("a_non_finite_run_leaves_its_neighbours_bit_for_bit") else {
+        return;
+    };
+    let cfg = ModelConfig::small();
+    let shapes = [(8, 8, 7, 15), (6, 8, 7, 15), (8, 4, 7, 12)];
+    let runs: Vec<Run> = (0..3)
+        .map(|i| run(&cfg, "nvfp4-dq", 31 + i as u64, shapes[i]))
+        .collect();
+    // Run 1 again with a NaN planted in its token embedding and one layer's qkv weights.
+    let mut bad_params = Params::init(&cfg, 32).unwrap();
+    bad_params.wte[5] = f32::NAN;
+    bad_params.layers[0].linear_qkv[17] = f32::NAN;
+    let bad = Run {
+        prep: PreparedModel::new(&bad_params, &plan("nvfp4-dq", cfg.n_layers)).unwrap(),
+        tokens: runs[1].tokens.clone(),
+        layout: runs[1].layout.clone(),
+        routing: runs[1].routing.clone(),
+    };
+    let healthy = be.train_forward_batch(&items(&runs)).unwrap();
+    let mut mixed_items = items(&runs);
+    mixed_items[1].prep = &bad.prep;
+    let mixed = be.train_forward_batch(&mixed_items).unwrap();
+    assert!(
+        mixed.logits(1).iter().any(|x| x.is_nan()),
+        "the planted NaN reaches run 1's logits"
+    );
+    let dls: Vec<Vec<f32>> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| dlogits(r, 9 + i as u64))
+        .collect();
+    let d: Vec<Option<&[f32]>> = dls.iter().map(|v| Some(&v[..])).collect();
+    let (gh, gm) = (healthy.backward(&d), mixed.backward(&d));
+    for i in [0, 2] {
+        assert_eq!(
+            bits(healthy.logits(i)),
+            bits(mixed.logits(i)),
+            "run {i}'s logits"
+        );
+        let (a, b) = (gh[i].as_ref().unwrap(), gm[i].as_ref().unwrap());
+        for ((name, x), (_, y)) in a.named_tensors().iter().zip(b.named_tensors()) {
+            assert_eq!(bits(x), bits(y), "run {i}'s {name}");
+        }
+    }
+    let bad_g = gm[1].as_ref().unwrap();
+    assert!(
+        bad_g
+            .named_tensors()
+            .iter()
+            .any(|(_, t)| t.iter().any(|x| !x.is_finite()))
+    );
+}
+
+#[test]
+fn batched_reference_forward_gives_each_run_its_logits_alone() {
+    let Some(be) = gpu("batched_reference_forward_gives_each_run_its_logits_alone") else {
+        return;
+    };
+    let cfg = ModelConfig::small();
+    let shapes = [(8, 8, 7, 15), (6, 8, 7, 15), (8, 4, 7, 12), (8, 8, 7, 15)];
+    let runs: Vec<Run> = (0..4)
+        .map(|i| {
+            run(
+                &cfg,
+                if i == 3 { "mxfp8" } else { "nvfp4-dq" },
+                41 + i as u64,
+                shapes[i],
+            )
+        })
+        .collect();
+    let batch = be.forward_logits_batch(&items(&runs)).unwrap();
+    let again = be.forward_logits_batch(&items(&runs)).unwrap();
+    for (i, r) in runs.iter().enumerate() {
+        let alone = be
+            .forward_logits(&r.prep, &r.tokens, &r.layout, Some(&r.routing))
+            .unwrap();
+        let d = rel(&batch[i], &alone);
+        eprintln!("reference forward, run {i}: logits {d:.2e}");
+        assert!(d < 4e-2, "run {i}: logits differ by {d:.2e}");
+        assert_eq!(bits(&batch[i]), bits(&again[i]), "run {i} repeats");
+    }
+}
+
+#[test]
+fn batched_decoder_gives_each_run_its_decode_alone() {
+    let Some(be) = gpu("batched_decoder_gives_each_run_its_decode_alone") else {
+        return;
+    };
+    let cfg = ModelConfig::small();
+    let preps: Vec<PreparedModel> = (0..3)
+        .map(|i| {
+            let p = Params::init(&cfg, 51 + i as u64).unwrap();
+            let name = if i == 1 { "bf16" } else { "nvfp4-dq" };
+            PreparedModel::new(&p, &plan(name, cfg.n_layers)).unwrap()
+        })
+        .collect();
+    let refs: Vec<&PreparedModel> = preps.iter().collect();
+    let (seqs, samples, prompt, steps) = (4usize, 2usize, 5usize, 6usize);
+    let positions = prompt + steps;
+    let tok = |m: usize, s: usize, p: usize| ((7 * m + 3 * s + p) % 12) as u32;
+    let mut batch = be.decoder_batch(&refs, seqs, positions).unwrap();
+    let mut alone: Vec<_> = refs
+        .iter()
+        .map(|p| be.decoder(p, seqs, positions).unwrap())
+        .collect();
+    // The prompts in one pass, then each copied to its samples, then one position at a time.
+    let fed: Vec<Vec<u32>> = (0..3)
+        .map(|m| {
+            (0..seqs)
+                .flat_map(|s| (0..prompt).map(move |p| tok(m, s, p)))
+                .collect()
+        })
+        .collect();
+    let routed = batch.feed(&fed, prompt);
+    for (m, d) in alone.iter_mut().enumerate() {
+        let r = d.feed(&fed[m], prompt);
+        let agree = r
+            .iter()
+            .zip(&routed[m])
+            .map(|(a, b)| common::agreement(a, b))
+            .fold(1.0f64, f64::min);
+        assert!(agree > 0.99, "run {m}: prompt routing agrees on {agree}");
+    }
+    batch.repeat_each(samples);
+    alone.iter_mut().for_each(|d| d.repeat_each(samples));
+    for step in 0..steps {
+        let input: Vec<Vec<u32>> = (0..3)
+            .map(|m| {
+                (0..seqs * samples)
+                    .map(|s| tok(m, s, prompt + step))
+                    .collect()
+            })
+            .collect();
+        let out = batch.step(&input);
+        for (m, d) in alone.iter_mut().enumerate() {
+            let (l, r) = d.step(&input[m]);
+            let diff = rel(&out[m].0, &l);
+            assert!(
+                diff < 4e-2,
+                "run {m} step {step}: logits differ by {diff:.2e}"
+            );
+            assert!(
+                common::agreement(&out[m].1, &r) > 0.99,
+                "run {m} step {step}: routing"
+            );
+        }
+    }
+}
