@@ -577,3 +577,92 @@ impl BatchDecoder for GroupedDecoder<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::layout::Layout;
+    use crate::engine::model::{ModelConfig, Params};
+    use crate::recipe::{ModelPlan, SitePlan};
+
+    /// Two runs of different row counts: each run's rows sit at `m · cap` with their own
+    /// positions, contexts (keys offset into the run's block) and groups; padding rows follow,
+    /// at position 0 and attending to themselves only; replay records are padded with experts
+    /// 0..k.
+    #[test]
+    fn joint_rows_keep_each_runs_layout_in_its_block_and_pad_the_rest() {
+        let cfg = ModelConfig::tiny();
+        let prep = PreparedModel::new(
+            &Params::init(&cfg, 1).unwrap(),
+            &ModelPlan::uniform(cfg.n_layers, SitePlan::BF16),
+        )
+        .unwrap();
+        let (b, t) = (4, 6);
+        let toks_a: Vec<u32> = (0..b * t).map(|i| (i % 7) as u32).collect();
+        let la = Layout::shared_prefix(&toks_a, b, t, 2, 3, Some(&[6, 5, 4, 6]));
+        let lb = Layout::plain(2, 5);
+        let (ra, rb) = (la.pack(&toks_a, 1), vec![3u32; 10]);
+        let routing = |n: usize, v: u32| Routing {
+            top_k: cfg.top_k,
+            n_tokens: n,
+            layers: vec![vec![v; n * cfg.top_k]; cfg.n_layers],
+        };
+        let rep_a = routing(la.rows(), 1);
+        let items = [
+            ForwardItem {
+                prep: &prep,
+                tokens: &ra,
+                layout: &la,
+                replay: Some(&rep_a),
+            },
+            ForwardItem {
+                prep: &prep,
+                tokens: &rb,
+                layout: &lb,
+                replay: None,
+            },
+        ];
+        let refs: Vec<&ForwardItem<'_>> = items.iter().collect();
+        let j = JointRows::new(&refs);
+        assert_eq!(j.cap, la.rows().max(lb.rows()));
+        assert_eq!(j.n(), 2 * j.cap);
+        let s = j.max_context;
+        for (m, l) in [&la, &lb].into_iter().enumerate() {
+            let base = m * j.cap;
+            for r in 0..l.rows() {
+                let (len, key) = l.context(r);
+                assert_eq!(j.positions[base + r] as usize, l.position(r));
+                assert_eq!(j.ctx_len[base + r] as usize, len);
+                for q in 0..len {
+                    assert_eq!(j.ctx_keys[(base + r) * s + q] as usize, base + key(q));
+                }
+            }
+            for r in l.rows()..j.cap {
+                assert_eq!(j.tokens[base + r], PAD_ROW);
+                assert_eq!((j.positions[base + r], j.ctx_len[base + r]), (0, 1));
+                assert_eq!(j.ctx_keys[(base + r) * s] as usize, base + r);
+                assert_eq!(
+                    (
+                        j.group_first[base + r] as usize,
+                        j.group_end[base + r] as usize
+                    ),
+                    (base + r, base + r + 1)
+                );
+            }
+        }
+        assert_eq!(&j.tokens[..la.rows()], &ra[..]);
+        assert_eq!(&j.tokens[j.cap..j.cap + lb.rows()], &rb[..]);
+        let logits: Vec<f32> = (0..j.n() * 3).map(|i| i as f32).collect();
+        assert_eq!(j.take(&logits, 1, 3), logits[j.cap * 3..][..lb.rows() * 3]);
+        let replay = j.replay(&refs, cfg.top_k, cfg.n_layers).unwrap();
+        let k = cfg.top_k;
+        let pad: Vec<u32> = (0..k as u32).collect();
+        for ids in &replay.layers {
+            assert_eq!(ids.len(), j.n() * k);
+            assert!(ids[..la.rows() * k].iter().all(|&x| x == 1));
+            for r in la.rows()..2 * j.cap {
+                assert_eq!(&ids[r * k..(r + 1) * k], &pad[..], "row {r}");
+            }
+        }
+    }
+}
