@@ -3,7 +3,8 @@
 //! `model::pass` over an op set stepping them together ([`GpuOps::set_runs`]): their models
 //! stacked on the device ([`GpuOps::upload_models`]), each run's rows a block of every tensor,
 //! one launch per op for all of them, every GEMM one strided batched GEMM (the routed experts:
-//! runs · E blocks). Runs with another plan form a pass of their own.
+//! runs · E blocks). Runs with another plan form a pass of their own; a batch of one run is the
+//! single-run pass (`ResidentPass`, `ResidentDecoder`, the cached reference upload).
 //!
 //! What a run computes does not depend on its neighbours: every op is per row or per run
 //! (norm gains, embedding tables and weights are the run's own; the expert batch, each
@@ -19,7 +20,9 @@ use super::CudaError;
 use super::decoder::per_position;
 use super::device_ops::{DeviceKvCache, GpuOps, GpuRows};
 use super::launch::{DeviceGroups, DeviceLayout};
-use crate::engine::backend::{BatchDecoder, ForwardItem, TrainBatch};
+use crate::engine::backend::{
+    Backend, BatchDecoder, ForwardItem, LoopBatch, LoopDecoder, TrainBatch,
+};
 use crate::engine::device::{OpError, Ops};
 use crate::engine::model::pass::{self, Cache, Weights};
 use crate::engine::model::{Params, PreparedModel, Routing, check_layout_inputs, quant_sites};
@@ -191,6 +194,12 @@ impl CudaBackend {
         &self,
         items: &[ForwardItem<'_>],
     ) -> Result<Vec<Vec<f32>>, OpError> {
+        // One run: the single pass, whose uploads are cached across steps.
+        if let [i] = items {
+            return Ok(vec![
+                self.forward_logits(i.prep, i.tokens, i.layout, i.replay)?,
+            ]);
+        }
         let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
         let mut out: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
         for group in by_plan(&preps) {
@@ -220,6 +229,10 @@ impl CudaBackend {
         &'a self,
         items: &[ForwardItem<'a>],
     ) -> Result<Box<dyn TrainBatch + 'a>, OpError> {
+        if let [i] = items {
+            let pass = self.train_forward(i.prep, i.tokens, i.layout, i.replay)?;
+            return Ok(Box::new(LoopBatch(vec![pass])));
+        }
         let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
         let groups = by_plan(&preps);
         let mut parts = Vec::with_capacity(groups.len());
@@ -241,6 +254,11 @@ impl CudaBackend {
         seqs: usize,
         positions: usize,
     ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
+        if let [p] = preps {
+            return Ok(Box::new(LoopDecoder(vec![
+                self.decoder(p, seqs, positions)?,
+            ])));
+        }
         let groups = by_plan(preps);
         let parts = groups
             .iter()
