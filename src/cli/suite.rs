@@ -243,7 +243,12 @@ pub fn run_local(
         force: args.force,
         cache: default_cache(),
         threads_per_worker: worker_threads(on_gpu, jobs),
-        batch_runs: args.batch_runs.map(usize::from),
+        // Without --batch-runs, what the devices suit: known here without opening them, so the
+        // parent deals worker processes whole batches.
+        batch_runs: args
+            .batch_runs
+            .map(usize::from)
+            .or_else(|| infos.iter().map(|i| i.batch_runs).min()),
     };
     let total = runs.len();
     let start = Instant::now();

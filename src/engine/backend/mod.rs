@@ -108,13 +108,16 @@ pub fn open(device: Device) -> Result<Box<dyn Backend>, DeviceError> {
 }
 
 /// What a sweep needs to know of a device before it decides how to split the work: what
-/// [`Backend::name`], [`Backend::hardware`] and [`Backend::one_process_only`] would say, read
+/// [`Backend::name`], [`Backend::hardware`], [`Backend::one_process_only`] and
+/// [`Backend::batch_runs`] would say, read
 /// without compiling kernels (a sweep in worker processes leaves that to the workers).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeviceInfo {
     pub name: String,
     pub hardware: Option<String>,
     pub one_process_only: bool,
+    /// [`Backend::batch_runs`].
+    pub batch_runs: usize,
 }
 
 /// [`DeviceInfo`] of `device`; the same errors as [`open`] for a device that cannot be opened.
@@ -124,12 +127,14 @@ pub fn describe(device: Device) -> Result<DeviceInfo, DeviceError> {
             name: device.to_string(),
             hardware: None,
             one_process_only: false,
+            batch_runs: 1,
         }),
         Device::Cuda(i) => cuda::CudaDevice::open(i)
             .map(|d| DeviceInfo {
                 name: device.to_string(),
                 hardware: Some(d.hardware()),
                 one_process_only: d.exclusive_process(),
+                batch_runs: cuda::backend::BATCH_RUNS,
             })
             .map_err(|err| DeviceError::Cuda { device, err }),
     }
