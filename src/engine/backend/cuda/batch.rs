@@ -171,10 +171,6 @@ fn check_items(items: &[&ForwardItem<'_>]) -> Result<(), OpError> {
     Ok(())
 }
 
-fn device_err(e: CudaError) -> OpError {
-    OpError::from(e)
-}
-
 impl CudaBackend {
     /// An op set stepping `runs` runs, and `f` run on it; the op set goes back to the pool.
     fn with_runs<T>(
@@ -471,7 +467,7 @@ impl<'a> GpuBatchDecoder<'a> {
         ops.set_runs(preps.len());
         let made = ops
             .upload_models(preps, false)
-            .map_err(device_err)
+            .map_err(OpError::from)
             .and_then(|model| {
                 let cache = ops.kv_cache(
                     cfg.n_layers,
