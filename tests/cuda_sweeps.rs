@@ -253,7 +253,8 @@ fn a_card_that_faults_fails_its_run_and_no_later_run_goes_to_it(g0: CudaBackend)
         force: false,
         cache: d.path().join("cache"),
         threads_per_worker: None,
-        batch_runs: None,
+        // One run at a time (a GPU batches by default): the fault lands during the second.
+        batch_runs: Some(1),
     };
     let started = Mutex::new(0usize);
     let planted = Mutex::new(false);
