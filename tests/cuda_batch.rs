@@ -5,7 +5,8 @@
 //! row counts and plans in one batch give each run its numbers alone to GEMM summation order
 //! (the routing replayed so both run the same experts), the same activation counts, and repeat
 //! bit for bit; a run whose weights are NaN leaves its neighbours' numbers bit for bit as they
-//! were. `cargo test --release --test cuda_batch -- --nocapture` prints the measured differences.
+//! were; a suite stepped in batches finishes every run as it does alone and repeats bit for bit.
+//! `cargo test --release --test cuda_batch -- --nocapture` prints the measured differences.
 
 mod common;
 
@@ -14,9 +15,13 @@ use lockstep::engine::backend::cuda::CudaBackend;
 use lockstep::engine::backend::{Backend, ForwardItem};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
+use lockstep::store::{RunDir, RunStatus};
+use lockstep::suite::runner::{RunnerOptions, run_suite};
 use lockstep::tools::bench::trainer_batch;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::OnceLock;
 
 fn gpu(test: &str) -> Option<&'static CudaBackend> {
@@ -313,5 +318,78 @@ fn batched_decoder_gives_each_run_its_decode_alone() {
                 "run {m} step {step}: routing"
             );
         }
+    }
+}
+
+/// Two recipes × 3 seeds on the tiny model: with batches of 4, one batch holds both plans.
+const SUITE: &str = r#"
+name = "batched"
+seeds = [0, 1, 2]
+[workload]
+model = "tiny"
+steps = 4
+prompts_per_step = 4
+samples_per_prompt = 4
+[workload.warm_start]
+max_steps = 4
+eval_prompts = 8
+[[configs]]
+name = "bf16"
+recipe = "bf16"
+[[configs]]
+name = "nvfp4-dq"
+recipe = "nvfp4-dq"
+"#;
+
+/// Per run: status, steps recorded and every deterministic scalar (as bits) of every step.
+type Outcomes = BTreeMap<String, (RunStatus, Vec<BTreeMap<String, u64>>)>;
+
+/// The suite run on `be` into a fresh store, `batch` runs stepped together.
+fn suite_outcomes(be: &CudaBackend, batch: usize) -> Outcomes {
+    let s = lockstep::suite::spec::parse(SUITE, Path::new("batched.toml")).unwrap();
+    let runs = lockstep::suite::plan::expand(&s).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let opts = RunnerOptions {
+        store: d.path().join("runs"),
+        jobs: 1,
+        force: false,
+        cache: d.path().join("cache"),
+        threads_per_worker: None,
+        batch_runs: Some(batch),
+    };
+    let backends: [&dyn Backend; 1] = [be];
+    run_suite(&backends, &s, &runs, &opts, &|_| {}).unwrap();
+    runs.iter()
+        .map(|r| {
+            let rd = RunDir::open(&opts.store.join("batched").join(&r.run_id));
+            let status = rd.read_manifest().unwrap().status;
+            let steps = rd
+                .read_scalars()
+                .unwrap()
+                .iter()
+                .map(|s| s.deterministic_scalars())
+                .collect();
+            (r.run_id.clone(), (status, steps))
+        })
+        .collect()
+}
+
+#[test]
+fn suite_runs_batched_repeat_bit_for_bit_and_finish_as_alone() {
+    let Some(be) = gpu("suite_runs_batched_repeat_bit_for_bit_and_finish_as_alone") else {
+        return;
+    };
+    // Batches of 4: bf16's three seeds with nvfp4-dq's first, then nvfp4-dq's other two.
+    let batched = suite_outcomes(be, 4);
+    let again = suite_outcomes(be, 4);
+    let alone = suite_outcomes(be, 1);
+    assert_eq!(batched.len(), 6);
+    for (id, (status, steps)) in &batched {
+        assert_eq!(*status, RunStatus::Ok, "{id}");
+        assert_eq!(steps.len(), 4, "{id}: steps recorded");
+        assert_eq!(alone[id].0, RunStatus::Ok, "{id} alone: {:?}", alone[id].0);
+        assert_eq!(alone[id].1.len(), steps.len(), "{id} alone: steps recorded");
+        // Same batch composition: the same bits, every metric of every step.
+        assert_eq!(&again[id].1, steps, "{id}: a second batched sweep differs");
     }
 }

@@ -61,12 +61,14 @@ fn bump(field: &AtomicU64, v: u64) {
     field.fetch_add(v, Ordering::Relaxed);
 }
 
+/// [`Backend::batch_runs`] on a GPU: runs stepped as one pass when `--batch-runs` is not given.
+/// One until an H200 has measured where batching pays (`lockstep bench sweep --device cuda`):
+/// batched passes are checked against each run alone (tests/cuda_batch.rs) but not yet timed.
+pub const BATCH_RUNS: usize = 1;
+
 /// A cuBLAS handle on `stream` in `CUBLAS_PEDANTIC_MATH`: FP32 operands and accumulation, no
 /// TF32 or other reduced-precision path, whatever `NVIDIA_TF32_OVERRIDE` says. Every cuBLAS
 /// handle of the engine is made here.
-/// [`Backend::batch_runs`] on a GPU.
-pub const BATCH_RUNS: usize = 16;
-
 pub(crate) fn pedantic_blas(stream: &Arc<CudaStream>) -> Result<CudaBlas, CudaError> {
     let blas = CudaBlas::new(stream.clone())?;
     // SAFETY: the handle is valid (just created) and owned by the caller from here on; setting
@@ -219,8 +221,7 @@ impl Backend for CudaBackend {
         self.dev.exclusive_process()
     }
 
-    /// Runs one batched call carries: enough to amortize the launches of a step (one run of the
-    /// benchmark shape is bound by them), within memory for the shipped model shapes.
+    /// Runs one batched call carries when the caller does not say ([`BATCH_RUNS`]).
     fn batch_runs(&self) -> usize {
         BATCH_RUNS
     }
