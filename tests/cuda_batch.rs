@@ -12,7 +12,7 @@ mod common;
 
 use common::{bits, plan};
 use lockstep::engine::backend::cuda::CudaBackend;
-use lockstep::engine::backend::{Backend, ForwardItem};
+use lockstep::engine::backend::{Backend, Counts, ForwardItem};
 use lockstep::engine::layout::Layout;
 use lockstep::engine::model::{ModelConfig, Params, PreparedModel, Routing, forward_rows};
 use lockstep::store::{RunDir, RunStatus};
@@ -97,8 +97,9 @@ fn batched_training_pass_gives_each_run_its_numbers_alone() {
         let runs: Vec<Run> = (0..3)
             .map(|i| run(&cfg, plans[i], 21 + i as u64, shapes[i]))
             .collect();
-        let batch = be.train_forward_batch(&items(&runs)).unwrap();
-        let again = be.train_forward_batch(&items(&runs)).unwrap();
+        let batch = be.train_forward_batch(&items(&runs), Counts::Keep).unwrap();
+        // Repeated without the per-run counts: the same bits all the same.
+        let again = be.train_forward_batch(&items(&runs), Counts::Skip).unwrap();
         let dls: Vec<Vec<f32>> = runs
             .iter()
             .enumerate()
@@ -190,10 +191,10 @@ fn a_non_finite_run_leaves_its_neighbours_bit_for_bit() {
         layout: runs[1].layout.clone(),
         routing: runs[1].routing.clone(),
     };
-    let healthy = be.train_forward_batch(&items(&runs)).unwrap();
+    let healthy = be.train_forward_batch(&items(&runs), Counts::Keep).unwrap();
     let mut mixed_items = items(&runs);
     mixed_items[1].prep = &bad.prep;
-    let mixed = be.train_forward_batch(&mixed_items).unwrap();
+    let mixed = be.train_forward_batch(&mixed_items, Counts::Keep).unwrap();
     assert!(
         mixed.logits(1).iter().any(|x| x.is_nan()),
         "the planted NaN reaches run 1's logits"

@@ -14,7 +14,7 @@
 //! then one batched backend call over all of them, which is what keeps a GPU busy with runs this
 //! small; a single run's step is a batch of one.
 
-use super::backend::{Backend, ForwardItem, TrainBatch};
+use super::backend::{Backend, Counts, ForwardItem, TrainBatch};
 use super::contract;
 use super::cost;
 use super::layout::Layout;
@@ -522,7 +522,7 @@ impl Trainer {
                 .map(|(t, sc)| sc.rows.item(&t.reference))
                 .collect();
             rayon::join(
-                || policy_forward(be, &items),
+                || policy_forward(be, &items, Counts::Keep),
                 || {
                     be.forward_logits_batch(&refs)
                         .unwrap_or_else(|e| panic!("{}: reference forward failed: {e}", be.name()))
@@ -579,7 +579,8 @@ impl Trainer {
                 .zip(&fresh)
                 .map(|(&m, prep)| scored[m].rows.item(prep))
                 .collect();
-            let batch = policy_forward(be, &items);
+            // Only the first forward's activation counts are recorded.
+            let batch = policy_forward(be, &items, Counts::Skip);
             for &m in &members {
                 tallies[m].forwards += 1;
             }
@@ -1110,8 +1111,12 @@ struct Round<'b> {
 }
 
 /// The trainer's policy forward of several members, kept for their backward.
-fn policy_forward<'a>(be: &'a dyn Backend, items: &[ForwardItem<'a>]) -> Box<dyn TrainBatch + 'a> {
-    be.train_forward_batch(items)
+fn policy_forward<'a>(
+    be: &'a dyn Backend,
+    items: &[ForwardItem<'a>],
+    counts: Counts,
+) -> Box<dyn TrainBatch + 'a> {
+    be.train_forward_batch(items, counts)
         .unwrap_or_else(|e| panic!("{}: training forward failed: {e}", be.name()))
 }
 

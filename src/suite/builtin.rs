@@ -577,6 +577,7 @@ mod tests {
         fn train_forward_batch<'a>(
             &'a self,
             items: &[crate::engine::backend::ForwardItem<'a>],
+            _counts: crate::engine::backend::Counts,
         ) -> Result<Box<dyn crate::engine::backend::TrainBatch + 'a>, OpError> {
             if items.len() > 1 {
                 return Err(OpError::Device("planted fault".into()));

@@ -215,10 +215,12 @@ pub trait Backend: Send + Sync {
             .collect()
     }
 
-    /// [`Backend::train_forward`] of several runs, kept for one backward of all of them.
+    /// [`Backend::train_forward`] of several runs, kept for one backward of all of them. With
+    /// [`Counts::Skip`] a device may leave out the activation counts.
     fn train_forward_batch<'a>(
         &'a self,
         items: &[ForwardItem<'a>],
+        _counts: Counts,
     ) -> Result<Box<dyn TrainBatch + 'a>, OpError> {
         let passes = items
             .iter()
@@ -245,6 +247,16 @@ pub trait Backend: Send + Sync {
 // ===================================================================================================
 // Several runs at once
 
+/// Whether a batched training forward keeps each run's activation counts
+/// ([`TrainBatch::quant_stats`]). A device stepping several runs as one pass counts each run's
+/// rows in passes of their own, which a forward whose counts nobody reads can skip; its
+/// `quant_stats` then panics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counts {
+    Keep,
+    Skip,
+}
+
 /// One run's input to a batched forward ([`Backend::forward_logits_batch`],
 /// [`Backend::train_forward_batch`]).
 #[derive(Clone, Copy)]
@@ -262,7 +274,7 @@ pub trait TrainBatch: Send {
     fn members(&self) -> usize;
     /// Member `m`'s logits `[rows, V]` in its layout's row order ([`TrainPass::logits`]).
     fn logits(&self, m: usize) -> &[f32];
-    /// Member `m`'s activation counts ([`TrainPass::quant_stats`]).
+    /// Member `m`'s activation counts ([`TrainPass::quant_stats`]); made with [`Counts::Keep`].
     fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)>;
     /// The gradients of every member given its dL/dlogits ([`TrainPass::backward`]); a member
     /// given `None` is skipped and gets `None`.

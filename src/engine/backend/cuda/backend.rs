@@ -156,6 +156,7 @@ impl CudaBackend {
 
     pub(super) fn give_ops(&self, mut o: GpuOps) {
         o.set_runs(1);
+        o.set_run_counts(true);
         self.ops.give(o);
     }
 
@@ -236,8 +237,9 @@ impl Backend for CudaBackend {
     fn train_forward_batch<'a>(
         &'a self,
         items: &[crate::engine::backend::ForwardItem<'a>],
+        counts: crate::engine::backend::Counts,
     ) -> Result<Box<dyn crate::engine::backend::TrainBatch + 'a>, OpError> {
-        self.train_forward_runs(items)
+        self.train_forward_runs(items, counts)
     }
 
     fn decoder_batch<'a>(

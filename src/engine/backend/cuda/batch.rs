@@ -21,7 +21,7 @@ use super::decoder::per_position;
 use super::device_ops::{DeviceKvCache, GpuOps, GpuRows};
 use super::launch::{DeviceGroups, DeviceLayout};
 use crate::engine::backend::{
-    Backend, BatchDecoder, ForwardItem, LoopBatch, LoopDecoder, TrainBatch,
+    Backend, BatchDecoder, Counts, ForwardItem, LoopBatch, LoopDecoder, TrainBatch,
 };
 use crate::engine::device::{OpError, Ops};
 use crate::engine::model::pass::{self, Cache, Weights};
@@ -224,6 +224,7 @@ impl CudaBackend {
     pub(super) fn train_forward_runs<'a>(
         &'a self,
         items: &[ForwardItem<'a>],
+        counts: Counts,
     ) -> Result<Box<dyn TrainBatch + 'a>, OpError> {
         if let [i] = items {
             let pass = self.train_forward(i.prep, i.tokens, i.layout, i.replay)?;
@@ -235,7 +236,7 @@ impl CudaBackend {
         let mut index = vec![(0, 0); items.len()];
         for (g, group) in groups.iter().enumerate() {
             let its: Vec<&ForwardItem<'_>> = group.iter().map(|&i| &items[i]).collect();
-            parts.push(GpuTrainBatch::new(self, &its)?);
+            parts.push(GpuTrainBatch::new(self, &its, counts)?);
             for (m, &i) in group.iter().enumerate() {
                 index[i] = (g, m);
             }
@@ -280,16 +281,22 @@ struct GpuTrainBatch<'a> {
     joint: JointRows,
     vocab: usize,
     logits: Vec<Vec<f32>>,
+    counts: Counts,
     stats: OnceLock<Vec<Vec<(String, QuantStats)>>>,
 }
 
 impl<'a> GpuTrainBatch<'a> {
-    fn new(backend: &'a CudaBackend, its: &[&ForwardItem<'_>]) -> Result<Self, OpError> {
+    fn new(
+        backend: &'a CudaBackend,
+        its: &[&ForwardItem<'_>],
+        counts: Counts,
+    ) -> Result<Self, OpError> {
         check_items(its)?;
         let cfg = its[0].prep.config.clone();
         let joint = JointRows::new(its);
         let mut ops = backend.take_ops()?;
         ops.set_runs(its.len());
+        ops.set_run_counts(counts == Counts::Keep);
         let run = |ops: &GpuOps| -> Result<_, OpError> {
             let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
             let model = ops.upload_models(&members, true)?;
@@ -313,6 +320,7 @@ impl<'a> GpuTrainBatch<'a> {
                     joint,
                     vocab: cfg.vocab,
                     logits,
+                    counts,
                     stats: OnceLock::new(),
                 })
             }
@@ -347,6 +355,11 @@ impl TrainBatch for GpuTrainBatch<'_> {
     }
 
     fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
+        assert_eq!(
+            self.counts,
+            Counts::Keep,
+            "activation counts of a batched training forward made with Counts::Skip"
+        );
         self.stats.get_or_init(|| {
             let runs = self.members();
             let flat = pass::quant_stats(self.ops(), &self.cache)

@@ -132,6 +132,9 @@ pub struct GpuOps {
     /// Runs stepped at once ([`Ops::runs`]): each tensor holds `runs` equal blocks of rows, each
     /// parameter `runs` copies, each weight `runs` stacked copies (experts: `runs · E`).
     runs: usize,
+    /// Stepping several runs, whether a training forward counts each run's activations (passes
+    /// of their own; [`crate::engine::backend::Counts`]). One run's counts come with its forward.
+    run_counts: bool,
 }
 
 impl GpuOps {
@@ -168,12 +171,19 @@ impl GpuOps {
             k,
             batch: ExpertBatch::new(dev)?,
             runs: 1,
+            run_counts: true,
         })
     }
 
     /// Step `runs` runs at once from now on (1: one run, as made).
     pub fn set_runs(&mut self, runs: usize) {
         self.runs = runs.max(1);
+    }
+
+    /// Whether training forwards of several runs count each run's activations (on when made);
+    /// off, their counts stay zero.
+    pub fn set_run_counts(&mut self, on: bool) {
+        self.run_counts = on;
     }
 
     /// Rows of one run among `n`: the runs' blocks are equal.
@@ -341,7 +351,7 @@ impl GpuOps {
             return Ok((y, GpuLin { cache, counts }));
         }
         let (y, cache) = self.lin.forward(plan, x, n, w)?;
-        if plan.activation_format().is_some() && n > 0 {
+        if self.run_counts && plan.activation_format().is_some() && n > 0 {
             let blocks = w.batch() / self.runs;
             let len = blocks * n * w.in_dim();
             let mut xr = self.output(len)?;
