@@ -5,7 +5,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-target/cuda-emu}
 mkdir -p "$OUT"
-g++ -std=c++17 -O3 -g -fPIC -shared -fvisibility=hidden -Wall -Wno-unused-parameter \
+g++ -std=c++17 -O3 -march=native -g -fPIC -shared -fvisibility=hidden -Wall -Wno-unused-parameter \
   -DEMU_DIR="\"$HERE\"" -o "$OUT/libcudaemu.so" "$HERE/runtime.cpp" -ldl -lpthread
 for name in libcuda.so libcuda.so.1 libnvrtc.so libcublas.so; do
   ln -sf libcudaemu.so "$OUT/$name"

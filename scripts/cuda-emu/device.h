@@ -95,6 +95,7 @@ struct Warp {
 struct Fiber {
     void *sp;
     unsigned tid;
+    uint3 idx; // threadIdx
     int stack; // -1 until started
     bool done;
 };
@@ -163,7 +164,7 @@ inline void ensure_stacks() {
 // Runs one block to its end; false (with st.why) on a deadlock or a trap.
 inline bool run_block() {
     unsigned n = st.nthreads;
-    st.fibers.assign(n, Fiber{});
+    st.fibers.resize(n);
     st.exited = 0;
     st.bar_arrived = 0;
     for (unsigned w = 0; w < (n + 31) / 32; w++) {
@@ -175,7 +176,10 @@ inline bool run_block() {
     }
     st.free_stacks.clear();
     for (int i = (int)n - 1; i >= 0; i--) st.free_stacks.push_back(i);
-    for (unsigned i = 0; i < n; i++) st.fibers[i] = Fiber{nullptr, i, -1, false};
+    for (unsigned i = 0; i < n; i++) {
+        uint3 idx{i % st.bdim.x, (i / st.bdim.x) % st.bdim.y, i / (st.bdim.x * st.bdim.y)};
+        st.fibers[i] = Fiber{nullptr, i, idx, -1, false};
+    }
     unsigned live = n;
     static const bool reverse = getenv("LOCKSTEP_CUDA_EMU_REVERSE") != nullptr;
     while (live) {
@@ -190,8 +194,7 @@ inline bool run_block() {
                 st.free_stacks.pop_back();
                 f.sp = fresh_stack((unsigned)f.stack);
             }
-            unsigned t = f.tid;
-            st.thread = uint3{t % st.bdim.x, (t / st.bdim.x) % st.bdim.y, t / (st.bdim.x * st.bdim.y)};
+            st.thread = f.idx;
             emu_switch(&st.main_sp, f.sp);
             if (st.failed) return false;
             if (f.done) live--;

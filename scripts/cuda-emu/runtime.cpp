@@ -597,7 +597,9 @@ EXPORT int nvrtcCompileProgram(Program *prog, int nopts, const char *const *opts
     std::string dir = EMU_DIR;
     std::string shim = read_file(dir + "/device.h");
     std::string src = rewrite_asm(prog->src);
-    std::string key = std::to_string(fnv1a(src + "\n" + arch + "\n" + shim));
+    const char *opt = getenv("LOCKSTEP_CUDA_EMU_OPT");
+    std::string level = opt ? opt : "-O2";
+    std::string key = std::to_string(fnv1a(src + "\n" + arch + "\n" + level + "\n" + shim));
     std::string base = cache_dir() + "/" + key;
     std::string so = base + ".so";
     struct stat sb;
@@ -633,8 +635,7 @@ EXPORT int nvrtcCompileProgram(Program *prog, int nopts, const char *const *opts
     write_file(cu, "#line 1 \"" + prog->name + "\"\n" + src + wrappers);
     // Pass 2: compile with the launch wrappers.
     std::vector<std::string> build = common;
-    const char *opt = getenv("LOCKSTEP_CUDA_EMU_OPT");
-    build.insert(build.end(), {opt ? opt : "-O1", "-g0", "-shared", "-x", "c++", cu, "-o", base + tag + ".so"});
+    build.insert(build.end(), {level, "-g0", "-shared", "-x", "c++", cu, "-o", base + tag + ".so"});
     if (!run(build, log)) {
         prog->log = log;
         unlink(cu.c_str());
@@ -669,11 +670,11 @@ EXPORT const char *cublasGetStatusName(int s) { return cublasGetStatusString(s);
 // A dot product summed in FP64 and rounded once: about the exact value, so the emulator's GEMMs
 // sit as close to the CPU's as the CPU's own rounding allows (cuBLAS's order is not public).
 static inline float dot(const float *x, const float *y, int k) {
-    double acc[4] = {0, 0, 0, 0};
-    int c = k / 4 * 4;
-    for (int l = 0; l < c; l += 4)
-        for (int u = 0; u < 4; u++) acc[u] += (double)x[l + u] * (double)y[l + u];
-    double s = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int c = k / 8 * 8;
+    for (int l = 0; l < c; l += 8)
+        for (int u = 0; u < 8; u++) acc[u] += (double)x[l + u] * (double)y[l + u];
+    double s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (int l = c; l < k; l++) s += (double)x[l] * (double)y[l];
     return (float)s;
 }
