@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{bits, plan};
+use common::{bits, plan, rel};
 use lockstep::engine::backend::cuda::CudaBackend;
 use lockstep::engine::backend::{Backend, Counts, ForwardItem};
 use lockstep::engine::layout::Layout;
@@ -21,22 +21,11 @@ use lockstep::tools::bench::trainer_batch;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::OnceLock;
 
 fn gpu(test: &str) -> Option<&'static CudaBackend> {
     static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
     common::gpu_fixture(&B, test, || CudaBackend::new(0))
-}
-
-/// Largest |a - b| over the largest |b|.
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
 }
 
 /// One run of a batch: its model, rows and the routing its CPU forward chose (replayed by the
@@ -322,33 +311,13 @@ fn batched_decoder_gives_each_run_its_decode_alone() {
     }
 }
 
-/// Two recipes × 3 seeds on the tiny model: with batches of 4, one batch holds both plans.
-const SUITE: &str = r#"
-name = "batched"
-seeds = [0, 1, 2]
-[workload]
-model = "tiny"
-steps = 4
-prompts_per_step = 4
-samples_per_prompt = 4
-[workload.warm_start]
-max_steps = 4
-eval_prompts = 8
-[[configs]]
-name = "bf16"
-recipe = "bf16"
-[[configs]]
-name = "nvfp4-dq"
-recipe = "nvfp4-dq"
-"#;
-
 /// Per run: status, steps recorded and every deterministic scalar (as bits) of every step.
 type Outcomes = BTreeMap<String, (RunStatus, Vec<BTreeMap<String, u64>>)>;
 
 /// The suite run on `be` into a fresh store, `batch` runs stepped together.
 fn suite_outcomes(be: &CudaBackend, batch: usize) -> Outcomes {
-    let s = lockstep::suite::spec::parse(SUITE, Path::new("batched.toml")).unwrap();
-    let runs = lockstep::suite::plan::expand(&s).unwrap();
+    // With batches of 4, one batch holds both plans.
+    let (s, runs) = common::tiny_two_recipe_suite("batched");
     let d = tempfile::tempdir().unwrap();
     let opts = RunnerOptions {
         store: d.path().join("runs"),
@@ -364,13 +333,7 @@ fn suite_outcomes(be: &CudaBackend, batch: usize) -> Outcomes {
         .map(|r| {
             let rd = RunDir::open(&opts.store.join("batched").join(&r.run_id));
             let status = rd.read_manifest().unwrap().status;
-            let steps = rd
-                .read_scalars()
-                .unwrap()
-                .iter()
-                .map(|s| s.deterministic_scalars())
-                .collect();
-            (r.run_id.clone(), (status, steps))
+            (r.run_id.clone(), (status, common::step_bits(&rd)))
         })
         .collect()
 }

@@ -31,30 +31,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Mutex;
 
-/// Two recipes (BF16, and NVFP4 with dequantized backward operands) × 3 seeds on the tiny model.
-const SUITE: &str = r#"
-name = "two-gpus"
-seeds = [0, 1, 2]
-[workload]
-model = "tiny"
-steps = 4
-prompts_per_step = 4
-samples_per_prompt = 4
-[workload.warm_start]
-max_steps = 4
-eval_prompts = 8
-[[configs]]
-name = "bf16"
-recipe = "bf16"
-[[configs]]
-name = "nvfp4-dq"
-recipe = "nvfp4-dq"
-"#;
-
 fn suite() -> (SuiteSpec, Vec<RunSpec>) {
-    let s = lockstep::suite::spec::parse(SUITE, Path::new("two-gpus.toml")).unwrap();
-    let runs = lockstep::suite::plan::expand(&s).unwrap();
-    (s, runs)
+    common::tiny_two_recipe_suite("two-gpus")
 }
 
 /// Run the suite into `dir/runs` on `backends` with `jobs` workers; `on_progress` sees every event.
@@ -94,12 +72,7 @@ fn outcomes(dir: &Path) -> Outcomes {
             let rd = RunDir::open(&dir.join("runs").join("two-gpus").join(&r.run_id));
             let m = rd.read_manifest().unwrap();
             let steps = match m.status {
-                RunStatus::Ok => rd
-                    .read_scalars()
-                    .unwrap()
-                    .iter()
-                    .map(|s| s.deterministic_scalars())
-                    .collect(),
+                RunStatus::Ok => common::step_bits(&rd),
                 _ => Vec::new(),
             };
             let gpu = m
@@ -210,13 +183,11 @@ fn two_cards(g0: &CudaBackend, g1: CudaBackend) {
             }
             status => {
                 assert_eq!(status, RunStatus::Ok, "{id}");
-                let steps: Vec<_> = rd
-                    .read_scalars()
-                    .unwrap()
-                    .iter()
-                    .map(|s| s.deterministic_scalars())
-                    .collect();
-                assert_eq!(steps, reference[&id].3, "{id} on {device} changed");
+                assert_eq!(
+                    common::step_bits(&rd),
+                    reference[&id].3,
+                    "{id} on {device} changed"
+                );
             }
         }
     }

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{bits, plan};
+use common::{bits, plan, rel};
 use lockstep::engine::backend::cpu::CpuBackend;
 use lockstep::engine::backend::cuda::CudaBackend;
 use lockstep::engine::model::{
@@ -21,16 +21,6 @@ use lockstep::recipe::presets::preset;
 use lockstep::tools::bench::trainer_batch;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-
-/// Largest |a - b| over the largest |b| (b the CPU's).
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
 
 fn norm(v: &[f32]) -> f64 {
     v.iter()

@@ -281,3 +281,56 @@ pub fn gone_within(pid: &str, limit: std::time::Duration) -> bool {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// Largest |a - b| over the largest |b| (b the reference).
+pub fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+/// Two recipes (BF16, and NVFP4 with dequantized backward operands) × 3 seeds on the tiny
+/// model, 4 steps: the suite of the GPU sweep tests, named `name` (its store folder).
+pub fn tiny_two_recipe_suite(
+    name: &str,
+) -> (
+    lockstep::suite::spec::SuiteSpec,
+    Vec<lockstep::suite::plan::RunSpec>,
+) {
+    let text = format!(
+        r#"
+name = "{name}"
+seeds = [0, 1, 2]
+[workload]
+model = "tiny"
+steps = 4
+prompts_per_step = 4
+samples_per_prompt = 4
+[workload.warm_start]
+max_steps = 4
+eval_prompts = 8
+[[configs]]
+name = "bf16"
+recipe = "bf16"
+[[configs]]
+name = "nvfp4-dq"
+recipe = "nvfp4-dq"
+"#
+    );
+    let s =
+        lockstep::suite::spec::parse(&text, std::path::Path::new(&format!("{name}.toml"))).unwrap();
+    let runs = lockstep::suite::plan::expand(&s).unwrap();
+    (s, runs)
+}
+
+/// Every deterministic scalar (as bits) of every step a run recorded.
+pub fn step_bits(rd: &lockstep::store::RunDir) -> Vec<std::collections::BTreeMap<String, u64>> {
+    rd.read_scalars()
+        .unwrap()
+        .iter()
+        .map(|s| s.deterministic_scalars())
+        .collect()
+}
