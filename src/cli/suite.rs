@@ -131,7 +131,9 @@ pub struct RunArgs {
     /// Runs a worker steps together, one batched device call per pass for all of them: runs of
     /// one model, task and workload shape, the seeds of one configuration first (built-in
     /// engine). Default: what the device suits (1 on the CPU, whose passes already use every
-    /// core); 1 runs each run by itself. Every run's metrics are the same either way.
+    /// core); 1 runs each run by itself. On the CPU every run's metrics are the same either way;
+    /// on a GPU a batched run's differ from its metrics alone by the GEMMs' summation order, and
+    /// repeat bit for bit for the same batches.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub batch_runs: Option<u16>,
     /// Redo finished runs too.

@@ -334,3 +334,34 @@ pub fn step_bits(rd: &lockstep::store::RunDir) -> Vec<std::collections::BTreeMap
         .map(|s| s.deterministic_scalars())
         .collect()
 }
+
+/// Activation counts of one pass against a reference pass of the same model whose GEMMs sum in
+/// another order (the CPU, or the same run outside a batch): the first site's input (embedding +
+/// RMSNorm, no GEMM) must count the same; later sites see GEMM outputs, where a value at a
+/// format's edge can fall either side, so their totals may move by a few. None when they agree.
+pub fn counts_disagree(
+    got: &[(String, lockstep::formats::QuantStats)],
+    reference: &[(String, lockstep::formats::QuantStats)],
+) -> Option<String> {
+    let names = |s: &[(String, lockstep::formats::QuantStats)]| -> Vec<String> {
+        s.iter().map(|(n, _)| n.clone()).collect()
+    };
+    if names(got) != names(reference) {
+        return Some("count sites differ".into());
+    }
+    let pair = |q: &lockstep::formats::QuantStats| (q.saturated, q.underflowed);
+    if let (Some((n, g)), Some((_, r))) = (got.first(), reference.first())
+        && pair(g) != pair(r)
+    {
+        return Some(format!("{n} counts {:?} vs {:?}", pair(g), pair(r)));
+    }
+    let total = |s: &[(String, lockstep::formats::QuantStats)]| {
+        s.iter().fold((0u64, 0u64), |(a, b), (_, q)| {
+            (a + q.saturated, b + q.underflowed)
+        })
+    };
+    let (gt, rt) = (total(got), total(reference));
+    eprintln!("  counts (saturated, underflowed): {gt:?} against {rt:?}");
+    let close = |g: u64, r: u64| g.abs_diff(r) as f64 <= 8.0 + 0.02 * r as f64;
+    (!close(gt.0, rt.0) || !close(gt.1, rt.1)).then(|| format!("counts {gt:?} vs {rt:?}"))
+}
