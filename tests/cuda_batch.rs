@@ -238,6 +238,26 @@ fn batched_reference_forward_gives_each_run_its_logits_alone() {
         assert!(d < 4e-2, "run {i}: logits differ by {d:.2e}");
         assert_eq!(bits(&batch[i]), bits(&again[i]), "run {i} repeats");
     }
+    // The stacked models stay on the device for the next step's reference forward (the
+    // trainer's reference does not change), as one run's does: a fresh backend (its counters
+    // this test's alone) uploads the four once, and the held copy gives the same bits.
+    let fresh = CudaBackend::new(0).unwrap();
+    let first = fresh.forward_logits_batch(&items(&runs)).unwrap();
+    assert_eq!(fresh.take_counters().model_uploads, 4);
+    let held = fresh.forward_logits_batch(&items(&runs)).unwrap();
+    assert_eq!(fresh.take_counters().model_uploads, 0, "uploaded again");
+    for i in 0..runs.len() {
+        assert_eq!(
+            bits(&first[i]),
+            bits(&held[i]),
+            "run {i} from the held copy"
+        );
+        assert_eq!(
+            bits(&first[i]),
+            bits(&batch[i]),
+            "run {i} on another backend"
+        );
+    }
 }
 
 #[test]

@@ -340,3 +340,46 @@ fn command_engine_suites_run_in_worker_processes_too() {
         "the failure says why: {stdout}"
     );
 }
+
+#[test]
+fn bench_step_times_runs_stepped_together() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = lockstep(tmp.path())
+        .args([
+            "bench",
+            "step",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--batch-runs",
+            "1,3",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // One line per N: the step of all N runs, and per run-step that time over N.
+    for (n, label) in [(1.0, "cpu 1 run alone"), (3.0, "cpu 3 runs together")] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no line for {label}: {text}"));
+        let before = |marker: &str| -> f64 {
+            let head = line.split(marker).next().unwrap();
+            head.split_whitespace().last().unwrap().parse().unwrap()
+        };
+        let (step, per_run) = (before(" ms for "), before(" ms a run-step"));
+        assert!(step > 0.0, "{line}");
+        assert!((per_run - step / n).abs() <= 0.01 + 1e-3 * step, "{line}");
+    }
+    let bad = lockstep(tmp.path())
+        .args(["bench", "step", "--batch-runs", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}

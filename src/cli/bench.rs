@@ -49,6 +49,10 @@ pub struct StepArgs {
     /// Timed steps (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
+    /// Then the same step for N runs stepped together (one batched device call per pass), for
+    /// each N of this list, e.g. `1,8,32`: per-run-step time and the ratio to one run alone.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..))]
+    pub batch_runs: Vec<u16>,
 }
 
 /// The CPU quantizer next to the bytes-moved floor (see `tools::bench`), on 1 core and all cores.
@@ -96,6 +100,76 @@ pub fn quantize_cpu(size: usize, min_time: f64, only: Option<&str>) -> Result<bo
         }
     }
     Ok(true)
+}
+
+/// `bench step --batch-runs`: for each N, N runs stepped together on `be`, the step's phases, its
+/// time per run-step and the ratio to the first N's (a GPU's model uploads per step with it).
+fn batched_steps(
+    be: &dyn lockstep::engine::backend::Backend,
+    model: &lockstep::engine::model::ModelConfig,
+    recipe: &lockstep::recipe::Recipe,
+    args: &StepArgs,
+    gpu: Option<&cuda::CudaBackend>,
+) -> Result<()> {
+    let mut first: Option<(usize, f64)> = None;
+    for &n in &args.batch_runs {
+        let n = usize::from(n);
+        let mut uploads = Vec::new();
+        let times = lockstep::tools::bench::engine_batch_step_times(
+            be,
+            model,
+            recipe.clone(),
+            args.steps,
+            n,
+            || uploads.extend(gpu.map(|g| g.take_counters())),
+        )
+        .with_context(|| format!("engine step of {n} runs together"))?;
+        let step = times
+            .iter()
+            .find(|(k, _)| k == "perf/step_time")
+            .map_or(f64::NAN, |(_, v)| *v);
+        let per_run = step / n as f64;
+        let (n0, per0) = *first.get_or_insert((n, per_run));
+        println!(
+            "  {:<42} step {:>7.1} ms for {n}: {:.2} ms a run-step, {:.1} run-steps/s, \
+             {:.2}x the run-step rate of {n0}",
+            if n == 1 {
+                format!("{} 1 run alone", be.name())
+            } else {
+                format!("{} {n} runs together", be.name())
+            },
+            step * 1e3,
+            per_run * 1e3,
+            1.0 / per_run,
+            per0 / per_run
+        );
+        let phase = |k: &str| {
+            times
+                .iter()
+                .find(|(n, _)| n == k)
+                .map_or(f64::NAN, |(_, v)| v * 1e3)
+        };
+        println!(
+            "  {:<42} export {:.1}  rollout {:.1}  train {:.1} (forward {:.1}, backward {:.1}, \
+             optimizer {:.1} a member)",
+            "",
+            phase("perf/export_time"),
+            phase("perf/rollout_time"),
+            phase("perf/train_time"),
+            phase("perf/train_forward_time"),
+            phase("perf/train_backward_time"),
+            phase("perf/optimizer_time"),
+        );
+        if let Some(last) = uploads.last() {
+            println!(
+                "  {:<42} {} models uploaded in {:.1} ms (last step)",
+                "",
+                last.model_uploads,
+                last.model_upload_ns as f64 / 1e6
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Median GRPO step time and its phases on one device. On a GPU, the CUDA backend is timed with
@@ -155,12 +229,13 @@ pub fn step(args: &StepArgs) -> Result<bool> {
         let times = lockstep::tools::bench::engine_step_times(
             be.as_ref(),
             &model,
-            recipe,
+            recipe.clone(),
             args.steps,
             || {},
         )
         .context("engine step")?;
         print(&be.name(), &times);
+        batched_steps(be.as_ref(), &model, &recipe, args, None)?;
         return Ok(true);
     }
     let mut gpu_steps = Vec::new();
@@ -184,6 +259,9 @@ pub fn step(args: &StepArgs) -> Result<bool> {
             last.model_upload_ns as f64 / 1e6,
             last.train_forward_ns as f64 / 1e6
         );
+    }
+    if let Some((_, be)) = gpu.first() {
+        batched_steps(be, &model, &recipe, args, Some(be))?;
     }
     // The same shape on this host's CPU, in the same run, so the ratios compare like with like.
     let cpu = CpuBackend;

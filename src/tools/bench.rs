@@ -160,22 +160,50 @@ pub fn engine_step_times(
     model: &crate::engine::model::ModelConfig,
     recipe: crate::recipe::Recipe,
     steps: usize,
+    between_steps: impl FnMut(),
+) -> Result<Vec<(String, f64)>, crate::engine::trainer::TrainerError> {
+    engine_batch_step_times(be, model, recipe, steps, 1, between_steps)
+}
+
+/// As [`engine_step_times`] for `runs` runs (sampling seeds 0, 1, ...) stepped together
+/// ([`crate::engine::trainer::Trainer::step_batch`]: one batched device call per pass): the
+/// phases of one step of all of them. One run steps alone ([`crate::engine::trainer::Trainer::step`]).
+pub fn engine_batch_step_times(
+    be: &dyn crate::engine::backend::Backend,
+    model: &crate::engine::model::ModelConfig,
+    recipe: crate::recipe::Recipe,
+    steps: usize,
+    runs: usize,
     mut between_steps: impl FnMut(),
 ) -> Result<Vec<(String, f64)>, crate::engine::trainer::TrainerError> {
     use crate::engine::task::Task;
     use crate::engine::trainer::{ContractBreak, Trainer};
     let init = crate::engine::model::Params::init(model, 7)?;
     let grpo = super::bench_engine::bench_grpo();
-    let mut t = Trainer::new(init, Task::Add(3), recipe, grpo, 0, ContractBreak::None)?;
-    t.step(be);
-    between_steps();
-    let recs: Vec<_> = (0..steps.max(1))
-        .map(|_| {
-            let r = t.step(be);
-            between_steps();
-            r
+    let mut ts = (0..runs.max(1) as u64)
+        .map(|seed| {
+            Trainer::new(
+                init.clone(),
+                Task::Add(3),
+                recipe.clone(),
+                grpo.clone(),
+                seed,
+                ContractBreak::None,
+            )
         })
-        .collect();
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut step = || {
+        let rec = if let [t] = &mut ts[..] {
+            t.step(be)
+        } else {
+            let mut members: Vec<&mut Trainer> = ts.iter_mut().collect();
+            Trainer::step_batch(&mut members, be).swap_remove(0)
+        };
+        between_steps();
+        rec
+    };
+    step();
+    let recs: Vec<_> = (0..steps.max(1)).map(|_| step()).collect();
     let keys = [
         "perf/step_time",
         "perf/export_time",

@@ -109,13 +109,29 @@ pub struct CudaBackend {
     /// Op sets (kernels, stream, cuBLAS handle) of finished passes, one per concurrent caller
     /// at most, so compiling them is paid once per worker.
     ops: Pool<GpuOps>,
-    /// The models `forward_logits` uploaded, by [`PreparedModel::key`], newest last: the
-    /// trainer's BF16 reference does not change during a run, so it is uploaded once per run
-    /// instead of once per step (one per concurrent run, up to [`UPLOADED_MODELS`]).
+    /// The inference copies `forward_logits` and `forward_logits_batch` uploaded, by
+    /// [`PreparedModel::key`] (of a stack, its members' keys in order), newest last: the
+    /// trainer's BF16 reference does not change during a run, so it is uploaded once per run or
+    /// batch instead of once per step (up to [`UPLOADED_MODELS`]).
     uploaded: Mutex<Vec<(u64, Arc<Weights<GpuOps>>)>>,
 }
 
-/// Models kept by `forward_logits` (each a few tens of MB at the shipped sizes).
+/// The key of a model, or of several stacked in this order, among the held inference copies.
+fn models_key(preps: &[&PreparedModel]) -> u64 {
+    if let [p] = preps {
+        return p.key();
+    }
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    preps.len().hash(&mut h);
+    for p in preps {
+        p.key().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Inference copies kept (a model is a few tens of MB at the shipped sizes; a batch's stack that
+/// times its runs).
 const UPLOADED_MODELS: usize = 8;
 
 impl CudaBackend {
@@ -164,7 +180,12 @@ impl CudaBackend {
     /// Count a whole-model upload that started at `since` and is queued (the host's part: packing
     /// the page-locked buffer and queuing the copies; `forward_logits` also waits for the copy).
     pub(super) fn note_model_upload(&self, since: std::time::Instant) {
-        bump(&self.counters.model_uploads, 1);
+        self.note_model_uploads(since, 1);
+    }
+
+    /// Count `models` whole models uploaded as one stack that started at `since`.
+    pub(super) fn note_model_uploads(&self, since: std::time::Instant, models: usize) {
+        bump(&self.counters.model_uploads, models as u64);
         bump(
             &self.counters.model_upload_ns,
             since.elapsed().as_nanos() as u64,
@@ -177,6 +198,46 @@ impl CudaBackend {
             &self.counters.train_forward_ns,
             since.elapsed().as_nanos() as u64,
         );
+    }
+
+    /// The inference copy of `preps` (one model, or several stacked as
+    /// [`GpuOps::upload_models`] stacks them) for a pass on `f`: the copy an earlier pass left
+    /// held ([`CudaBackend::hold_model`]), else a fresh upload, counted, that `f`'s stream has
+    /// finished. With its key for `hold_model`.
+    pub(super) fn inference_model(
+        &self,
+        f: &GpuOps,
+        preps: &[&PreparedModel],
+    ) -> Result<(u64, Arc<Weights<GpuOps>>), OpError> {
+        let key = models_key(preps);
+        let held = self.uploaded.lock().ok().and_then(|v| {
+            v.iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, m)| Arc::clone(m))
+        });
+        if let Some(m) = held {
+            return Ok((key, m));
+        }
+        let t0 = std::time::Instant::now();
+        let m = f.upload_models(preps, false)?;
+        f.stream().synchronize().map_err(CudaError::from)?;
+        self.note_model_uploads(t0, preps.len());
+        Ok((key, Arc::new(m)))
+    }
+
+    /// Keep an inference copy for later passes of the same models (the trainer's BF16
+    /// reference does not change during a run). Call it only after a pass on the uploading
+    /// stream has brought its results back (a synchronizing copy), so any other stream reads the
+    /// copy complete.
+    pub(super) fn hold_model(&self, key: u64, m: Arc<Weights<GpuOps>>) {
+        if let Ok(mut v) = self.uploaded.lock()
+            && !v.iter().any(|(k, _)| *k == key)
+        {
+            if v.len() >= UPLOADED_MODELS {
+                v.remove(0);
+            }
+            v.push((key, m));
+        }
     }
 
     /// The counters since the last call, reset to zero.
@@ -269,34 +330,10 @@ impl Backend for CudaBackend {
         layout: &Layout,
         replay: Option<&Routing>,
     ) -> Result<Vec<f32>, OpError> {
-        // An uploaded copy is only published after a forward on the uploading stream has
-        // returned its logits (a synchronizing copy), so any other stream reads it complete.
         let run = |f: &GpuOps| -> Result<_, OpError> {
-            let key = prep.key();
-            let held = self.uploaded.lock().ok().and_then(|v| {
-                v.iter()
-                    .find(|(k, _)| *k == key)
-                    .map(|(_, m)| Arc::clone(m))
-            });
-            let m = match held {
-                Some(m) => m,
-                None => {
-                    let t0 = std::time::Instant::now();
-                    let m = f.upload_model_for_inference(prep)?;
-                    f.stream().synchronize().map_err(CudaError::from)?;
-                    self.note_model_upload(t0);
-                    Arc::new(m)
-                }
-            };
+            let (key, m) = self.inference_model(f, &[prep])?;
             let out = pass::infer(f, &m, tokens, layout, replay)?;
-            if let Ok(mut v) = self.uploaded.lock()
-                && !v.iter().any(|(k, _)| *k == key)
-            {
-                if v.len() >= UPLOADED_MODELS {
-                    v.remove(0);
-                }
-                v.push((key, m));
-            }
+            self.hold_model(key, m);
             Ok(out)
         };
         let f = self.take_ops()?;

@@ -205,12 +205,13 @@ impl CudaBackend {
             let joint = JointRows::new(&its);
             let logits = self.with_runs(its.len(), |ops| {
                 let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
-                let model = ops.upload_models(&members, false)?;
+                let (key, model) = self.inference_model(ops, &members)?;
                 let rows = joint.upload(ops)?;
                 let toks = ops.ids(&joint.tokens)?;
                 let replay = joint.replay(&its, cfg.top_k, cfg.n_layers);
                 let (logits, _) =
                     pass::infer_on(ops, &model, &toks, &rows, joint.n(), replay.as_ref())?;
+                self.hold_model(key, model);
                 Ok(logits)
             })?;
             for (m, &i) in group.iter().enumerate() {
@@ -299,7 +300,9 @@ impl<'a> GpuTrainBatch<'a> {
         ops.set_run_counts(counts == Counts::Keep);
         let run = |ops: &GpuOps| -> Result<_, OpError> {
             let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
+            let t0 = std::time::Instant::now();
             let model = ops.upload_models(&members, true)?;
+            backend.note_model_uploads(t0, members.len());
             let rows = joint.upload(ops)?;
             let toks = ops.ids(&joint.tokens)?;
             let replay = joint.replay(its, cfg.top_k, cfg.n_layers);
@@ -478,8 +481,10 @@ impl<'a> GpuBatchDecoder<'a> {
         }
         let mut ops = backend.take_ops()?;
         ops.set_runs(preps.len());
+        let t0 = std::time::Instant::now();
         let made = ops
             .upload_models(preps, false)
+            .inspect(|_| backend.note_model_uploads(t0, preps.len()))
             .map_err(OpError::from)
             .and_then(|model| {
                 let cache = ops.kv_cache(
