@@ -32,6 +32,18 @@ fn lockstep(dir: &Path) -> Command {
     c
 }
 
+/// Run `c`, assert it exited 0 (showing both streams if not), and return its standard output.
+fn succeeds(c: &mut Command) -> String {
+    let out = c.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
 /// Every run's step records without the wall-clock `perf/` values, as bits, by run folder.
 fn metrics(store: &Path) -> Vec<(String, Vec<BTreeMap<String, u64>>)> {
     lockstep::store::run_dirs(&store.join("wp"))
@@ -54,18 +66,11 @@ fn worker_processes_make_the_runs_one_process_makes() {
     let tmp = tempfile::tempdir().unwrap();
     let s = suite(tmp.path(), 3);
     let run = |store: &str, processes: &str| {
-        let out = lockstep(tmp.path())
-            .args(["run", s.to_str().unwrap(), "--store", store, "--jobs", "2"])
-            .args(["--processes", processes])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{text}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text
+        succeeds(
+            lockstep(tmp.path())
+                .args(["run", s.to_str().unwrap(), "--store", store, "--jobs", "2"])
+                .args(["--processes", processes]),
+        )
     };
     let split = run("split", "2");
     assert!(split.contains("2 workers in 2 processes on cpu"), "{split}");
@@ -239,22 +244,13 @@ fn workers_stop_when_their_parent_is_killed() {
 fn bench_sweep_times_each_layout_and_checks_their_metrics() {
     let tmp = tempfile::tempdir().unwrap();
     let s = suite(tmp.path(), 2);
-    let out = lockstep(tmp.path())
-        .args([
-            "bench",
-            "sweep",
-            s.to_str().unwrap(),
-            "--layouts",
-            "1x1,2x1,1x1",
-        ])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = succeeds(lockstep(tmp.path()).args([
+        "bench",
+        "sweep",
+        s.to_str().unwrap(),
+        "--layouts",
+        "1x1,2x1,1x1",
+    ]));
     assert!(text.contains("4 runs, 8 run-steps on cpu"), "{text}");
     let rows: Vec<&str> = text
         .lines()
@@ -344,25 +340,16 @@ fn command_engine_suites_run_in_worker_processes_too() {
 #[test]
 fn bench_step_times_runs_stepped_together() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = lockstep(tmp.path())
-        .args([
-            "bench",
-            "step",
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--batch-runs",
-            "1,3",
-        ])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = succeeds(lockstep(tmp.path()).args([
+        "bench",
+        "step",
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--batch-runs",
+        "1,3",
+    ]));
     // One line per N: the step of all N runs, and per run-step that time over N.
     for (n, label) in [(1.0, "cpu 1 run alone"), (3.0, "cpu 3 runs together")] {
         let line = text
