@@ -372,3 +372,34 @@ fn suite_runs_batched_repeat_bit_for_bit_and_finish_as_alone() {
         assert_eq!(&again[id].1, steps, "{id}: a second batched sweep differs");
     }
 }
+
+/// `bench step --batch-runs`' training-pass comparison: both ways run (with each run's model
+/// uploaded and its gradients downloaded, and with both left on the GPU), a dL/dlogits of
+/// another length than the batch's rows is an error, and so are runs of two plans (one pass).
+#[test]
+fn training_pass_is_timed_with_and_without_transfers() {
+    let Some(be) = gpu("training_pass_is_timed_with_and_without_transfers") else {
+        return;
+    };
+    let cfg = ModelConfig::tiny();
+    let runs: Vec<Run> = (0..2)
+        .map(|i| run(&cfg, "bf16", 60 + i, (2, 2, 3, 6 + i as usize)))
+        .collect();
+    let its = items(&runs);
+    let n = CudaBackend::train_pass_rows(&its);
+    // Each run padded to the longer one's rows.
+    let longest = runs.iter().map(|r| r.layout.rows()).max().unwrap();
+    assert_eq!(n, 2 * longest);
+    let dl = vec![1e-3f32; n * cfg.vocab];
+    let t = be.train_pass_times(&its, &dl, 1).unwrap();
+    for s in [t.with_transfers, t.on_device] {
+        assert!(s.is_finite() && s > 0.0, "{t:?}");
+    }
+    assert!(be.train_pass_times(&its, &dl[1..], 1).is_err());
+    let mixed = [
+        run(&cfg, "bf16", 70, (2, 2, 3, 6)),
+        run(&cfg, "mxfp8", 71, (2, 2, 3, 6)),
+    ];
+    let mixed_dl = vec![1e-3f32; CudaBackend::train_pass_rows(&items(&mixed)) * cfg.vocab];
+    assert!(be.train_pass_times(&items(&mixed), &mixed_dl, 1).is_err());
+}

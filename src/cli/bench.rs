@@ -168,7 +168,52 @@ fn batched_steps(
                 last.model_upload_ns as f64 / 1e6
             );
         }
+        if let Some(g) = gpu {
+            train_pass_line(g, model, recipe, n, args.steps)?;
+        }
     }
+    Ok(())
+}
+
+/// On a GPU, `n` runs' batched training pass (forward, logits back, backward; `bench forward`'s
+/// rows) as the trainer runs it, every run's model uploaded and gradients downloaded, against
+/// the same pass with both left on the GPU: what keeping them there could save.
+fn train_pass_line(
+    gpu: &cuda::CudaBackend,
+    model: &lockstep::engine::model::ModelConfig,
+    recipe: &lockstep::recipe::Recipe,
+    n: usize,
+    reps: usize,
+) -> Result<()> {
+    use lockstep::engine::backend::ForwardItem;
+    use lockstep::engine::model::{Params, PreparedModel};
+    let plan = recipe.resolve(model.n_layers)?;
+    // One model stacked n times: the pass's work does not depend on the weights' values.
+    let prep = PreparedModel::new(&Params::init(model, 7)?, &plan)?;
+    let (rows, layout) =
+        lockstep::tools::bench::trainer_batch(model.vocab, (32, 8, 7, 15), 7, false);
+    let items: Vec<ForwardItem> = (0..n)
+        .map(|_| ForwardItem {
+            prep: &prep,
+            tokens: &rows,
+            layout: &layout,
+            replay: None,
+        })
+        .collect();
+    let dl: Vec<f32> = (0..cuda::CudaBackend::train_pass_rows(&items) * model.vocab)
+        .map(|i| ((i % 97) as f32 - 48.0) * 1e-5)
+        .collect();
+    let t = gpu
+        .train_pass_times(&items, &dl, reps)
+        .with_context(|| format!("training pass of {n} runs"))?;
+    println!(
+        "  {:<42} training pass: {:.2} ms a run with its model uploaded and gradients \
+         downloaded, {:.2} ms with both left on the GPU ({:.2}x)",
+        "",
+        t.with_transfers * 1e3 / n as f64,
+        t.on_device * 1e3 / n as f64,
+        t.with_transfers / t.on_device
+    );
     Ok(())
 }
 

@@ -515,6 +515,40 @@ pub fn backward_runs<O: Ops>(
     dlogits: &[f32],
 ) -> OpResult<Vec<Params>> {
     let cfg = &w.config;
+    let DeviceGrads { tensors, lens } = backward_on_device(ops, w, c, dlogits)?;
+    // Every gradient copied back (one batched copy where the device has one).
+    let host = ops.all_to_host(tensors.into_iter().zip(lens).collect())?;
+    let runs = ops.runs();
+    (0..runs)
+        .map(|r| {
+            let tensors = host
+                .iter()
+                .map(|t| {
+                    let len = t.len() / runs;
+                    t[r * len..(r + 1) * len].to_vec()
+                })
+                .collect();
+            Params::from_tensors(cfg, tensors).map_err(shape_err)
+        })
+        .collect()
+}
+
+/// Gradients left on the device: one tensor per entry of `Params::named_tensors`, in that order,
+/// each holding every run's copy back to back (`lens`: the values of each).
+pub struct DeviceGrads<O: Ops> {
+    pub tensors: Vec<O::T>,
+    pub lens: Vec<usize>,
+}
+
+/// [`backward_runs`] without the copy back: the gradients as the device holds them (what an
+/// optimizer on the device would read).
+pub fn backward_on_device<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    c: &Cache<O>,
+    dlogits: &[f32],
+) -> OpResult<DeviceGrads<O>> {
+    let cfg = &w.config;
     let (n, d, v, runs) = (c.n, cfg.d_model, cfg.vocab, ops.runs());
     if dlogits.len() != n * v {
         return Err(OpError::Shape(format!(
@@ -565,23 +599,10 @@ pub fn backward_runs<O: Ops>(
         attn_backward(ops, lw, p, cfg, &lc.attn, &mut dh, g, &c.rows, n)?;
     }
     ops.embedding_backward(&mut dwte, &mut dwpe, &dh, &c.tokens, &c.rows, n, d)?;
-    // Every gradient copied back (one batched copy where the device has one).
-    let mut all = vec![dwte, dwpe];
-    all.extend(grads.into_iter().flat_map(LayerGrads::into_list));
-    all.extend([dfinal, dout]);
-    let host = ops.all_to_host(all.into_iter().zip(lens.iter().copied()).collect())?;
-    (0..runs)
-        .map(|r| {
-            let tensors = host
-                .iter()
-                .map(|t| {
-                    let len = t.len() / runs;
-                    t[r * len..(r + 1) * len].to_vec()
-                })
-                .collect();
-            Params::from_tensors(cfg, tensors).map_err(shape_err)
-        })
-        .collect()
+    let mut tensors = vec![dwte, dwpe];
+    tensors.extend(grads.into_iter().flat_map(LayerGrads::into_list));
+    tensors.extend([dfinal, dout]);
+    Ok(DeviceGrads { tensors, lens })
 }
 
 // ===================================================================================================

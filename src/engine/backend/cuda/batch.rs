@@ -273,6 +273,87 @@ impl CudaBackend {
     }
 }
 
+/// The training forward of `its` over their stacked `model` on `ops` (set to their number of
+/// runs): every run's logits in `joint`'s rows, and the cache for the backward.
+fn forward_members(
+    ops: &GpuOps,
+    model: &Weights<GpuOps>,
+    its: &[&ForwardItem<'_>],
+    joint: &JointRows,
+) -> Result<(Vec<f32>, Cache<GpuOps>), OpError> {
+    let cfg = &model.config;
+    let rows = joint.upload(ops)?;
+    let toks = ops.ids(&joint.tokens)?;
+    let replay = joint.replay(its, cfg.top_k, cfg.n_layers);
+    let (logits, cache, _) = pass::forward_on(ops, model, toks, rows, joint.n(), replay.as_ref())?;
+    Ok((logits, cache))
+}
+
+/// Median seconds of one batched training pass (forward, logits back, backward) of a batch's
+/// runs, two ways: [`TrainPassTimes::with_transfers`] as the trainer runs it (every run's
+/// prepared model uploaded first, its gradients downloaded after), and
+/// [`TrainPassTimes::on_device`] with both left on the GPU: the floor that keeping the master
+/// weights, gradients and optimizer on the device could reach for this pass.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainPassTimes {
+    pub with_transfers: f64,
+    pub on_device: f64,
+}
+
+impl CudaBackend {
+    /// [`TrainPassTimes`] of `items` (one precision plan) over `reps` passes each way, with
+    /// dL/dlogits `dlogits` (every run's rows, padded as the batch lays them out: see
+    /// [`CudaBackend::train_pass_rows`]).
+    pub fn train_pass_times(
+        &self,
+        items: &[ForwardItem<'_>],
+        dlogits: &[f32],
+        reps: usize,
+    ) -> Result<TrainPassTimes, OpError> {
+        let its: Vec<&ForwardItem> = items.iter().collect();
+        check_items(&its)?;
+        // One plan: `upload_models` refuses stacks of several.
+        let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
+        let joint = JointRows::new(&its);
+        // Counting each run's activations, as the trainer's first forward of a step does.
+        self.with_runs(its.len(), |ops| {
+            let median = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let mut with_transfers = Vec::new();
+            for _ in 0..reps.max(1) {
+                let t0 = std::time::Instant::now();
+                let model = ops.upload_models(&members, true)?;
+                let (_, cache) = forward_members(ops, &model, &its, &joint)?;
+                pass::backward_runs(ops, &model, &cache, dlogits)?;
+                with_transfers.push(t0.elapsed().as_secs_f64());
+            }
+            let model = ops.upload_models(&members, true)?;
+            let mut on_device = Vec::new();
+            for _ in 0..reps.max(1) {
+                let t0 = std::time::Instant::now();
+                let (_, cache) = forward_members(ops, &model, &its, &joint)?;
+                let grads = pass::backward_on_device(ops, &model, &cache, dlogits)?;
+                ops.stream().synchronize().map_err(CudaError::from)?;
+                drop(grads);
+                on_device.push(t0.elapsed().as_secs_f64());
+            }
+            Ok(TrainPassTimes {
+                with_transfers: median(with_transfers),
+                on_device: median(on_device),
+            })
+        })
+    }
+
+    /// Rows of the joint pass of `items` (each run padded to the longest): the length of its
+    /// dL/dlogits is this times the vocabulary.
+    pub fn train_pass_rows(items: &[ForwardItem<'_>]) -> usize {
+        let its: Vec<&ForwardItem> = items.iter().collect();
+        JointRows::new(&its).n()
+    }
+}
+
 /// The training forward of the runs of one plan, kept for their backward.
 struct GpuTrainBatch<'a> {
     backend: &'a CudaBackend,
@@ -303,11 +384,7 @@ impl<'a> GpuTrainBatch<'a> {
             let t0 = std::time::Instant::now();
             let model = ops.upload_models(&members, true)?;
             backend.note_model_uploads(t0, members.len());
-            let rows = joint.upload(ops)?;
-            let toks = ops.ids(&joint.tokens)?;
-            let replay = joint.replay(its, cfg.top_k, cfg.n_layers);
-            let (logits, cache, _) =
-                pass::forward_on(ops, &model, toks, rows, joint.n(), replay.as_ref())?;
+            let (logits, cache) = forward_members(ops, &model, its, &joint)?;
             Ok((model, logits, cache))
         };
         match run(&ops) {
