@@ -4,8 +4,9 @@
 use super::model::Params;
 use rayon::prelude::*;
 
-/// Elements per parallel task of the update.
-const CHUNK: usize = 16 * 1024;
+/// Elements per parallel task of the update, and the order of its sums: each chunk's in element
+/// order, the chunks in order (so the sums' bits do not depend on the thread count).
+pub const CHUNK: usize = 16 * 1024;
 
 /// First and second moments for every parameter.
 pub struct AdamW {
@@ -16,6 +17,23 @@ pub struct AdamW {
     m: Params,
     v: Params,
     t: u32,
+}
+
+/// One AdamW step's constants for one tensor ([`update_tensor`]); a device running the update
+/// takes the same numbers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Bias corrections `1 - beta1^t`, `1 - beta2^t`.
+    pub bc1: f32,
+    pub bc2: f32,
+    /// The gradients' multiplier (clipping).
+    pub scale: f32,
+    /// Decoupled weight decay (times lr).
+    pub decay: f32,
 }
 
 impl AdamW {
@@ -31,6 +49,24 @@ impl AdamW {
         }
     }
 
+    /// Advance the step count; this step's constants for gradients times `scale` (decay 0: each
+    /// tensor sets its own).
+    pub fn next_step(&mut self, scale: f32) -> AdamStep {
+        self.t += 1;
+        let t = self.t as i32;
+        let (beta1, beta2) = (self.beta1, self.beta2);
+        AdamStep {
+            lr: self.lr,
+            beta1,
+            beta2,
+            eps: self.eps,
+            bc1: 1.0 - beta1.powi(t),
+            bc2: 1.0 - beta2.powi(t),
+            scale,
+            decay: 0.0,
+        }
+    }
+
     /// One update with gradients multiplied by `scale`; `decay(name)` gives each tensor's weight
     /// decay (decoupled, times lr). Returns (Σ update², Σ weight² after the update).
     pub fn update(
@@ -40,51 +76,76 @@ impl AdamW {
         scale: f32,
         decay: impl Fn(&str) -> f32,
     ) -> (f64, f64) {
-        self.t += 1;
-        let t = self.t as i32;
-        let (b1, b2, lr, eps) = (self.beta1, self.beta2, self.lr, self.eps);
-        let (bc1, bc2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let step = self.next_step(scale);
         let (mut upd, mut wsq) = (0.0f64, 0.0f64);
         let gs = grads.named_tensors();
         let ms = self.m.named_tensors_mut();
         let vs = self.v.named_tensors_mut();
         let ps = params.named_tensors_mut();
         for ((((name, g), (_, m)), (_, v)), (_, p)) in gs.into_iter().zip(ms).zip(vs).zip(ps) {
-            let wd = decay(&name);
-            // The element updates are independent: in parallel chunks of fixed size. Each chunk
-            // sums its squares in element order and the chunks are combined in chunk order, so
-            // the sums have the same bits whatever the thread count.
-            let sums: Vec<(f64, f64)> = p
-                .par_chunks_mut(CHUNK)
-                .zip(m.par_chunks_mut(CHUNK))
-                .zip(v.par_chunks_mut(CHUNK))
-                .zip(g.par_chunks(CHUNK))
-                .map(|(((p, m), v), g)| {
-                    // The update loop vectorizes; the ordered sums run after it, on hot data.
-                    let mut steps = vec![0.0f32; g.len()];
-                    for i in 0..g.len() {
-                        let gi = g[i] * scale;
-                        m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                        let step = lr * ((m[i] / bc1) / ((v[i] / bc2).sqrt() + eps) + wd * p[i]);
-                        p[i] -= step;
-                        steps[i] = step;
-                    }
-                    let (mut upd, mut wsq) = (0.0f64, 0.0f64);
-                    for (&step, &pi) in steps.iter().zip(p.iter()) {
-                        upd += (step as f64) * (step as f64);
-                        wsq += (pi as f64) * (pi as f64);
-                    }
-                    (upd, wsq)
-                })
-                .collect();
-            for (u, w) in sums {
+            let k = AdamStep {
+                decay: decay(&name),
+                ..step
+            };
+            for (u, w) in update_tensor(p, m, v, g, &k) {
                 upd += u;
                 wsq += w;
             }
         }
         (upd, wsq)
     }
+}
+
+/// AdamW on one tensor: `p`, `m`, `v` updated in place from `g`. Returns each [`CHUNK`]'s
+/// (Σ update², Σ weight² after the update), in chunk order: [`AdamW::update`] adds them up in
+/// that order.
+pub fn update_tensor(
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[f32],
+    k: &AdamStep,
+) -> Vec<(f64, f64)> {
+    let AdamStep {
+        lr,
+        beta1: b1,
+        beta2: b2,
+        eps,
+        bc1,
+        bc2,
+        scale,
+        decay: wd,
+    } = *k;
+    // The element updates are independent: in parallel chunks of fixed size. Each chunk sums its
+    // squares in element order.
+    p.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .zip(g.par_chunks(CHUNK))
+        .map(|(((p, m), v), g)| {
+            // The update loop vectorizes; the ordered sums run after it, on hot data.
+            let mut steps = vec![0.0f32; g.len()];
+            for i in 0..g.len() {
+                let gi = g[i] * scale;
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let step = lr * ((m[i] / bc1) / ((v[i] / bc2).sqrt() + eps) + wd * p[i]);
+                p[i] -= step;
+                steps[i] = step;
+            }
+            let (mut upd, mut wsq) = (0.0f64, 0.0f64);
+            for (&step, &pi) in steps.iter().zip(p.iter()) {
+                upd += (step as f64) * (step as f64);
+                wsq += (pi as f64) * (pi as f64);
+            }
+            (upd, wsq)
+        })
+        .collect()
+}
+
+/// Σ x² in f64, in element order (a gradient tensor's squared norm, as the trainer sums it).
+pub fn sum_squares(x: &[f32]) -> f64 {
+    x.iter().map(|v| (*v as f64) * (*v as f64)).sum()
 }
 
 #[cfg(test)]

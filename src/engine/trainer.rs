@@ -808,7 +808,7 @@ impl Trainer {
         let named = grads.named_tensors();
         let sums: Vec<f64> = named
             .par_iter()
-            .map(|(_, g)| g.iter().map(|x| (*x as f64) * (*x as f64)).sum())
+            .map(|(_, g)| super::optim::sum_squares(g))
             .collect();
         for ((name, _), sq) in named.iter().zip(sums) {
             finite &= sq.is_finite();

@@ -8,7 +8,9 @@
 //! - [`backend`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) on a GPU: the model's
 //!   passes over [`device_ops::GpuOps`] (kernels of `ops.cu`, `backward.cu`, [`moe`], the linear
 //!   layer of [`linear`]); [`decoder`]: the rollout's decoder, [`train`]: the training pass;
-//! - [`bench`]: device timings (quantizer bandwidth vs a device-to-device copy).
+//! - `crate::tools::bench_gpu`: device timings (quantizer bandwidth vs a device-to-device copy);
+//! - [`optim`]: AdamW and the gradient norms on the device, bit for bit the CPU's, for training
+//!   state kept on the GPU.
 //!
 //! Every `unsafe` block of the crate that touches the GPU lives under this folder.
 
@@ -20,6 +22,7 @@ pub mod fake_quant;
 pub mod launch;
 pub mod linear;
 pub mod moe;
+pub mod optim;
 pub mod quant;
 pub mod staging;
 pub mod train;
