@@ -19,7 +19,7 @@ use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::{self, Blocks, PreparedWeight, SiteKernels, SiteQuant, SiteWeight};
 use crate::formats::{QuantFormat, SecondScale};
-use crate::recipe::SitePlan;
+use crate::recipe::{BackwardMode, Precision, SitePlan};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -108,6 +108,13 @@ impl DeviceWeight {
     }
 }
 
+/// A weight's operands prepared on the device ([`CudaLinear::prepare`]).
+pub struct DevicePrepared {
+    pub w_fwd: CudaSlice<f32>,
+    /// `None` where the dgrad operand is `w_fwd`.
+    pub w_bwd: Option<CudaSlice<f32>>,
+}
+
 /// What the forward keeps for the backward (`linear::LinearCache` on the device).
 pub struct DeviceLinearCache {
     /// Operand of the wgrad GEMM, `[batch · n, in_dim]`, chosen by the backward mode.
@@ -163,6 +170,60 @@ impl CudaLinear {
         let mut next = || bufs.next().expect("two groups");
         let (w_fwd, w_bwd) = (next(), next());
         Ok(DeviceWeight::from_parts(&ws, w_fwd, w_bwd))
+    }
+
+    /// `engine::linear::prepare_weight`'s operands made on the device from the FP32 master weight
+    /// `w` (`[out_dim, in_dim]`, row-major), bit for bit: the forward operand (the BF16-rounded
+    /// weight quantized along rows and dequantized) and the dgrad operand the backward mode asks
+    /// for, `None` where it is the forward operand by construction (FP32 and BF16 sites; the host
+    /// also drops dgrad operands that turn out equal, so `Some` here may hold the same values).
+    /// For training state kept on the GPU: the weights never cross the bus. Queued on this
+    /// layer's stream.
+    pub fn prepare(
+        &self,
+        plan: &SitePlan,
+        w: &CudaSlice<f32>,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<DevicePrepared, CudaError> {
+        let n = out_dim
+            .checked_mul(in_dim)
+            .ok_or_else(|| CudaError::Shape(format!("{out_dim} x {in_dim} elements overflow")))?;
+        if w.len() < n {
+            return Err(CudaError::Shape(format!(
+                "prepare: the weight holds {} values, [{out_dim}, {in_dim}] needs {n}",
+                w.len()
+            )));
+        }
+        let s = &self.stream;
+        let Some(fmt) = plan.weight_format() else {
+            // SAFETY: written in full by the copy below.
+            let mut w_fwd = unsafe { s.alloc::<f32>(n.max(1))? };
+            if n > 0 {
+                s.memcpy_dtod(&w.slice(..n), &mut w_fwd.slice_mut(..n))?;
+            }
+            return Ok(DevicePrepared { w_fwd, w_bwd: None });
+        };
+        let fq = &self.fq;
+        let mut w_hp = super::output_buffer(s, n)?;
+        fq.round_bf16(w, &mut w_hp, n)?;
+        let mut w_fwd = super::output_buffer(s, n)?;
+        fq.fake_quantize_rows(&w_hp, out_dim, in_dim, &fmt, &mut w_fwd)?;
+        let w_bwd = match (plan.precision, plan.backward) {
+            (Precision::Bf16, _) => None,
+            (_, BackwardMode::HighPrecision) => Some(w_hp),
+            (_, BackwardMode::Dequantized) => {
+                let mut b = super::output_buffer(s, n)?;
+                fq.round_bf16(&w_fwd, &mut b, n)?;
+                Some(b)
+            }
+            (_, BackwardMode::Quantized) => {
+                let mut b = super::output_buffer(s, n)?;
+                fq.fake_quantize_cols_padded(&w_hp, out_dim, in_dim, &fmt, &mut b)?;
+                Some(b)
+            }
+        };
+        Ok(DevicePrepared { w_fwd, w_bwd })
     }
 
     /// The weight's operands as the policy of `engine::linear` reads them.
