@@ -3,8 +3,10 @@
 # the newest ones, the benchmarks with their side-by-side ratios, and a sweep in worker processes
 # against one process. Logs go to OUT, five files: machine.txt, tests.log, memcheck.log,
 # bench.log, workers.log. Run from the repository root (the last check reads scripts/).
-# Usage: gpu-check.sh DIR OUT [quick], DIR the unpacked bundle of scripts/gpu-bundle.sh; `quick`
-# runs the tests only.
+# Usage: gpu-check.sh DIR OUT [quick|batch], DIR the unpacked bundle of scripts/gpu-bundle.sh;
+# `quick` runs the tests only; `batch` runs the tests, then issue 26's measurements (runs stepped
+# together: bench step --batch-runs for two recipes, bench sweep's default layouts) into
+# OUT/batch.log.
 set -uo pipefail
 DIR=${1:?bundle folder}
 OUT=${2:?output folder}
@@ -21,6 +23,17 @@ for t in "$DIR"/cuda_* "$DIR"/model_devices; do
   echo "$name: $(grep -E '^test result' /tmp/gpu-check-test.log | tail -1)"
 done
 [ "${3:-}" = quick ] && exit $status
+if [ "${3:-}" = batch ]; then
+  export LOCKSTEP_CACHE=/tmp/gpu-check-cache
+  {
+    for r in bf16 nvfp4-dq; do
+      "$DIR/lockstep" bench step --device cuda --model small --steps 3 --recipe $r --batch-runs 1,8,32
+    done
+    "$DIR/lockstep" bench sweep --device cuda
+  } > "$OUT/batch.log" 2>&1 || status=1
+  cat "$OUT/batch.log"
+  exit $status
+fi
 SAN=/usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
   # The model's passes over GpuOps (the trainer's pass test alone, the end-to-end one is long;
