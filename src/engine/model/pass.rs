@@ -519,6 +519,10 @@ pub fn backward_runs<O: Ops>(
     // Every gradient copied back (one batched copy where the device has one).
     let host = ops.all_to_host(tensors.into_iter().zip(lens).collect())?;
     let runs = ops.runs();
+    if runs == 1 {
+        // One run: its tensors as they came back, not copied again (a model's worth a step).
+        return Ok(vec![Params::from_tensors(cfg, host).map_err(shape_err)?]);
+    }
     (0..runs)
         .map(|r| {
             let tensors = host
