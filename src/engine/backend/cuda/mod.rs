@@ -8,7 +8,8 @@
 //! - [`backend`]: [`CudaBackend`], the engine's [`Backend`](super::Backend) on a GPU: the model's
 //!   passes over [`device_ops::GpuOps`] (kernels of `ops.cu`, `backward.cu`, [`moe`], the linear
 //!   layer of [`linear`]); [`decoder`]: the rollout's decoder, [`train`]: the training pass;
-//! - `crate::tools::bench_gpu`: device timings (quantizer bandwidth vs a device-to-device copy);
+//! - device timings (quantizer bandwidth vs a device-to-device copy) are `lockstep bench quantize
+//!   --device cuda`'s, outside the engine;
 //! - [`optim`]: AdamW and the gradient norms on the device, bit for bit the CPU's, for training
 //!   state kept on the GPU.
 //!
