@@ -157,10 +157,10 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
     let q = quantize(&w_hp, out_dim, in_dim, &fmt, Axis::Row)
         .expect("site shape checked by check_site");
     let w_fwd = q.dequantize();
-    let w_bwd = match (plan.precision, plan.backward) {
-        (Precision::Bf16, _) | (_, BackwardMode::HighPrecision) => w_hp,
-        (_, BackwardMode::Dequantized) => bf16_vec(&w_fwd),
-        (_, BackwardMode::Quantized) => fake_quantize_col_padded(&w_hp, out_dim, in_dim, &fmt),
+    let w_bwd = match dgrad_operand(plan) {
+        DgradOperand::HighPrecision => w_hp,
+        DgradOperand::DequantizedBf16 => bf16_vec(&w_fwd),
+        DgradOperand::ColumnQuantized => fake_quantize_col_padded(&w_hp, out_dim, in_dim, &fmt),
     };
     let same = w_bwd.len() == w_fwd.len()
         && w_bwd
@@ -176,6 +176,28 @@ pub fn prepare_weight(plan: &SitePlan, w: &[f32], out_dim: usize, in_dim: usize)
         key: next_weight_key(),
         digest: digest_of(&q),
         stats: q.stats,
+    }
+}
+
+/// The dgrad GEMM's weight operand of a site whose weight is quantized, by the backward mode
+/// (every device prepares it by this rule).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DgradOperand {
+    /// The BF16-rounded master weight (BF16 sites, whose forward operand it also is, and the
+    /// high-precision backward).
+    HighPrecision,
+    /// The forward operand rounded to BF16.
+    DequantizedBf16,
+    /// The BF16-rounded weight fake-quantized along columns, rows padded to the block.
+    ColumnQuantized,
+}
+
+/// Which dgrad operand `plan` asks for (meaningful where `plan.weight_format()` is `Some`).
+pub fn dgrad_operand(plan: &SitePlan) -> DgradOperand {
+    match (plan.precision, plan.backward) {
+        (Precision::Bf16, _) | (_, BackwardMode::HighPrecision) => DgradOperand::HighPrecision,
+        (_, BackwardMode::Dequantized) => DgradOperand::DequantizedBf16,
+        (_, BackwardMode::Quantized) => DgradOperand::ColumnQuantized,
     }
 }
 

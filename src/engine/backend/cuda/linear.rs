@@ -17,9 +17,11 @@
 use super::fake_quant::CudaFakeQuantizer;
 use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
-use crate::engine::linear::{self, Blocks, PreparedWeight, SiteKernels, SiteQuant, SiteWeight};
+use crate::engine::linear::{
+    self, Blocks, DgradOperand, PreparedWeight, SiteKernels, SiteQuant, SiteWeight,
+};
 use crate::formats::{QuantFormat, SecondScale};
-use crate::recipe::{BackwardMode, Precision, SitePlan};
+use crate::recipe::{Precision, SitePlan};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -197,8 +199,7 @@ impl CudaLinear {
         }
         let s = &self.stream;
         let Some(fmt) = plan.weight_format() else {
-            // SAFETY: written in full by the copy below.
-            let mut w_fwd = unsafe { s.alloc::<f32>(n.max(1))? };
+            let mut w_fwd = super::output_buffer(s, n)?;
             if n > 0 {
                 s.memcpy_dtod(&w.slice(..n), &mut w_fwd.slice_mut(..n))?;
             }
@@ -209,15 +210,16 @@ impl CudaLinear {
         fq.round_bf16(w, &mut w_hp, n)?;
         let mut w_fwd = super::output_buffer(s, n)?;
         fq.fake_quantize_rows(&w_hp, out_dim, in_dim, &fmt, &mut w_fwd)?;
-        let w_bwd = match (plan.precision, plan.backward) {
-            (Precision::Bf16, _) => None,
-            (_, BackwardMode::HighPrecision) => Some(w_hp),
-            (_, BackwardMode::Dequantized) => {
+        let w_bwd = match linear::dgrad_operand(plan) {
+            // A BF16 site's forward operand is its BF16-rounded weight already.
+            DgradOperand::HighPrecision if plan.precision == Precision::Bf16 => None,
+            DgradOperand::HighPrecision => Some(w_hp),
+            DgradOperand::DequantizedBf16 => {
                 let mut b = super::output_buffer(s, n)?;
                 fq.round_bf16(&w_fwd, &mut b, n)?;
                 Some(b)
             }
-            (_, BackwardMode::Quantized) => {
+            DgradOperand::ColumnQuantized => {
                 let mut b = super::output_buffer(s, n)?;
                 fq.fake_quantize_cols_padded(&w_hp, out_dim, in_dim, &fmt, &mut b)?;
                 Some(b)
