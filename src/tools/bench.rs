@@ -167,7 +167,7 @@ pub fn engine_step_times(
 
 /// As [`engine_step_times`] for `runs` runs (sampling seeds 0, 1, ...) stepped together
 /// ([`crate::engine::trainer::Trainer::step_batch`]: one batched device call per pass): the
-/// phases of one step of all of them. One run steps alone ([`crate::engine::trainer::Trainer::step`]).
+/// phases of one step of all of them.
 pub fn engine_batch_step_times(
     be: &dyn crate::engine::backend::Backend,
     model: &crate::engine::model::ModelConfig,
@@ -192,13 +192,10 @@ pub fn engine_batch_step_times(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
+    // `Trainer::step` is `step_batch` of one, so one path serves every count.
     let mut step = || {
-        let rec = if let [t] = &mut ts[..] {
-            t.step(be)
-        } else {
-            let mut members: Vec<&mut Trainer> = ts.iter_mut().collect();
-            Trainer::step_batch(&mut members, be).swap_remove(0)
-        };
+        let mut members: Vec<&mut Trainer> = ts.iter_mut().collect();
+        let rec = Trainer::step_batch(&mut members, be).swap_remove(0);
         between_steps();
         rec
     };

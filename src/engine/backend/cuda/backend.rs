@@ -118,9 +118,6 @@ pub struct CudaBackend {
 
 /// The key of a model, or of several stacked in this order, among the held inference copies.
 fn models_key(preps: &[&PreparedModel]) -> u64 {
-    if let [p] = preps {
-        return p.key();
-    }
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     preps.len().hash(&mut h);

@@ -4,7 +4,7 @@
 //! run's copy back to back). Each op queues its kernels on the caller's stream and brings back
 //! only its sums (a few numbers a run).
 
-use super::launch::cfg;
+use super::launch::{cfg, shape};
 use super::{CudaDevice, CudaError};
 use crate::engine::optim::{AdamStep, CHUNK};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, PushKernelArg};
@@ -140,8 +140,4 @@ impl GpuOptim {
         unsafe { b.launch(cfg(runs)) }?;
         Ok(s.clone_dtoh(&out)?)
     }
-}
-
-fn shape(msg: String) -> CudaError {
-    CudaError::Shape(msg)
 }
