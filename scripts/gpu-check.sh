@@ -6,7 +6,8 @@
 # Usage: gpu-check.sh DIR OUT [quick|batch], DIR the unpacked bundle of scripts/gpu-bundle.sh;
 # `quick` runs the tests only; `batch` runs the tests, then issue 26's measurements (runs stepped
 # together: bench step --batch-runs for two recipes, bench sweep's default layouts) into
-# OUT/batch.log.
+# OUT/batch.log (SWEEP_LAYOUTS overrides the sweep's layouts; MPS_LAYOUTS, when set, sweeps
+# those layouts again under MPS into OUT/mps.log).
 set -uo pipefail
 DIR=${1:?bundle folder}
 OUT=${2:?output folder}
@@ -25,13 +26,27 @@ done
 [ "${3:-}" = quick ] && exit $status
 if [ "${3:-}" = batch ]; then
   export LOCKSTEP_CACHE=/tmp/gpu-check-cache
+  # Written as it goes (tee), so that a call cut short still brings back what ran.
   {
     for r in bf16 nvfp4-dq; do
       "$DIR/lockstep" bench step --device cuda --model small --steps 3 --recipe $r --batch-runs 1,8,32
     done
-    "$DIR/lockstep" bench sweep --device cuda
-  } > "$OUT/batch.log" 2>&1 || status=1
-  cat "$OUT/batch.log"
+    "$DIR/lockstep" bench sweep --device cuda --layouts "${SWEEP_LAYOUTS:-2x4,1x1,1x1b8,1x1b32,1x1b128}"
+  } 2>&1 | tee "$OUT/batch.log" || status=1
+  # The worker pool under MPS (its processes' kernels then share the GPU at once instead of
+  # taking turns by context), where the machine has the daemon.
+  MPS=$(command -v nvidia-cuda-mps-control || echo /usr/local/cuda/bin/nvidia-cuda-mps-control)
+  if [ -n "${MPS_LAYOUTS:-}" ] && [ -x "$MPS" ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p /tmp/mps-pipe /tmp/mps-log
+    {
+      "$MPS" -d && echo "mps: daemon started" || echo "mps: daemon did not start"
+      "$DIR/lockstep" bench sweep --device cuda --layouts "$MPS_LAYOUTS"
+      echo quit | "$MPS"
+    } 2>&1 | tee "$OUT/mps.log" || status=1
+  elif [ -n "${MPS_LAYOUTS:-}" ]; then
+    echo "mps: no nvidia-cuda-mps-control on this machine" | tee "$OUT/mps.log"
+  fi
   exit $status
 fi
 SAN=/usr/local/cuda/bin/compute-sanitizer
