@@ -392,7 +392,7 @@ fn training_pass_is_timed_with_and_without_transfers() {
     assert_eq!(n, 2 * longest);
     let dl = vec![1e-3f32; n * cfg.vocab];
     let t = be.train_pass_times(&its, &dl, 1).unwrap();
-    for s in [t.with_transfers, t.on_device] {
+    for s in [t.with_transfers, t.on_device, t.prepared_on_device] {
         assert!(s.is_finite() && s > 0.0, "{t:?}");
     }
     assert!(be.train_pass_times(&its, &dl[1..], 1).is_err());
@@ -402,4 +402,83 @@ fn training_pass_is_timed_with_and_without_transfers() {
     ];
     let mixed_dl = vec![1e-3f32; CudaBackend::train_pass_rows(&items(&mixed)) * cfg.vocab];
     assert!(be.train_pass_times(&items(&mixed), &mixed_dl, 1).is_err());
+}
+
+/// Weights prepared on the GPU from master weights kept there (`GpuOps::prepare_models`, what
+/// training state kept on the device runs each minibatch on) give the batched training pass's
+/// logits and gradients bit for bit, against the same runs' models prepared on the host and
+/// uploaded, for every weight format and backward mode (the tiny model's sites take both ways of
+/// `CudaLinear::prepare_stacked`: stacked where blocks allow it, weight by weight where not).
+#[test]
+fn weights_prepared_on_the_gpu_train_as_uploaded_ones() {
+    let Some(be) = gpu("weights_prepared_on_the_gpu_train_as_uploaded_ones") else {
+        return;
+    };
+    let cfg = ModelConfig::tiny();
+    for name in [
+        "fp32",
+        "bf16",
+        "mxfp8",
+        "mxfp8-hp",
+        "mxfp8-dq",
+        "nvfp4-hp",
+        "nvfp4-dq",
+        "fp8-block",
+    ] {
+        let params: Vec<Params> = (0..3)
+            .map(|i| Params::init(&cfg, 80 + i).unwrap())
+            .collect();
+        let runs: Vec<Run> = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let prep = PreparedModel::new(p, &plan(name, cfg.n_layers)).unwrap();
+                let (tokens, layout) = trainer_batch(cfg.vocab, (2, 2, 3, 6), 90 + i as u64, true);
+                let (_, _, routing) = forward_rows(&prep, &tokens, &layout, None);
+                Run {
+                    prep,
+                    tokens,
+                    layout,
+                    routing,
+                }
+            })
+            .collect();
+        let its = items(&runs);
+        let dls: Vec<Vec<f32>> = runs.iter().map(|r| dlogits(r, 7)).collect();
+        let uploaded = be.train_forward_batch(&its, Counts::Skip).unwrap();
+        let inputs: Vec<Option<&[f32]>> = dls.iter().map(|d| Some(&d[..])).collect();
+        let grads = uploaded.backward(&inputs);
+        // The same dL/dlogits laid out as the joint pass lays out rows: each run's block of
+        // `cap` rows.
+        let n = CudaBackend::train_pass_rows(&its);
+        let cap = n / runs.len();
+        let mut joint = vec![0.0f32; n * cfg.vocab];
+        for (m, d) in dls.iter().enumerate() {
+            joint[m * cap * cfg.vocab..][..d.len()].copy_from_slice(d);
+        }
+        let masters: Vec<&Params> = params.iter().collect();
+        let (logits, dev_grads) = be.train_pass_from_masters(&its, &masters, &joint).unwrap();
+        for m in 0..runs.len() {
+            let same = |what: &str, got: &[f32], want: &[f32]| {
+                common::same_bits(&format!("{name}: run {m}'s {what}"), got, want)
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            same("logits", &logits[m], uploaded.logits(m));
+            let want = grads[m].as_ref().unwrap().named_tensors();
+            for ((t, got), (_, w)) in dev_grads[m].named_tensors().into_iter().zip(want) {
+                same(&format!("gradient of {t}"), got, w);
+            }
+        }
+    }
+    // The masters must be one per run.
+    let runs = [
+        run(&cfg, "bf16", 1, (2, 2, 3, 6)),
+        run(&cfg, "bf16", 2, (2, 2, 3, 6)),
+    ];
+    let p = Params::init(&cfg, 1).unwrap();
+    let dl = vec![0.0f32; CudaBackend::train_pass_rows(&items(&runs)) * cfg.vocab];
+    assert!(
+        be.train_pass_from_masters(&items(&runs), &[&p], &dl)
+            .is_err()
+    );
 }

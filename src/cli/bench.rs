@@ -208,11 +208,14 @@ fn train_pass_line(
         .with_context(|| format!("training pass of {n} runs"))?;
     println!(
         "  {:<42} training pass: {:.2} ms a run with its model uploaded and gradients \
-         downloaded, {:.2} ms with both left on the GPU ({:.2}x)",
+         downloaded, {:.2} ms with both left on the GPU ({:.2}x), {:.2} ms with the model \
+         prepared on the GPU from master weights kept there ({:.2}x)",
         "",
         t.with_transfers * 1e3 / n as f64,
         t.on_device * 1e3 / n as f64,
-        t.with_transfers / t.on_device
+        t.with_transfers / t.on_device,
+        t.prepared_on_device * 1e3 / n as f64,
+        t.with_transfers / t.prepared_on_device
     );
     Ok(())
 }

@@ -293,11 +293,15 @@ fn forward_members(
 /// runs, two ways: [`TrainPassTimes::with_transfers`] as the trainer runs it (every run's
 /// prepared model uploaded first, its gradients downloaded after), and
 /// [`TrainPassTimes::on_device`] with both left on the GPU: the floor that keeping the master
-/// weights, gradients and optimizer on the device could reach for this pass.
+/// weights, gradients and optimizer on the device could reach for this pass; and
+/// [`TrainPassTimes::prepared_on_device`], that floor plus preparing every run's weights on the
+/// GPU from master weights kept there (`GpuOps::prepare_models`): what a minibatch of training
+/// state kept on the device costs before its optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrainPassTimes {
     pub with_transfers: f64,
     pub on_device: f64,
+    pub prepared_on_device: f64,
 }
 
 impl CudaBackend {
@@ -339,10 +343,64 @@ impl CudaBackend {
                 drop(grads);
                 on_device.push(t0.elapsed().as_secs_f64());
             }
+            // Any weights of the model's shape time the same: fresh ones, a seed a run.
+            let params = (0..members.len() as u64)
+                .map(|seed| Params::init(&members[0].config, seed))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| OpError::Shape(e.to_string()))?;
+            let refs: Vec<&Params> = params.iter().collect();
+            let master = ops.upload_params(&refs)?;
+            let (cfg, plan) = (&members[0].config, &members[0].plan);
+            let mut prepared = Vec::new();
+            for _ in 0..reps.max(1) {
+                let t0 = std::time::Instant::now();
+                let model = ops.prepare_models(cfg, plan, &master, members.len())?;
+                let (_, cache) = forward_members(ops, &model, &its, &joint)?;
+                let grads = pass::backward_on_device(ops, &model, &cache, dlogits)?;
+                ops.stream().synchronize().map_err(CudaError::from)?;
+                drop(grads);
+                prepared.push(t0.elapsed().as_secs_f64());
+            }
             Ok(TrainPassTimes {
                 with_transfers: median(with_transfers),
                 on_device: median(on_device),
+                prepared_on_device: median(prepared),
             })
+        })
+    }
+
+    /// The training pass of `items` (one precision plan; their prepared models give only the
+    /// plan) with every run's weights prepared on the GPU from `masters` (uploaded stacked, then
+    /// `GpuOps::prepare_models`) instead of uploaded from the host: each run's logits and its
+    /// gradients for `dlogits` (laid out as [`CudaBackend::train_pass_rows`] says). With
+    /// `masters[i]` the parameters `items[i].prep` was prepared from, these are the batched
+    /// pass's numbers bit for bit (`tests/cuda_batch.rs`).
+    pub fn train_pass_from_masters(
+        &self,
+        items: &[ForwardItem<'_>],
+        masters: &[&Params],
+        dlogits: &[f32],
+    ) -> Result<(Vec<Vec<f32>>, Vec<Params>), OpError> {
+        let its: Vec<&ForwardItem> = items.iter().collect();
+        check_items(&its)?;
+        if masters.len() != its.len() {
+            return Err(OpError::Shape(format!(
+                "{} runs and {} master weights",
+                its.len(),
+                masters.len()
+            )));
+        }
+        let joint = JointRows::new(&its);
+        let (cfg, plan) = (&its[0].prep.config, &its[0].prep.plan);
+        self.with_runs(its.len(), |ops| {
+            let master = ops.upload_params(masters)?;
+            let model = ops.prepare_models(cfg, plan, &master, its.len())?;
+            let (all, cache) = forward_members(ops, &model, &its, &joint)?;
+            let grads = pass::backward_runs(ops, &model, &cache, dlogits)?;
+            let logits = (0..its.len())
+                .map(|m| joint.take(&all, m, cfg.vocab))
+                .collect();
+            Ok((logits, grads))
         })
     }
 

@@ -32,11 +32,11 @@ use super::{CudaDevice, CudaError};
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
 use crate::engine::linear::{self, Blocks, PreparedWeight};
-use crate::engine::model::PreparedModel;
 use crate::engine::model::pass::{LayerWeights, Weights};
+use crate::engine::model::{ModelConfig, Params, PreparedModel};
 use crate::engine::ops::RMSNORM_EPS;
 use crate::formats::QuantStats;
-use crate::recipe::SitePlan;
+use crate::recipe::{ModelPlan, SitePlan};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
@@ -329,6 +329,108 @@ impl GpuOps {
             layers,
             final_norm,
             output_layer,
+        })
+    }
+
+    /// The master weights of runs stepped together, stacked as [`GpuOps::prepare_models`] reads
+    /// them (each of `Params::named_tensors` holding every run's copy in turn), in one staged
+    /// copy.
+    pub fn upload_params(&self, params: &[&Params]) -> Result<Vec<CudaSlice<f32>>, CudaError> {
+        let first = params
+            .first()
+            .ok_or_else(|| shape("upload: no parameters".into()))?;
+        if params.iter().any(|p| p.config != first.config) {
+            return Err(shape(
+                "upload: runs stepped together need one model shape".into(),
+            ));
+        }
+        let named: Vec<Vec<(String, &[f32])>> = params.iter().map(|p| p.named_tensors()).collect();
+        let groups: Vec<Vec<&[f32]>> = (0..named[0].len())
+            .map(|i| named.iter().map(|n| n[i].1).collect())
+            .collect();
+        self.lin.staging().upload(&groups)
+    }
+
+    /// The training copy [`GpuOps::upload_models`] would make of `PreparedModel::new(params, plan)`
+    /// for each of `runs` runs, made on the device from their master weights `master`: the
+    /// tensors of `Params::named_tensors`, in that order, each holding every run's copy back to
+    /// back (the stacking of `upload_models`, so the passes read it the same way). The weights
+    /// never cross the bus; the operands are `upload_models`' bit for bit (`tests/cuda_linear.rs`).
+    pub fn prepare_models(
+        &self,
+        cfg: &ModelConfig,
+        plan: &ModelPlan,
+        master: &[CudaSlice<f32>],
+        runs: usize,
+    ) -> Result<Weights<GpuOps>, CudaError> {
+        let shapes = cfg.named_shapes();
+        if master.len() != shapes.len() || plan.layers.len() != cfg.n_layers {
+            return Err(shape(format!(
+                "prepare: {} master tensors and {} plan layers for a model of {} tensors, {} layers",
+                master.len(),
+                plan.layers.len(),
+                shapes.len(),
+                cfg.n_layers
+            )));
+        }
+        for ((name, dims), t) in shapes.iter().zip(master) {
+            let want = dims.iter().product::<usize>() * runs;
+            if t.len() < want {
+                return Err(shape(format!(
+                    "prepare: master `{name}` holds {} values, {runs} runs need {want}",
+                    t.len()
+                )));
+            }
+        }
+        let s = &self.stream;
+        let copy = |t: &CudaSlice<f32>, len: usize| -> Result<CudaSlice<f32>, CudaError> {
+            let mut out = super::output_buffer(s, len * runs)?;
+            if len * runs > 0 {
+                s.memcpy_dtod(&t.slice(..len * runs), &mut out.slice_mut(..len * runs))?;
+            }
+            Ok(out)
+        };
+        let weight = |p: &SitePlan, t: &CudaSlice<f32>, stack: usize, out: usize, inp: usize| {
+            let prepared = self.lin.prepare_stacked(p, t, runs * stack, out, inp)?;
+            Ok::<_, CudaError>(DeviceWeight::from_prepared(
+                prepared,
+                runs * stack,
+                out,
+                inp,
+            ))
+        };
+        let (v, d, e) = (cfg.vocab, cfg.d_model, cfg.n_experts);
+        let (f, fs) = (cfg.d_ff, cfg.d_ff_shared);
+        let layers = plan
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, p)| {
+                // Per layer, in `named_shapes` order: attn norm, qkv, proj, mlp norm, router,
+                // experts fc1, experts fc2, shared fc1, shared fc2.
+                let t = &master[2 + 9 * l..2 + 9 * (l + 1)];
+                Ok(LayerWeights {
+                    attn_norm: copy(&t[0], d)?,
+                    linear_qkv: weight(&p.linear_qkv, &t[1], 1, 3 * d, d)?,
+                    linear_proj: weight(&p.linear_proj, &t[2], 1, d, d)?,
+                    mlp_norm: copy(&t[3], d)?,
+                    router: weight(&p.router, &t[4], 1, e, d)?,
+                    experts_fc1: weight(&p.experts_fc1, &t[5], e, 2 * f, d)?,
+                    experts_fc2: weight(&p.experts_fc2, &t[6], e, d, f)?,
+                    shared_fc1: weight(&p.shared_fc1, &t[7], 1, 2 * fs, d)?,
+                    shared_fc2: weight(&p.shared_fc2, &t[8], 1, d, fs)?,
+                })
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let tail = 2 + 9 * cfg.n_layers;
+        Ok(Weights {
+            config: cfg.clone(),
+            plan: plan.clone(),
+            wte: copy(&master[0], v * d)?,
+            wpe: copy(&master[1], cfg.max_seq * d)?,
+            layers,
+            final_norm: copy(&master[tail], d)?,
+            output_layer: weight(&plan.output_layer, &master[tail + 1], 1, v, d)?,
         })
     }
 

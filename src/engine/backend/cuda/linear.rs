@@ -20,6 +20,7 @@ use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::{
     self, Blocks, DgradOperand, PreparedWeight, SiteKernels, SiteQuant, SiteWeight,
 };
+use crate::formats::mxfp8::MX_BLOCK;
 use crate::formats::{QuantFormat, SecondScale};
 use crate::recipe::{Precision, SitePlan};
 use cudarc::cublas::sys::cublasOperation_t;
@@ -95,6 +96,19 @@ impl DeviceWeight {
             out_dim,
             in_dim,
             batch: ws.len(),
+        }
+    }
+
+    /// `batch` weights `[out_dim, in_dim]` prepared on the device ([`CudaLinear::prepare_stacked`]),
+    /// for training passes.
+    pub fn from_prepared(p: DevicePrepared, batch: usize, out_dim: usize, in_dim: usize) -> Self {
+        DeviceWeight {
+            w_fwd: p.w_fwd,
+            w_bwd: p.w_bwd,
+            has_dgrad: true,
+            out_dim,
+            in_dim,
+            batch,
         }
     }
 
@@ -225,6 +239,58 @@ impl CudaLinear {
                 Some(b)
             }
         };
+        Ok(DevicePrepared { w_fwd, w_bwd })
+    }
+
+    /// [`Self::prepare`] of each of `batch` weights `[out_dim, in_dim]` stored back to back in
+    /// `w` (a site's copy of every run, or every run's routed experts), into stacked operands.
+    /// Where the format's scales never reach across a weight's rows or its column blocks (BF16;
+    /// MXFP8 when `out_dim` is a multiple of its block, so column blocks do not straddle two
+    /// weights) the stack is one weight of `batch · out_dim` rows, one launch per kernel;
+    /// otherwise (NVFP4's per-tensor scale, FP8 block tiles) each weight is prepared alone.
+    pub fn prepare_stacked(
+        &self,
+        plan: &SitePlan,
+        w: &CudaSlice<f32>,
+        batch: usize,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<DevicePrepared, CudaError> {
+        let stacks = match plan.weight_format() {
+            None | Some(QuantFormat::Bf16) => true,
+            Some(QuantFormat::Mxfp8 { .. }) => out_dim.is_multiple_of(MX_BLOCK),
+            Some(QuantFormat::Nvfp4 { .. } | QuantFormat::Fp8Block { .. }) => false,
+        };
+        if stacks || batch == 1 {
+            return self.prepare(plan, w, batch * out_dim, in_dim);
+        }
+        let n = out_dim * in_dim;
+        let total = n
+            .checked_mul(batch)
+            .ok_or_else(|| CudaError::Shape(format!("{batch} x {n} elements overflow")))?;
+        if w.len() < total {
+            return Err(CudaError::Shape(format!(
+                "prepare: the weights hold {} values, {batch} of [{out_dim}, {in_dim}] need {total}",
+                w.len()
+            )));
+        }
+        let s = &self.stream;
+        let mut w_fwd = super::output_buffer(s, total)?;
+        let mut w_bwd: Option<CudaSlice<f32>> = None;
+        let mut one = super::output_buffer(s, n)?;
+        for b in 0..batch {
+            let range = b * n..(b + 1) * n;
+            s.memcpy_dtod(&w.slice(range.clone()), &mut one.slice_mut(..n))?;
+            let p = self.prepare(plan, &one, out_dim, in_dim)?;
+            s.memcpy_dtod(&p.w_fwd.slice(..n), &mut w_fwd.slice_mut(range.clone()))?;
+            if let Some(pb) = p.w_bwd {
+                let dst = match &mut w_bwd {
+                    Some(d) => d,
+                    None => w_bwd.insert(super::output_buffer(s, total)?),
+                };
+                s.memcpy_dtod(&pb.slice(..n), &mut dst.slice_mut(range))?;
+            }
+        }
         Ok(DevicePrepared { w_fwd, w_bwd })
     }
 
