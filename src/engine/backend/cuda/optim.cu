@@ -6,7 +6,8 @@
 
 // needs: prelude.cuh (u32/u64, the grid-stride index helpers)
 
-// Fields of one run's constants (`engine::optim::AdamStep`), 8 floats a run.
+// Fields of one run's constants (`engine::optim::AdamStep`, then whether the run takes the step:
+// a run with K_ACTIVE 0 keeps its p, m and v and sums zeros), 9 floats a run.
 #define K_LR 0
 #define K_BETA1 1
 #define K_BETA2 2
@@ -15,6 +16,8 @@
 #define K_BC2 5
 #define K_SCALE 6
 #define K_DECAY 7
+#define K_ACTIVE 8
+#define K_FIELDS 9
 
 // `optim::update_tensor`'s element update, run r's block with run r's constants `ks + 8r`; `step`
 // keeps each element's update for the sums below.
@@ -24,7 +27,11 @@ extern "C" __global__ void adamw_update(float *__restrict__ p, float *__restrict
                                         u64 len, u32 runs) {
     u64 total = len * runs;
     for (u64 idx = gtid(); idx < total; idx += gstride()) {
-        const float *k = ks + (idx / len) * 8;
+        const float *k = ks + (idx / len) * K_FIELDS;
+        if (k[K_ACTIVE] == 0.0f) {
+            step[idx] = 0.0f;
+            continue;
+        }
         float b1 = k[K_BETA1], b2 = k[K_BETA2];
         float gi = g[idx] * k[K_SCALE];
         float mi = b1 * m[idx] + (1.0f - b1) * gi;
@@ -72,5 +79,23 @@ extern "C" __global__ void sum_squares(double *__restrict__ out, const float *__
             acc = acc + w * w;
         }
         out[r] = acc;
+    }
+}
+
+// `sum_squares` of every run's block of several tensors at once, a thread per (tensor, run):
+// tensor t starts at device address ptrs[t] and holds `runs` blocks of lens[t] values;
+// out[t * runs + r] is run r's sum, in element order from -0.0 as above.
+extern "C" __global__ void sum_squares_many(double *__restrict__ out, const u64 *__restrict__ ptrs,
+                                            const u64 *__restrict__ lens, u32 tensors,
+                                            u32 runs) {
+    for (u64 i = gtid(); i < (u64)tensors * runs; i += gstride()) {
+        u64 t = i / runs, r = i % runs;
+        const float *x = (const float *)ptrs[t] + r * lens[t];
+        double acc = -0.0;
+        for (u64 e = 0; e < lens[t]; e++) {
+            double w = (double)x[e];
+            acc = acc + w * w;
+        }
+        out[i] = acc;
     }
 }
