@@ -482,3 +482,108 @@ fn weights_prepared_on_the_gpu_train_as_uploaded_ones() {
             .is_err()
     );
 }
+
+/// Training state held on the GPU (`Backend::holds_training`: master weights, moments and
+/// gradients stay there; weights prepared, norms summed and AdamW run on the device) trains as
+/// the host-state path does, bit for bit: every record and the final weights, for five runs of
+/// three recipes stepped together (passes of two, two and one run; two minibatches a step, so the
+/// later forwards run on the held weights too) and for one run alone. A released run's state is
+/// gone.
+#[test]
+fn training_state_held_on_the_gpu_trains_as_host_state() {
+    use lockstep::engine::task::Task;
+    use lockstep::engine::trainer::{ContractBreak, GrpoConfig, Trainer};
+    use lockstep::recipe::presets::preset;
+    let Some(be) = gpu("training_state_held_on_the_gpu_trains_as_host_state") else {
+        return;
+    };
+    let task = Task::Add(2);
+    let grpo = GrpoConfig {
+        prompts_per_step: 4,
+        samples_per_prompt: 4,
+        max_response_tokens: task.answer_len() + 1,
+        minibatches: 2,
+        kl_coef: 0.1,
+        eval_every: 0,
+        ..Default::default()
+    };
+    let cfg = ModelConfig::tiny();
+    let trainers = |recipes: &[&str]| -> Vec<Trainer> {
+        recipes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let init = Params::init(&cfg, 40 + i as u64).unwrap();
+                Trainer::new(
+                    init,
+                    task,
+                    preset(r).unwrap(),
+                    grpo.clone(),
+                    9,
+                    ContractBreak::None,
+                )
+                .unwrap()
+            })
+            .collect()
+    };
+    type Trained = (
+        Vec<Vec<lockstep::engine::metrics::StepRecord>>,
+        Vec<Vec<u32>>,
+    );
+    let train = |held: bool, recipes: &[&str]| -> Trained {
+        be.set_holds_training(held);
+        let mut ts = trainers(recipes);
+        let mut recs = vec![Vec::new(); ts.len()];
+        for _ in 0..3 {
+            let mut refs: Vec<&mut Trainer> = ts.iter_mut().collect();
+            for (r, rec) in recs.iter_mut().zip(Trainer::step_batch(&mut refs, be)) {
+                r.push(rec);
+            }
+        }
+        let weights = ts
+            .iter_mut()
+            .map(|t| {
+                t.sync_params(be);
+                let w = t
+                    .params
+                    .named_tensors()
+                    .iter()
+                    .flat_map(|(_, v)| bits(v))
+                    .collect();
+                be.release_held(t.run_key());
+                w
+            })
+            .collect();
+        (recs, weights)
+    };
+    for recipes in [
+        &["bf16", "nvfp4-dq", "bf16", "nvfp4-dq", "mxfp8"][..],
+        &["mxfp8-dq"][..],
+    ] {
+        let (held, held_w) = train(true, recipes);
+        let (host, host_w) = train(false, recipes);
+        for (m, (a, b)) in held.iter().zip(&host).enumerate() {
+            for (step, (ra, rb)) in a.iter().zip(b).enumerate() {
+                let what = format!("{recipes:?} run {m} step {step}");
+                assert_eq!(
+                    ra.deterministic_scalars(),
+                    rb.deterministic_scalars(),
+                    "{what}"
+                );
+                assert_eq!(ra.layers, rb.layers, "{what}: per-layer rows");
+                assert_eq!(ra.events, rb.events, "{what}: events");
+                assert!(
+                    ra.scalars["train/update_weight_ratio"] > 0.0,
+                    "{what}: no update"
+                );
+            }
+        }
+        assert!(held_w == host_w, "{recipes:?}: final weights differ");
+    }
+    be.set_holds_training(true);
+    let mut t = trainers(&["bf16"]).remove(0);
+    t.step(be);
+    assert!(be.held_params(t.run_key()).is_ok());
+    be.release_held(t.run_key());
+    assert!(be.held_params(t.run_key()).is_err());
+}

@@ -111,9 +111,22 @@ fn batched_steps(
     args: &StepArgs,
     gpu: Option<&cuda::CudaBackend>,
 ) -> Result<()> {
+    // On a GPU each N runs twice: training state held on the GPU (the default), then on the
+    // host (prepared models uploaded, gradients downloaded, AdamW on the host).
+    let modes: &[(bool, &str)] = if gpu.is_some() {
+        &[(true, ", state on the GPU"), (false, ", state on the host")]
+    } else {
+        &[(false, "")]
+    };
     let mut first: Option<(usize, f64)> = None;
-    for &n in &args.batch_runs {
-        let n = usize::from(n);
+    for (n, &(held, mode)) in args
+        .batch_runs
+        .iter()
+        .flat_map(|&n| modes.iter().map(move |m| (usize::from(n), m)))
+    {
+        if let Some(g) = gpu {
+            g.set_holds_training(held);
+        }
         let mut uploads = Vec::new();
         let times = lockstep::tools::bench::engine_batch_step_times(
             be,
@@ -134,9 +147,9 @@ fn batched_steps(
             "  {:<42} step {:>7.1} ms for {n}: {:.2} ms a run-step, {:.1} run-steps/s, \
              {:.2}x the run-step rate of {n0}",
             if n == 1 {
-                format!("{} 1 run alone", be.name())
+                format!("{} 1 run alone{mode}", be.name())
             } else {
-                format!("{} {n} runs together", be.name())
+                format!("{} {n} runs together{mode}", be.name())
             },
             step * 1e3,
             per_run * 1e3,
@@ -168,9 +181,14 @@ fn batched_steps(
                 last.model_upload_ns as f64 / 1e6
             );
         }
-        if let Some(g) = gpu {
+        if let Some(g) = gpu
+            && !held
+        {
             train_pass_line(g, model, recipe, n, args.steps)?;
         }
+    }
+    if let Some(g) = gpu {
+        g.set_holds_training(true);
     }
     Ok(())
 }

@@ -14,13 +14,13 @@
 //! then one batched backend call over all of them, which is what keeps a GPU busy with runs this
 //! small; a single run's step is a batch of one.
 
-use super::backend::{Backend, Counts, ForwardItem, TrainBatch};
+use super::backend::{Backend, Counts, ForwardItem, HeldBatch, HeldItem, TrainBatch};
 use super::contract;
 use super::cost;
 use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
 use super::model::{self, ModelConfig, Params, PreparedModel, Routing};
-use super::optim::AdamW;
+use super::optim::{AdamStep, AdamW};
 use super::rollout::{self, Rollout, RolloutItem};
 use super::task::{Problem, Split, Task};
 use crate::formats::{MxScaleRule, QuantStats, SecondScale};
@@ -206,7 +206,17 @@ pub struct Trainer {
     /// The last step's rollout, as sampled.
     last_rollout: Option<Rollout>,
     pub step: usize,
+    /// This trainer's key among the runs a device holds the training state of
+    /// ([`Backend::holds_training`]).
+    run_key: u64,
+    /// The device holds this run's state and updated it since `params` was read back: `params`
+    /// (and the host `adam`'s moments, which the device then keeps) are stale until
+    /// [`Trainer::sync_params`].
+    params_on_device: bool,
 }
+
+/// Keys of trainers, unique in the process.
+static RUN_KEYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Deterministic per-step seeds derived from the run seed.
 fn mix(seed: u64, step: usize, stream: u64) -> u64 {
@@ -258,7 +268,29 @@ impl Trainer {
             exported: VecDeque::new(),
             last_rollout: None,
             step: 0,
+            run_key: RUN_KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            params_on_device: false,
         })
+    }
+
+    /// This trainer's key among the runs whose state a device holds ([`Backend::release_held`]
+    /// takes it when the run ends).
+    pub fn run_key(&self) -> u64 {
+        self.run_key
+    }
+
+    /// Read the master weights back from `be` where the device holds this run's state and
+    /// updated them: `params` is then current.
+    ///
+    /// # Panics
+    /// When the device cannot give them back (the message names the device).
+    pub fn sync_params(&mut self, be: &dyn Backend) {
+        if self.params_on_device {
+            self.params = be
+                .held_params(self.run_key)
+                .unwrap_or_else(|e| panic!("{}: reading run weights back failed: {e}", be.name()));
+            self.params_on_device = false;
+        }
     }
 
     /// One GRPO step: export, rollout, score, update. Returns everything it measured.
@@ -297,9 +329,13 @@ impl Trainer {
             .collect();
 
         // 1. Live weight export: the rollout builds its own quantized view of the shipped weights
-        // (the master weights as they stand, read-only: no copy is needed to ship them).
+        // (the master weights as they stand, read-only: no copy is needed to ship them; where the
+        // device holds them, read back first).
         let t0 = Instant::now();
-        trainers.par_iter_mut().for_each(|t| t.export());
+        trainers.par_iter_mut().for_each(|t| {
+            t.sync_params(be);
+            t.export()
+        });
         set_each(&mut recs, "perf/export_time", t0.elapsed().as_secs_f64());
 
         // 2. Rollout, the trainers' own weights, rewards and advantages.
@@ -522,7 +558,7 @@ impl Trainer {
                 .map(|(t, sc)| sc.rows.item(&t.reference))
                 .collect();
             rayon::join(
-                || policy_forward(be, &items, Counts::Keep),
+                || policy_pass(be, trainers, scored, &everyone, &items, Counts::Keep),
                 || {
                     be.forward_logits_batch(&refs)
                         .unwrap_or_else(|e| panic!("{}: reference forward failed: {e}", be.name()))
@@ -534,7 +570,8 @@ impl Trainer {
             "perf/train_forward_time",
             t_fwd.elapsed().as_secs_f64(),
         );
-        let logits0 = unpack_logits(first.as_ref(), &everyone, scored, v);
+        let mut first = first;
+        let logits0 = unpack_logits(&first, &everyone, scored, v);
         let quant0: Vec<Vec<(String, QuantStats)>> =
             (0..scored.len()).map(|m| first.quant_stats(m)).collect();
         let mut tallies: Vec<Tally> = (
@@ -552,7 +589,7 @@ impl Trainer {
         // Minibatches of whole groups; the first reuses the forward above.
         let round = Round {
             k: 0,
-            batch: first.as_ref(),
+            batch: &mut first,
             members: &everyone,
             logits: logits0,
         };
@@ -567,27 +604,33 @@ impl Trainer {
             if members.is_empty() {
                 break;
             }
-            let fresh: Vec<PreparedModel> = members
-                .par_iter()
-                .map(|&m| {
-                    PreparedModel::new(&trainers[m].params, &trainers[m].plan)
-                        .expect("plan checked at construction")
-                })
-                .collect();
+            // Held state is prepared on the device; otherwise each member's weights here.
+            let fresh: Vec<PreparedModel> = if be.holds_training() {
+                Vec::new()
+            } else {
+                members
+                    .par_iter()
+                    .map(|&m| {
+                        PreparedModel::new(&trainers[m].params, &trainers[m].plan)
+                            .expect("plan checked at construction")
+                    })
+                    .collect()
+            };
             let items: Vec<ForwardItem> = members
                 .iter()
                 .zip(&fresh)
                 .map(|(&m, prep)| scored[m].rows.item(prep))
                 .collect();
             // Only the first forward's activation counts are recorded.
-            let batch = policy_forward(be, &items, Counts::Skip);
+            let mut batch = policy_pass(be, trainers, scored, &members, &items, Counts::Skip);
             for &m in &members {
                 tallies[m].forwards += 1;
             }
+            let logits = unpack_logits(&batch, &members, scored, v);
             let round = Round {
                 k,
-                batch: batch.as_ref(),
-                logits: unpack_logits(batch.as_ref(), &members, scored, v),
+                batch: &mut batch,
+                logits,
                 members: &members,
             };
             Trainer::minibatch(trainers, round, scored, &mut tallies, recs);
@@ -671,7 +714,7 @@ impl Trainer {
     /// member's gradient norms and update.
     fn minibatch(
         trainers: &mut [&mut Trainer],
-        round: Round<'_>,
+        round: Round<'_, '_>,
         scored: &[Scored],
         tallies: &mut [Tally],
         recs: &mut [StepRecord],
@@ -697,26 +740,55 @@ impl Trainer {
             .map(|&m| dlogits[m].as_deref())
             .collect();
         let t_bwd = Instant::now();
-        let grads = round.batch.backward(&inputs);
+        let grads: Vec<Option<Grads>> = match &mut *round.batch {
+            Pass::Host(b) => b
+                .backward(&inputs)
+                .into_iter()
+                .map(|g| g.map(Grads::Host))
+                .collect(),
+            Pass::Held(b) => b
+                .backward(&inputs)
+                .into_iter()
+                .map(|g| g.map(Grads::Held))
+                .collect(),
+        };
         let backward_time = t_bwd.elapsed().as_secs_f64();
-        let mut by_member: Vec<Option<Params>> = (0..scored.len()).map(|_| None).collect();
+        let mut by_member: Vec<Option<Grads>> = (0..scored.len()).map(|_| None).collect();
         for (&m, g) in round.members.iter().zip(grads) {
             by_member[m] = g;
         }
-        (
+        // Each member's norms and clipping; the host's update, or the device's steps.
+        let steps: Vec<Option<Vec<AdamStep>>> = (
             trainers.par_iter_mut(),
             by_member,
             tallies.par_iter_mut(),
             recs.par_iter_mut(),
         )
             .into_par_iter()
-            .for_each(|(t, g, y, rec)| {
-                if let Some(g) = g {
-                    y.backward_time += backward_time;
-                    y.backwards += 1;
-                    t.apply_gradients(&g, y, rec);
-                }
-            });
+            .map(|(t, g, y, rec)| {
+                let g = g?;
+                y.backward_time += backward_time;
+                y.backwards += 1;
+                t.apply_gradients(&g, y, rec)
+            })
+            .collect();
+        let Pass::Held(b) = &mut *round.batch else {
+            return;
+        };
+        let t_opt = Instant::now();
+        let in_batch: Vec<Option<Vec<AdamStep>>> =
+            round.members.iter().map(|&m| steps[m].clone()).collect();
+        let sums = b.update(&in_batch);
+        let optimizer_time = t_opt.elapsed().as_secs_f64();
+        for (&m, sum) in round.members.iter().zip(sums) {
+            if let Some((u, w)) = sum {
+                let y = &mut tallies[m];
+                y.upd_sq += u;
+                y.w_sq = w;
+                y.optimizer_time += optimizer_time;
+                trainers[m].params_on_device = true;
+            }
+        }
     }
 
     /// Minibatch `k`'s PPO-clipped loss of this member from its forward's `logits`; the dL/dlogits
@@ -798,19 +870,35 @@ impl Trainer {
     }
 
     /// This member's gradient norms per site and layer and overall (before clipping) and, when
-    /// they are finite, its clipped AdamW update.
-    fn apply_gradients(&mut self, grads: &Params, y: &mut Tally, rec: &mut StepRecord) {
+    /// they are finite, its clipped AdamW update: done here for host gradients, returned as
+    /// each tensor's step for gradients the device holds (`None`: no update).
+    fn apply_gradients(
+        &mut self,
+        grads: &Grads,
+        y: &mut Tally,
+        rec: &mut StepRecord,
+    ) -> Option<Vec<AdamStep>> {
         let t_opt = Instant::now();
         let mut sq_total = 0.0f64;
         let mut finite = true;
         // Each tensor's sum in element order (one task per tensor), combined in tensor order:
-        // the same bits whatever the thread count.
-        let named = grads.named_tensors();
-        let sums: Vec<f64> = named
-            .par_iter()
-            .map(|(_, g)| super::optim::sum_squares(g))
+        // the same bits whatever the thread count (and on a device: `optim::sum_squares`').
+        let names: Vec<String> = self
+            .params
+            .config
+            .named_shapes()
+            .into_iter()
+            .map(|(n, _)| n)
             .collect();
-        for ((name, _), sq) in named.iter().zip(sums) {
+        let sums: Vec<f64> = match grads {
+            Grads::Host(g) => g
+                .named_tensors()
+                .par_iter()
+                .map(|(_, g)| super::optim::sum_squares(g))
+                .collect(),
+            Grads::Held(sums) => sums.clone(),
+        };
+        for (name, sq) in names.iter().zip(sums) {
             finite &= sq.is_finite();
             sq_total += sq;
             *y.grad_norms.entry(site_of(name)).or_default() += sq;
@@ -826,7 +914,7 @@ impl Trainer {
                 value: norm,
                 detail: "gradient has non-finite values; update skipped".into(),
             });
-            return;
+            return None;
         }
         let clip = self.config.grad_clip as f64;
         let scale = if norm > clip {
@@ -834,10 +922,29 @@ impl Trainer {
         } else {
             1.0
         };
-        let (u, w) = self.adam_update(grads, scale as f32);
-        y.upd_sq += u;
-        y.w_sq = w;
-        y.optimizer_time += t_opt.elapsed().as_secs_f64();
+        match grads {
+            Grads::Host(g) => {
+                let (u, w) = self.adam_update(g, scale as f32);
+                y.upd_sq += u;
+                y.w_sq = w;
+                y.optimizer_time += t_opt.elapsed().as_secs_f64();
+                None
+            }
+            Grads::Held(_) => {
+                // `AdamW::update`'s constants, tensor by tensor: the device applies them.
+                let step = self.adam.next_step(scale as f32);
+                let decay = &self.decay;
+                Some(
+                    names
+                        .iter()
+                        .map(|n| AdamStep {
+                            decay: decay.get(n).copied().unwrap_or(0.0),
+                            ..step
+                        })
+                        .collect(),
+                )
+            }
+        }
     }
 
     /// This member's train metrics from its tally, and its per-site rows and spike events;
@@ -1103,26 +1210,84 @@ impl Tally {
 
 /// One minibatch's batched forward: member `members[j]` is the batch's member `j`, its logits
 /// unpacked to sequence-major `[B·(T-1), V]` in `logits[j]`.
-struct Round<'b> {
+struct Round<'b, 'a> {
     k: usize,
-    batch: &'b dyn TrainBatch,
+    batch: &'b mut Pass<'a>,
     members: &'b [usize],
     logits: Vec<Vec<f32>>,
 }
 
-/// The trainer's policy forward of several members, kept for their backward.
-fn policy_forward<'a>(
+/// The policy forward of several members, kept for their backward: over prepared models the
+/// host made (their gradients come back), or over the state the device holds for them (their
+/// gradients stay there, with the update).
+enum Pass<'a> {
+    Host(Box<dyn TrainBatch + 'a>),
+    Held(Box<dyn HeldBatch + 'a>),
+}
+
+impl Pass<'_> {
+    fn logits(&self, j: usize) -> &[f32] {
+        match self {
+            Pass::Host(b) => b.logits(j),
+            Pass::Held(b) => b.logits(j),
+        }
+    }
+
+    fn quant_stats(&self, j: usize) -> Vec<(String, QuantStats)> {
+        match self {
+            Pass::Host(b) => b.quant_stats(j),
+            Pass::Held(b) => b.quant_stats(j),
+        }
+    }
+}
+
+/// A member's gradients from a backward: on the host, or their squared norms per tensor (in
+/// `Params::named_tensors` order) with the gradients left on the device.
+enum Grads {
+    Host(Params),
+    Held(Vec<f64>),
+}
+
+/// The trainer's policy forward of members `members` (`items`: their forwards over the host's
+/// prepared models, unread where the device holds their state).
+fn policy_pass<'a>(
     be: &'a dyn Backend,
+    trainers: &[&mut Trainer],
+    scored: &[Scored],
+    members: &[usize],
     items: &[ForwardItem<'a>],
     counts: Counts,
-) -> Box<dyn TrainBatch + 'a> {
-    be.train_forward_batch(items, counts)
-        .unwrap_or_else(|e| panic!("{}: training forward failed: {e}", be.name()))
+) -> Pass<'a> {
+    let failed = |e| -> ! { panic!("{}: training forward failed: {e}", be.name()) };
+    if !be.holds_training() {
+        return Pass::Host(
+            be.train_forward_batch(items, counts)
+                .unwrap_or_else(|e| failed(e)),
+        );
+    }
+    let held: Vec<HeldItem> = members
+        .iter()
+        .map(|&m| {
+            let (t, rows) = (&trainers[m], &scored[m].rows);
+            HeldItem {
+                run: t.run_key,
+                params: &t.params,
+                plan: &t.plan,
+                tokens: &rows.rows,
+                layout: &rows.layout,
+                replay: rows.replay.as_ref(),
+            }
+        })
+        .collect();
+    Pass::Held(
+        be.held_forward_batch(&held, counts)
+            .unwrap_or_else(|e| failed(e)),
+    )
 }
 
 /// The logits of `batch`'s members (member `members[j]` at index `j`), sequence-major.
 fn unpack_logits(
-    batch: &dyn TrainBatch,
+    batch: &Pass<'_>,
     members: &[usize],
     scored: &[Scored],
     v: usize,

@@ -158,7 +158,7 @@ pub fn run_batch_until(
             .into_iter()
             .partition(|l| l.records.len() >= l.run.cfg.steps);
         for l in done {
-            l.end(RunStatus::Ok, None, on_end);
+            l.end(be, RunStatus::Ok, None, on_end);
         }
         live = stepping;
         if live.is_empty() {
@@ -169,7 +169,7 @@ pub fn run_batch_until(
                 let step = l.records.len();
                 let why =
                     format!("interrupted by signal {sig} before step {step}; rerun to redo it");
-                l.end(RunStatus::Interrupted, Some(why), on_end);
+                l.end(be, RunStatus::Interrupted, Some(why), on_end);
             }
             return;
         }
@@ -180,7 +180,7 @@ pub fn run_batch_until(
                 let mut next = Vec::new();
                 for (l, diverged) in live.into_iter().zip(diverged) {
                     if diverged {
-                        l.end(RunStatus::Diverged, None, on_end);
+                        l.end(be, RunStatus::Diverged, None, on_end);
                     } else {
                         next.push(l);
                     }
@@ -190,7 +190,7 @@ pub fn run_batch_until(
             Err(p) => {
                 let why = panic_message(p.as_ref());
                 for l in live {
-                    l.end(RunStatus::Failed, Some(why.clone()), on_end);
+                    l.end(be, RunStatus::Failed, Some(why.clone()), on_end);
                 }
                 return;
             }
@@ -209,13 +209,16 @@ struct Live<'a> {
 }
 
 impl Live<'_> {
-    /// Write the run's metrics and final manifest, and report it ended.
+    /// Write the run's metrics and final manifest, and report it ended; the device forgets the
+    /// training state it held for it.
     fn end(
         mut self,
+        be: &dyn Backend,
         status: RunStatus,
         error: Option<String>,
         on_end: &mut dyn FnMut(usize, Result<Manifest, IoError>),
     ) {
+        be.release_held(self.trainer.run_key());
         let written = finish(&self.dir, &mut self.manifest, &self.records, status, error);
         on_end(self.index, written.map(|()| self.manifest));
     }

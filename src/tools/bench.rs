@@ -201,6 +201,9 @@ pub fn engine_batch_step_times(
     };
     step();
     let recs: Vec<_> = (0..steps.max(1)).map(|_| step()).collect();
+    for t in &ts {
+        be.release_held(t.run_key());
+    }
     let keys = [
         "perf/step_time",
         "perf/export_time",

@@ -13,8 +13,10 @@ pub use cpu::CpuBackend;
 use crate::engine::device::OpError;
 use crate::engine::layout::Layout;
 use crate::engine::model::{Params, PreparedModel, Routing, TrainPass};
+use crate::engine::optim::AdamStep;
 use crate::engine::rollout::Decoder;
 use crate::formats::QuantStats;
+use crate::recipe::ModelPlan;
 
 /// Where the engine runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -229,6 +231,35 @@ pub trait Backend: Send + Sync {
         Ok(Box::new(LoopBatch(passes)))
     }
 
+    /// Whether this device keeps runs' training state across steps (their master weights,
+    /// AdamW moments and gradients: [`Backend::held_forward_batch`]). The trainer then neither
+    /// uploads prepared models nor runs AdamW on the host each minibatch; it reads a run's
+    /// weights back once a step ([`Backend::held_params`]) for its export.
+    fn holds_training(&self) -> bool {
+        false
+    }
+    /// The training forward of several runs over the state this device holds for them, each
+    /// run's weights prepared on the device per its plan (a run seen for the first time starts
+    /// from `params` with zero moments), kept for one backward and update of all of them.
+    fn held_forward_batch<'a>(
+        &'a self,
+        _items: &[HeldItem<'_>],
+        _counts: Counts,
+    ) -> Result<Box<dyn HeldBatch + 'a>, OpError> {
+        Err(OpError::Shape(format!(
+            "{}: this device does not hold training state",
+            self.name()
+        )))
+    }
+    /// Run `run`'s master weights as this device holds them.
+    fn held_params(&self, run: u64) -> Result<Params, OpError> {
+        Err(OpError::Shape(format!(
+            "{}: holds no training state for run {run}",
+            self.name()
+        )))
+    }
+    /// Forget run `run`'s state (the run ended); nothing where none is held.
+    fn release_held(&self, _run: u64) {}
     /// [`Backend::decoder`] of several runs, stepped together.
     fn decoder_batch<'a>(
         &'a self,
@@ -265,6 +296,38 @@ pub struct ForwardItem<'a> {
     pub tokens: &'a [u32],
     pub layout: &'a Layout,
     pub replay: Option<&'a Routing>,
+}
+
+/// One run's input to [`Backend::held_forward_batch`]: which run, its weights as the host has
+/// them (read only when the device first sees the run), its plan and its rows.
+#[derive(Clone, Copy)]
+pub struct HeldItem<'a> {
+    /// The run's key ([`crate::engine::trainer::Trainer::run_key`]), unique in the process.
+    pub run: u64,
+    pub params: &'a Params,
+    pub plan: &'a ModelPlan,
+    pub tokens: &'a [u32],
+    pub layout: &'a Layout,
+    pub replay: Option<&'a Routing>,
+}
+
+/// The training forward of runs whose state the device holds, their backward and their AdamW
+/// update: [`TrainBatch`] with the gradients kept on the device.
+pub trait HeldBatch: Send {
+    fn members(&self) -> usize;
+    /// Member `m`'s logits `[rows, V]` in its layout's row order.
+    fn logits(&self, m: usize) -> &[f32];
+    /// Member `m`'s activation counts; made with [`Counts::Keep`].
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)>;
+    /// The backward of every member with `Some` dL/dlogits; each one's gradients stay on the
+    /// device for [`HeldBatch::update`], and what comes back is their squared norms, one per
+    /// tensor of `Params::named_tensors` (`optim::sum_squares`' bits).
+    fn backward(&mut self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Vec<f64>>>;
+    /// AdamW from the last backward's gradients for each member with `Some` steps (one per
+    /// tensor, in `Params::named_tensors` order); the others are left as they are. Returns each
+    /// updated member's (Σ update², Σ weight² after the update), summed as `AdamW::update`
+    /// sums them.
+    fn update(&mut self, steps: &[Option<Vec<AdamStep>>]) -> Vec<Option<(f64, f64)>>;
 }
 
 /// The training forward of several runs ("members") at once, and their backward. A device that

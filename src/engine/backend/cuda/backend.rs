@@ -114,6 +114,10 @@ pub struct CudaBackend {
     /// trainer's BF16 reference does not change during a run, so it is uploaded once per run or
     /// batch instead of once per step (up to [`UPLOADED_MODELS`]).
     uploaded: Mutex<Vec<(u64, Arc<Weights<GpuOps>>)>>,
+    /// Runs' training state kept on the GPU across steps ([`Backend::holds_training`]).
+    pub(super) held: super::held::HeldPool,
+    /// Whether [`Backend::holds_training`] says yes ([`CudaBackend::set_holds_training`]).
+    holds_training: std::sync::atomic::AtomicBool,
 }
 
 /// The key of a model, or of several stacked in this order, among the held inference copies.
@@ -160,6 +164,8 @@ impl CudaBackend {
             counters: AtomicCounters::default(),
             ops: Pool(Mutex::new(vec![first])),
             uploaded: Mutex::new(Vec::new()),
+            held: Default::default(),
+            holds_training: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -245,6 +251,14 @@ impl CudaBackend {
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.dev
     }
+
+    /// Whether trainers keep their state on this GPU (the default) or on the host, with
+    /// prepared models uploaded and gradients downloaded each minibatch (`lockstep bench step`
+    /// times both; tests compare them).
+    pub fn set_holds_training(&self, on: bool) {
+        self.holds_training
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Drop for CudaBackend {
@@ -299,6 +313,27 @@ impl Backend for CudaBackend {
         counts: crate::engine::backend::Counts,
     ) -> Result<Box<dyn crate::engine::backend::TrainBatch + 'a>, OpError> {
         self.train_forward_runs(items, counts)
+    }
+
+    fn holds_training(&self) -> bool {
+        self.holds_training
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn held_forward_batch<'a>(
+        &'a self,
+        items: &[crate::engine::backend::HeldItem<'_>],
+        counts: crate::engine::backend::Counts,
+    ) -> Result<Box<dyn crate::engine::backend::HeldBatch + 'a>, OpError> {
+        self.held_forward_runs(items, counts)
+    }
+
+    fn held_params(&self, run: u64) -> Result<crate::engine::model::Params, OpError> {
+        self.held_params_of(run)
+    }
+
+    fn release_held(&self, run: u64) {
+        self.release_held_run(run)
     }
 
     fn decoder_batch<'a>(

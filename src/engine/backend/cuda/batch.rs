@@ -21,9 +21,10 @@ use super::decoder::per_position;
 use super::device_ops::{DeviceKvCache, GpuOps, GpuRows};
 use super::launch::{DeviceGroups, DeviceLayout};
 use crate::engine::backend::{
-    Backend, BatchDecoder, Counts, ForwardItem, LoopBatch, LoopDecoder, TrainBatch,
+    Backend, BatchDecoder, Counts, ForwardItem, HeldItem, LoopBatch, LoopDecoder, TrainBatch,
 };
 use crate::engine::device::{OpError, Ops};
+use crate::engine::layout::Layout;
 use crate::engine::model::pass::{self, Cache, Weights};
 use crate::engine::model::{Params, PreparedModel, Routing, check_layout_inputs, quant_sites};
 use crate::formats::QuantStats;
@@ -44,12 +45,43 @@ fn by_plan(preps: &[&PreparedModel]) -> Vec<Vec<usize>> {
     groups
 }
 
+/// What a joint pass reads of one run's input: its rows and the routing it replays.
+pub(super) trait RowSource {
+    fn tokens(&self) -> &[u32];
+    fn layout(&self) -> &Layout;
+    fn replay(&self) -> Option<&Routing>;
+}
+
+impl RowSource for ForwardItem<'_> {
+    fn tokens(&self) -> &[u32] {
+        self.tokens
+    }
+    fn layout(&self) -> &Layout {
+        self.layout
+    }
+    fn replay(&self) -> Option<&Routing> {
+        self.replay
+    }
+}
+
+impl RowSource for HeldItem<'_> {
+    fn tokens(&self) -> &[u32] {
+        self.tokens
+    }
+    fn layout(&self) -> &Layout {
+        self.layout
+    }
+    fn replay(&self) -> Option<&Routing> {
+        self.replay
+    }
+}
+
 /// The rows of several runs' forwards as one: run m's layout rows at `m · cap ..`, then
 /// padding rows (position 0, attending to themselves alone) up to `cap`, the longest run's rows.
-struct JointRows {
-    cap: usize,
+pub(super) struct JointRows {
+    pub(super) cap: usize,
     /// Each run's own rows.
-    rows: Vec<usize>,
+    pub(super) rows: Vec<usize>,
     tokens: Vec<u32>,
     positions: Vec<u32>,
     ctx_len: Vec<u32>,
@@ -60,23 +92,23 @@ struct JointRows {
 }
 
 impl JointRows {
-    fn new(items: &[&ForwardItem<'_>]) -> JointRows {
+    pub(super) fn new<I: RowSource>(items: &[&I]) -> JointRows {
         let cap = items
             .iter()
-            .map(|i| i.layout.rows())
+            .map(|i| i.layout().rows())
             .max()
             .unwrap_or(0)
             .max(1);
         let s = items
             .iter()
-            .map(|i| i.layout.max_context())
+            .map(|i| i.layout().max_context())
             .max()
             .unwrap_or(1)
             .max(1);
         let n = cap * items.len();
         let mut j = JointRows {
             cap,
-            rows: items.iter().map(|i| i.layout.rows()).collect(),
+            rows: items.iter().map(|i| i.layout().rows()).collect(),
             tokens: vec![PAD_ROW; n],
             positions: vec![0; n],
             ctx_len: vec![1; n],
@@ -86,8 +118,8 @@ impl JointRows {
             group_end: (1..=n as u32).collect(),
         };
         for (m, it) in items.iter().enumerate() {
-            let (base, l) = (m * cap, it.layout);
-            j.tokens[base..base + l.rows()].copy_from_slice(it.tokens);
+            let (base, l) = (m * cap, it.layout());
+            j.tokens[base..base + l.rows()].copy_from_slice(it.tokens());
             for (r, p) in l.positions().into_iter().enumerate() {
                 j.positions[base + r] = p as u32;
             }
@@ -113,11 +145,11 @@ impl JointRows {
         j
     }
 
-    fn n(&self) -> usize {
+    pub(super) fn n(&self) -> usize {
         self.cap * self.rows.len()
     }
 
-    fn upload(&self, ops: &GpuOps) -> Result<GpuRows, CudaError> {
+    pub(super) fn upload(&self, ops: &GpuOps) -> Result<GpuRows, CudaError> {
         let s = ops.stream();
         let layout = DeviceLayout::from_host(
             s,
@@ -132,8 +164,13 @@ impl JointRows {
 
     /// Every run's replay record in the joint rows (padding rows take experts 0..k), or `None`
     /// when no run replays.
-    fn replay(&self, items: &[&ForwardItem<'_>], k: usize, layers: usize) -> Option<Routing> {
-        items.iter().find(|i| i.replay.is_some())?;
+    pub(super) fn replay<I: RowSource>(
+        &self,
+        items: &[&I],
+        k: usize,
+        layers: usize,
+    ) -> Option<Routing> {
+        items.iter().find(|i| i.replay().is_some())?;
         let n = self.n();
         let pad: Vec<u32> = (0..k as u32).collect();
         let layers = (0..layers)
@@ -141,7 +178,7 @@ impl JointRows {
                 let mut ids = Vec::with_capacity(n * k);
                 for (m, it) in items.iter().enumerate() {
                     let rows = self.rows[m];
-                    match it.replay {
+                    match it.replay() {
                         Some(r) => ids.extend_from_slice(&r.layers[l][..rows * k]),
                         None => (0..rows).for_each(|_| ids.extend_from_slice(&pad)),
                     }
@@ -158,7 +195,7 @@ impl JointRows {
     }
 
     /// Run m's rows of a joint `[n, width]` host tensor.
-    fn take(&self, all: &[f32], m: usize, width: usize) -> Vec<f32> {
+    pub(super) fn take(&self, all: &[f32], m: usize, width: usize) -> Vec<f32> {
         all[m * self.cap * width..][..self.rows[m] * width].to_vec()
     }
 }
@@ -275,10 +312,10 @@ impl CudaBackend {
 
 /// The training forward of `its` over their stacked `model` on `ops` (set to their number of
 /// runs): every run's logits in `joint`'s rows, and the cache for the backward.
-fn forward_members(
+pub(super) fn forward_members<I: RowSource>(
     ops: &GpuOps,
     model: &Weights<GpuOps>,
-    its: &[&ForwardItem<'_>],
+    its: &[&I],
     joint: &JointRows,
 ) -> Result<(Vec<f32>, Cache<GpuOps>), OpError> {
     let cfg = &model.config;

@@ -20,6 +20,7 @@ pub mod batch;
 pub mod decoder;
 pub mod device_ops;
 pub mod fake_quant;
+mod held;
 pub mod launch;
 pub mod linear;
 pub mod moe;

@@ -1,0 +1,527 @@
+//! Training state the GPU keeps across steps ([`Backend::holds_training`]): each run's master
+//! weights and AdamW moments stay on the device, stacked per batch as the batched passes stack
+//! models (a tensor holds every run's copy in turn). A minibatch then prepares the weights there
+//! (`GpuOps::prepare_models`), keeps the gradients there, brings back only their squared norms,
+//! and updates with `GpuOptim`: the host sends rows and dL/dlogits and reads back logits. Every
+//! piece is the host path's arithmetic bit for bit (the preparation, the norms and AdamW), so a
+//! run trains as it does with its state on the host (`tests/cuda_batch.rs`).
+//!
+//! [`Backend::holds_training`]: crate::engine::backend::Backend::holds_training
+
+use super::CudaBackend;
+use super::batch::{JointRows, forward_members};
+use super::device_ops::GpuOps;
+use super::optim::{GpuOptim, QueuedSums};
+use super::{CudaDevice, CudaError};
+use crate::engine::backend::{Backend, Counts, HeldBatch, HeldItem};
+use crate::engine::device::{OpError, Ops};
+use crate::engine::model::pass::{self, Cache, Weights};
+use crate::engine::model::{ModelConfig, Params, check_layout_inputs, quant_sites};
+use crate::engine::optim::AdamStep;
+use crate::formats::QuantStats;
+use cudarc::driver::CudaSlice;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The runs' state the device holds, in groups of the runs last stepped together.
+#[derive(Default)]
+pub(super) struct HeldPool {
+    /// Groups not in use by a pass (a pass takes its group out and gives it back synchronized).
+    groups: Mutex<Vec<HeldGroup>>,
+    optim: OnceLock<GpuOptim>,
+}
+
+/// Runs' master weights and moments, stacked: tensor t of `Params::named_tensors` holds each
+/// slot's `lens[t]` values in turn. A slot whose run moved to another group or ended is `None`.
+struct HeldGroup {
+    slots: Vec<Option<u64>>,
+    cfg: ModelConfig,
+    lens: Vec<usize>,
+    master: Vec<CudaSlice<f32>>,
+    m: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+}
+
+impl HeldGroup {
+    fn holds_exactly(&self, runs: &[u64]) -> bool {
+        self.slots.len() == runs.len() && self.slots.iter().zip(runs).all(|(s, r)| *s == Some(*r))
+    }
+
+    fn slot_of(&self, run: u64) -> Option<usize> {
+        self.slots.iter().position(|s| *s == Some(run))
+    }
+}
+
+/// One run's lengths of the model's tensors, in `Params::named_tensors` order.
+fn tensor_lens(cfg: &ModelConfig) -> Vec<usize> {
+    cfg.named_shapes()
+        .iter()
+        .map(|(_, dims)| dims.iter().product())
+        .collect()
+}
+
+impl HeldPool {
+    fn optim(&self, dev: &Arc<CudaDevice>) -> Result<&GpuOptim, CudaError> {
+        if let Some(o) = self.optim.get() {
+            return Ok(o);
+        }
+        let o = GpuOptim::new(dev)?;
+        Ok(self.optim.get_or_init(|| o))
+    }
+
+    /// The group of exactly `items`' runs, in their order, taken out of the pool: the group
+    /// they were last stepped in where it is that, else one gathered on `ops`' stream from the
+    /// groups that hold them (their slots there emptied) and, for a run not held yet, its
+    /// `params` uploaded with zero moments.
+    fn take(&self, ops: &GpuOps, items: &[&HeldItem<'_>]) -> Result<HeldGroup, CudaError> {
+        let runs: Vec<u64> = items.iter().map(|i| i.run).collect();
+        let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = groups.iter().position(|g| g.holds_exactly(&runs)) {
+            return Ok(groups.remove(k));
+        }
+        let cfg = &items[0].params.config;
+        let lens = tensor_lens(cfg);
+        let r = runs.len();
+        let s = ops.stream();
+        let mut master = Vec::with_capacity(lens.len());
+        let (mut m, mut v) = (
+            Vec::with_capacity(lens.len()),
+            Vec::with_capacity(lens.len()),
+        );
+        for &len in &lens {
+            master.push(super::output_buffer(s, len * r)?);
+            m.push(s.alloc_zeros::<f32>((len * r).max(1))?);
+            v.push(s.alloc_zeros::<f32>((len * r).max(1))?);
+        }
+        // Runs not held anywhere: their weights in one staged upload.
+        let fresh: Vec<usize> = (0..r)
+            .filter(|&i| groups.iter().all(|g| g.slot_of(runs[i]).is_none()))
+            .collect();
+        if !fresh.is_empty() {
+            let params: Vec<&Params> = fresh.iter().map(|&i| items[i].params).collect();
+            let up = ops.upload_params(&params)?;
+            for (k, &i) in fresh.iter().enumerate() {
+                for (t, &len) in lens.iter().enumerate() {
+                    s.memcpy_dtod(
+                        &up[t].slice(k * len..(k + 1) * len),
+                        &mut master[t].slice_mut(i * len..(i + 1) * len),
+                    )?;
+                }
+            }
+            s.synchronize()?;
+        }
+        for (i, &run) in runs.iter().enumerate() {
+            let Some((g, slot)) = groups
+                .iter()
+                .enumerate()
+                .find_map(|(g, grp)| grp.slot_of(run).map(|slot| (g, slot)))
+            else {
+                continue;
+            };
+            let src = &mut groups[g];
+            for (t, &len) in lens.iter().enumerate() {
+                let (from, to) = (slot * len..(slot + 1) * len, i * len..(i + 1) * len);
+                s.memcpy_dtod(
+                    &src.master[t].slice(from.clone()),
+                    &mut master[t].slice_mut(to.clone()),
+                )?;
+                s.memcpy_dtod(
+                    &src.m[t].slice(from.clone()),
+                    &mut m[t].slice_mut(to.clone()),
+                )?;
+                s.memcpy_dtod(&src.v[t].slice(from), &mut v[t].slice_mut(to))?;
+            }
+            src.slots[slot] = None;
+        }
+        // The copies read the old groups: done before any of them is freed.
+        s.synchronize()?;
+        groups.retain(|g| g.slots.iter().any(Option::is_some));
+        Ok(HeldGroup {
+            slots: runs.into_iter().map(Some).collect(),
+            cfg: cfg.clone(),
+            lens,
+            master,
+            m,
+            v,
+        })
+    }
+
+    /// A group back into the pool, its pass's work finished.
+    fn give(&self, g: HeldGroup) {
+        self.groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(g);
+    }
+
+    /// Run `run`'s master weights, copied back on `ops`' stream; `None` where none are held.
+    fn params(&self, ops: &GpuOps, run: u64) -> Result<Option<Params>, OpError> {
+        let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((g, slot)) = groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, grp)| grp.slot_of(run).map(|slot| (g, slot)))
+        else {
+            return Ok(None);
+        };
+        let grp = &groups[g];
+        let cfg = grp.cfg.clone();
+        let views: Vec<(CudaSlice<f32>, usize)> = grp
+            .master
+            .iter()
+            .zip(&grp.lens)
+            .map(|(t, &len)| {
+                let mut one = super::output_buffer(ops.stream(), len)?;
+                if len > 0 {
+                    ops.stream().memcpy_dtod(
+                        &t.slice(slot * len..(slot + 1) * len),
+                        &mut one.slice_mut(..len),
+                    )?;
+                }
+                Ok((one, len))
+            })
+            .collect::<Result<_, CudaError>>()?;
+        drop(groups);
+        let host = ops.all_to_host(views)?;
+        Params::from_tensors(&cfg, host)
+            .map(Some)
+            .map_err(|e| OpError::Shape(e.to_string()))
+    }
+
+    /// Forget `run`: its slot emptied, a group with no runs left freed.
+    fn release(&self, run: u64) {
+        let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        for g in groups.iter_mut() {
+            if let Some(slot) = g.slot_of(run) {
+                g.slots[slot] = None;
+            }
+        }
+        groups.retain(|g| g.slots.iter().any(Option::is_some));
+    }
+}
+
+impl CudaBackend {
+    /// [`crate::engine::backend::Backend::held_forward_batch`]: one pass per precision plan.
+    pub(super) fn held_forward_runs<'a>(
+        &'a self,
+        items: &[HeldItem<'_>],
+        counts: Counts,
+    ) -> Result<Box<dyn HeldBatch + 'a>, OpError> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            match groups.iter_mut().find(|g| *items[g[0]].plan == *it.plan) {
+                Some(g) => g.push(i),
+                None => groups.push(vec![i]),
+            }
+        }
+        let mut parts = Vec::with_capacity(groups.len());
+        let mut index = vec![(0, 0); items.len()];
+        for (g, group) in groups.iter().enumerate() {
+            let its: Vec<&HeldItem<'_>> = group.iter().map(|&i| &items[i]).collect();
+            parts.push(HeldPart::new(self, &its, counts)?);
+            for (m, &i) in group.iter().enumerate() {
+                index[i] = (g, m);
+            }
+        }
+        Ok(Box::new(HeldParts { parts, index }))
+    }
+
+    /// [`crate::engine::backend::Backend::held_params`].
+    pub(super) fn held_params_of(&self, run: u64) -> Result<Params, OpError> {
+        let ops = self.take_ops()?;
+        let out = self.held.params(&ops, run);
+        self.give_ops(ops);
+        out?.ok_or_else(|| OpError::Shape(format!("{}: holds no state for run {run}", self.name())))
+    }
+
+    /// [`crate::engine::backend::Backend::release_held`].
+    pub(super) fn release_held_run(&self, run: u64) {
+        self.held.release(run);
+    }
+}
+
+/// The held runs of one precision plan in one pass.
+struct HeldPart<'a> {
+    backend: &'a CudaBackend,
+    ops: Option<GpuOps>,
+    group: Option<HeldGroup>,
+    model: Weights<GpuOps>,
+    cache: Cache<GpuOps>,
+    joint: JointRows,
+    vocab: usize,
+    logits: Vec<Vec<f32>>,
+    counts: Counts,
+    stats: OnceLock<Vec<Vec<(String, QuantStats)>>>,
+    /// The last backward's gradients, stacked as the masters are.
+    grads: Option<Vec<CudaSlice<f32>>>,
+}
+
+impl<'a> HeldPart<'a> {
+    fn new(
+        backend: &'a CudaBackend,
+        its: &[&HeldItem<'_>],
+        counts: Counts,
+    ) -> Result<Self, OpError> {
+        let cfg = its[0].params.config.clone();
+        for it in its {
+            if it.params.config != cfg {
+                return Err(OpError::Shape(
+                    "held runs stepped together need one model shape".into(),
+                ));
+            }
+            check_layout_inputs(&cfg, it.tokens, it.layout, it.replay)
+                .map_err(|e| OpError::Shape(e.to_string()))?;
+        }
+        let joint = JointRows::new(its);
+        let mut ops = backend.take_ops()?;
+        ops.set_runs(its.len());
+        ops.set_run_counts(counts == Counts::Keep);
+        let group = match backend.held.take(&ops, its) {
+            Ok(g) => g,
+            Err(e) => {
+                backend.give_ops(ops);
+                return Err(e.into());
+            }
+        };
+        let run = |ops: &GpuOps, group: &HeldGroup| -> Result<_, OpError> {
+            let model = ops.prepare_models(&cfg, its[0].plan, &group.master, its.len())?;
+            let (logits, cache) = forward_members(ops, &model, its, &joint)?;
+            Ok((model, logits, cache))
+        };
+        match run(&ops, &group) {
+            Ok((model, all, cache)) => {
+                let logits = (0..its.len())
+                    .map(|m| joint.take(&all, m, cfg.vocab))
+                    .collect();
+                Ok(HeldPart {
+                    backend,
+                    ops: Some(ops),
+                    group: Some(group),
+                    model,
+                    cache,
+                    joint,
+                    vocab: cfg.vocab,
+                    logits,
+                    counts,
+                    stats: OnceLock::new(),
+                    grads: None,
+                })
+            }
+            Err(e) => {
+                let _ = ops.stream().synchronize();
+                backend.held.give(group);
+                backend.give_ops(ops);
+                Err(e)
+            }
+        }
+    }
+
+    fn ops(&self) -> &GpuOps {
+        self.ops.as_ref().expect("held until drop")
+    }
+
+    /// GPU failures cannot be returned through the trait: they panic with the device, which
+    /// the suite runner turns into failed runs with that message.
+    fn fail(&self, what: &str, e: impl Into<OpError>) -> ! {
+        panic!(
+            "cuda:{}: held-state trainer {what} failed: {}",
+            self.backend.device().ordinal(),
+            e.into()
+        )
+    }
+
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
+        assert_eq!(
+            self.counts,
+            Counts::Keep,
+            "activation counts of a held-state training forward made with Counts::Skip"
+        );
+        self.stats.get_or_init(|| {
+            let runs = self.logits.len();
+            let flat = pass::quant_stats(self.ops(), &self.cache)
+                .unwrap_or_else(|e| self.fail("quantization counts", e));
+            let names = quant_sites(self.cache.n_layers());
+            (0..runs)
+                .map(|r| {
+                    names
+                        .iter()
+                        .enumerate()
+                        .map(|(i, n)| (n.clone(), flat[i * runs + r]))
+                        .collect()
+                })
+                .collect()
+        })[m]
+            .clone()
+    }
+
+    fn backward(&mut self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Vec<f64>>> {
+        let (v, j) = (self.vocab, &self.joint);
+        let mut all = vec![0.0f32; j.n() * v];
+        for (m, d) in dlogits.iter().enumerate() {
+            if let Some(d) = d {
+                if d.len() != j.rows[m] * v {
+                    self.fail(
+                        "backward",
+                        OpError::Shape(format!(
+                            "run {m}: dlogits hold {} values for {} rows of {v}",
+                            d.len(),
+                            j.rows[m]
+                        )),
+                    );
+                }
+                all[m * j.cap * v..][..d.len()].copy_from_slice(d);
+            }
+        }
+        let grads = pass::backward_on_device(self.ops(), &self.model, &self.cache, &all)
+            .unwrap_or_else(|e| self.fail("backward", e));
+        let runs = dlogits.len();
+        let optim = self
+            .backend
+            .held
+            .optim(self.backend.device())
+            .unwrap_or_else(|e| self.fail("optimizer kernels", e));
+        let refs: Vec<&CudaSlice<f32>> = grads.tensors.iter().collect();
+        // `DeviceGrads::lens` are every run's values together; a run's are the group's.
+        let lens = &self.group.as_ref().expect("held until drop").lens;
+        let norms = optim
+            .sum_squares_many(self.ops().stream(), &refs, lens, runs)
+            .unwrap_or_else(|e| self.fail("gradient norms", e));
+        self.grads = Some(grads.tensors);
+        (0..runs)
+            .map(|m| dlogits[m].map(|_| norms.iter().map(|t| t[m]).collect()))
+            .collect()
+    }
+
+    fn update(&mut self, steps: &[Option<Vec<AdamStep>>]) -> Vec<Option<(f64, f64)>> {
+        let Some(grads) = self.grads.take() else {
+            self.fail(
+                "update",
+                OpError::Shape("an update before any backward".into()),
+            );
+        };
+        let ops = self.ops.take().expect("held until drop");
+        let mut group = self.group.take().expect("held until drop");
+        let queued = (|| -> Result<Vec<QueuedSums>, CudaError> {
+            let optim = self.backend.held.optim(self.backend.device())?;
+            let s = ops.stream();
+            let mut out = Vec::with_capacity(group.lens.len());
+            for t in 0..group.lens.len() {
+                let ks: Vec<Option<AdamStep>> =
+                    steps.iter().map(|k| k.as_ref().map(|k| k[t])).collect();
+                let HeldGroup {
+                    master, m, v, lens, ..
+                } = &mut group;
+                out.push(optim.update_queued(
+                    s,
+                    &mut master[t],
+                    &mut m[t],
+                    &mut v[t],
+                    &grads[t],
+                    lens[t],
+                    &ks,
+                )?);
+            }
+            Ok(out)
+        })();
+        let sums = queued.and_then(|q| {
+            q.into_iter()
+                .map(|q| q.read(ops.stream()))
+                .collect::<Result<Vec<_>, _>>()
+        });
+        self.ops = Some(ops);
+        self.group = Some(group);
+        let sums = sums.unwrap_or_else(|e| self.fail("update", e));
+        (0..steps.len())
+            .map(|r| {
+                steps[r].as_ref().map(|_| {
+                    // `AdamW::update`'s order: tensors in turn, each one's chunks in order.
+                    let (mut upd, mut wsq) = (0.0f64, 0.0f64);
+                    for t in &sums {
+                        for &(u, w) in &t[r] {
+                            upd += u;
+                            wsq += w;
+                        }
+                    }
+                    (upd, wsq)
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for HeldPart<'_> {
+    fn drop(&mut self) {
+        if let Some(o) = self.ops.take() {
+            // The group's buffers go back to a pool other streams take from.
+            let _ = o.stream().synchronize();
+            if let Some(g) = self.group.take() {
+                self.backend.held.give(g);
+            }
+            self.backend.give_ops(o);
+        }
+    }
+}
+
+/// Plan groups of a held batch behind one [`HeldBatch`]: member i is `index[i]` = (part, member).
+struct HeldParts<'a> {
+    parts: Vec<HeldPart<'a>>,
+    index: Vec<(usize, usize)>,
+}
+
+impl HeldParts<'_> {
+    /// `xs` (one per member) split into each part's members, in their order.
+    fn split<T: Clone>(&self, xs: &[T]) -> Vec<Vec<T>> {
+        let mut out: Vec<Vec<T>> = self.parts.iter().map(|_| Vec::new()).collect();
+        for (i, &(g, _)) in self.index.iter().enumerate() {
+            out[g].push(xs[i].clone());
+        }
+        out
+    }
+
+    /// Each part's results back in member order.
+    fn join<T>(&self, per_part: Vec<Vec<T>>) -> Vec<T> {
+        let mut per_part: Vec<std::vec::IntoIter<T>> =
+            per_part.into_iter().map(|v| v.into_iter()).collect();
+        self.index
+            .iter()
+            .map(|&(g, _)| per_part[g].next().expect("one result per member"))
+            .collect()
+    }
+}
+
+impl HeldBatch for HeldParts<'_> {
+    fn members(&self) -> usize {
+        self.index.len()
+    }
+
+    fn logits(&self, m: usize) -> &[f32] {
+        let (g, k) = self.index[m];
+        &self.parts[g].logits[k]
+    }
+
+    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
+        let (g, k) = self.index[m];
+        self.parts[g].quant_stats(k)
+    }
+
+    fn backward(&mut self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Vec<f64>>> {
+        let split = self.split(dlogits);
+        let out = self
+            .parts
+            .iter_mut()
+            .zip(split)
+            .map(|(p, d)| p.backward(&d))
+            .collect();
+        self.join(out)
+    }
+
+    fn update(&mut self, steps: &[Option<Vec<AdamStep>>]) -> Vec<Option<(f64, f64)>> {
+        let split = self.split(steps);
+        let out = self
+            .parts
+            .iter_mut()
+            .zip(split)
+            .map(|(p, k)| p.update(&k))
+            .collect();
+        self.join(out)
+    }
+}
