@@ -487,8 +487,8 @@ fn weights_prepared_on_the_gpu_train_as_uploaded_ones() {
 /// gradients stay there; weights prepared, norms summed and AdamW run on the device) trains as
 /// the host-state path does, bit for bit: every record and the final weights, for five runs of
 /// three recipes stepped together (passes of two, two and one run; two minibatches a step, so the
-/// later forwards run on the held weights too) and for one run alone. A released run's state is
-/// gone.
+/// later forwards run on the held weights too; one run leaving after two steps) and for one run
+/// alone. A released run's state is gone.
 #[test]
 fn training_state_held_on_the_gpu_trains_as_host_state() {
     use lockstep::engine::task::Task;
@@ -534,10 +534,18 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
         be.set_holds_training(held);
         let mut ts = trainers(recipes);
         let mut recs = vec![Vec::new(); ts.len()];
-        for _ in 0..3 {
-            let mut refs: Vec<&mut Trainer> = ts.iter_mut().collect();
-            for (r, rec) in recs.iter_mut().zip(Trainer::step_batch(&mut refs, be)) {
-                r.push(rec);
+        for step in 0..3 {
+            // Run 1 leaves after two steps, as a finished or diverged run leaves its batch: the
+            // others' state is gathered into a batch without it.
+            let mut refs: Vec<(usize, &mut Trainer)> = ts
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| step < 2 || *i != 1 || recipes.len() == 1)
+                .collect();
+            let index: Vec<usize> = refs.iter().map(|(i, _)| *i).collect();
+            let mut members: Vec<&mut Trainer> = refs.iter_mut().map(|(_, t)| &mut **t).collect();
+            for (i, rec) in index.into_iter().zip(Trainer::step_batch(&mut members, be)) {
+                recs[i].push(rec);
             }
         }
         let weights = ts
