@@ -332,10 +332,11 @@ impl Trainer {
         // (the master weights as they stand, read-only: no copy is needed to ship them; where the
         // device holds them, read back first).
         let t0 = Instant::now();
-        trainers.par_iter_mut().for_each(|t| {
+        // One after the other: the copies share the bus, and each takes the device's op set.
+        for t in trainers.iter_mut() {
             t.sync_params(be);
-            t.export()
-        });
+        }
+        trainers.par_iter_mut().for_each(|t| t.export());
         set_each(&mut recs, "perf/export_time", t0.elapsed().as_secs_f64());
 
         // 2. Rollout, the trainers' own weights, rewards and advantages.
