@@ -188,7 +188,7 @@ fn batched_steps(
         }
     }
     if let Some(g) = gpu {
-        g.set_holds_training(true);
+        g.set_holds_training(false);
     }
     Ok(())
 }

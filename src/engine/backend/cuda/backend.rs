@@ -165,7 +165,8 @@ impl CudaBackend {
             ops: Pool(Mutex::new(vec![first])),
             uploaded: Mutex::new(Vec::new()),
             held: Default::default(),
-            holds_training: std::sync::atomic::AtomicBool::new(true),
+            // Off until the held path has run on a GPU (it has run on the CUDA emulator only).
+            holds_training: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -252,9 +253,9 @@ impl CudaBackend {
         &self.dev
     }
 
-    /// Whether trainers keep their state on this GPU (the default) or on the host, with
+    /// Whether trainers keep their state on this GPU or on the host (the default), with
     /// prepared models uploaded and gradients downloaded each minibatch (`lockstep bench step`
-    /// times both; tests compare them).
+    /// times both; tests compare them). Set it before any trainer steps on this backend.
     pub fn set_holds_training(&self, on: bool) {
         self.holds_training
             .store(on, std::sync::atomic::Ordering::Relaxed);
