@@ -194,6 +194,29 @@ impl JointRows {
         })
     }
 
+    /// Every run's dL/dlogits (`None`: zeros) in the joint rows, `[n, vocab]`; a run's must
+    /// cover its own rows.
+    pub(super) fn dlogits(
+        &self,
+        dlogits: &[Option<&[f32]>],
+        v: usize,
+    ) -> Result<Vec<f32>, OpError> {
+        let mut all = vec![0.0f32; self.n() * v];
+        for (m, d) in dlogits.iter().enumerate() {
+            if let Some(d) = d {
+                if d.len() != self.rows[m] * v {
+                    return Err(OpError::Shape(format!(
+                        "run {m}: dlogits hold {} values for {} rows of {v}",
+                        d.len(),
+                        self.rows[m]
+                    )));
+                }
+                all[m * self.cap * v..][..d.len()].copy_from_slice(d);
+            }
+        }
+        Ok(all)
+    }
+
     /// Run m's rows of a joint `[n, width]` host tensor.
     pub(super) fn take(&self, all: &[f32], m: usize, width: usize) -> Vec<f32> {
         all[m * self.cap * width..][..self.rows[m] * width].to_vec()
@@ -324,6 +347,26 @@ pub(super) fn forward_members<I: RowSource>(
     let replay = joint.replay(its, cfg.top_k, cfg.n_layers);
     let (logits, cache, _) = pass::forward_on(ops, model, toks, rows, joint.n(), replay.as_ref())?;
     Ok((logits, cache))
+}
+
+/// Each of `runs` runs' activation counts per quantization site of a batched forward's `cache`
+/// (the device counts them site by site, every run's in turn).
+pub(super) fn counts_per_run(
+    ops: &GpuOps,
+    cache: &Cache<GpuOps>,
+    runs: usize,
+) -> Result<Vec<Vec<(String, QuantStats)>>, OpError> {
+    let flat = pass::quant_stats(ops, cache)?;
+    let names = quant_sites(cache.n_layers());
+    Ok((0..runs)
+        .map(|r| {
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.clone(), flat[i * runs + r]))
+                .collect()
+        })
+        .collect())
 }
 
 /// Median seconds of one batched training pass (forward, logits back, backward) of a batch's
@@ -536,41 +579,17 @@ impl TrainBatch for GpuTrainBatch<'_> {
             "activation counts of a batched training forward made with Counts::Skip"
         );
         self.stats.get_or_init(|| {
-            let runs = self.members();
-            let flat = pass::quant_stats(self.ops(), &self.cache)
-                .unwrap_or_else(|e| self.fail("quantization counts", e));
-            let names = quant_sites(self.cache.n_layers());
-            (0..runs)
-                .map(|r| {
-                    names
-                        .iter()
-                        .enumerate()
-                        .map(|(i, n)| (n.clone(), flat[i * runs + r]))
-                        .collect()
-                })
-                .collect()
+            counts_per_run(self.ops(), &self.cache, self.members())
+                .unwrap_or_else(|e| self.fail("quantization counts", e))
         })[m]
             .clone()
     }
 
     fn backward(&self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Params>> {
-        let (v, j) = (self.vocab, &self.joint);
-        let mut all = vec![0.0f32; j.n() * v];
-        for (m, d) in dlogits.iter().enumerate() {
-            if let Some(d) = d {
-                if d.len() != j.rows[m] * v {
-                    self.fail(
-                        "backward",
-                        OpError::Shape(format!(
-                            "run {m}: dlogits hold {} values for {} rows of {v}",
-                            d.len(),
-                            j.rows[m]
-                        )),
-                    );
-                }
-                all[m * j.cap * v..][..d.len()].copy_from_slice(d);
-            }
-        }
+        let all = self
+            .joint
+            .dlogits(dlogits, self.vocab)
+            .unwrap_or_else(|e| self.fail("backward", e));
         let grads = pass::backward_runs(self.ops(), &self.model, &self.cache, &all)
             .unwrap_or_else(|e| self.fail("backward", e));
         grads

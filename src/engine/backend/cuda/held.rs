@@ -9,14 +9,14 @@
 //! [`Backend::holds_training`]: crate::engine::backend::Backend::holds_training
 
 use super::CudaBackend;
-use super::batch::{JointRows, forward_members};
+use super::batch::{JointRows, counts_per_run, forward_members};
 use super::device_ops::GpuOps;
 use super::optim::{GpuOptim, QueuedSums};
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, Counts, HeldBatch, HeldItem};
 use crate::engine::device::{OpError, Ops};
 use crate::engine::model::pass::{self, Cache, Weights};
-use crate::engine::model::{ModelConfig, Params, check_layout_inputs, quant_sites};
+use crate::engine::model::{ModelConfig, Params, check_layout_inputs};
 use crate::engine::optim::AdamStep;
 use crate::formats::QuantStats;
 use cudarc::driver::CudaSlice;
@@ -336,41 +336,17 @@ impl<'a> HeldPart<'a> {
             "activation counts of a held-state training forward made with Counts::Skip"
         );
         self.stats.get_or_init(|| {
-            let runs = self.logits.len();
-            let flat = pass::quant_stats(self.ops(), &self.cache)
-                .unwrap_or_else(|e| self.fail("quantization counts", e));
-            let names = quant_sites(self.cache.n_layers());
-            (0..runs)
-                .map(|r| {
-                    names
-                        .iter()
-                        .enumerate()
-                        .map(|(i, n)| (n.clone(), flat[i * runs + r]))
-                        .collect()
-                })
-                .collect()
+            counts_per_run(self.ops(), &self.cache, self.logits.len())
+                .unwrap_or_else(|e| self.fail("quantization counts", e))
         })[m]
             .clone()
     }
 
     fn backward(&mut self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Vec<f64>>> {
-        let (v, j) = (self.vocab, &self.joint);
-        let mut all = vec![0.0f32; j.n() * v];
-        for (m, d) in dlogits.iter().enumerate() {
-            if let Some(d) = d {
-                if d.len() != j.rows[m] * v {
-                    self.fail(
-                        "backward",
-                        OpError::Shape(format!(
-                            "run {m}: dlogits hold {} values for {} rows of {v}",
-                            d.len(),
-                            j.rows[m]
-                        )),
-                    );
-                }
-                all[m * j.cap * v..][..d.len()].copy_from_slice(d);
-            }
-        }
+        let all = self
+            .joint
+            .dlogits(dlogits, self.vocab)
+            .unwrap_or_else(|e| self.fail("backward", e));
         let grads = pass::backward_on_device(self.ops(), &self.model, &self.cache, &all)
             .unwrap_or_else(|e| self.fail("backward", e));
         let runs = dlogits.len();
