@@ -285,11 +285,24 @@ impl Trainer {
     /// # Panics
     /// When the device cannot give them back (the message names the device).
     pub fn sync_params(&mut self, be: &dyn Backend) {
-        if self.params_on_device {
-            self.params = be
-                .held_params(self.run_key)
-                .unwrap_or_else(|e| panic!("{}: reading run weights back failed: {e}", be.name()));
-            self.params_on_device = false;
+        Trainer::sync_params_batch(&mut [self], be);
+    }
+
+    /// [`Trainer::sync_params`] of several runs, their weights read back together (one copy).
+    pub fn sync_params_batch(trainers: &mut [&mut Trainer], be: &dyn Backend) {
+        let stale: Vec<usize> = (0..trainers.len())
+            .filter(|&i| trainers[i].params_on_device)
+            .collect();
+        if stale.is_empty() {
+            return;
+        }
+        let keys: Vec<u64> = stale.iter().map(|&i| trainers[i].run_key).collect();
+        let params = be
+            .held_params(&keys)
+            .unwrap_or_else(|e| panic!("{}: reading run weights back failed: {e}", be.name()));
+        for (i, p) in stale.into_iter().zip(params) {
+            trainers[i].params = p;
+            trainers[i].params_on_device = false;
         }
     }
 
@@ -332,10 +345,7 @@ impl Trainer {
         // (the master weights as they stand, read-only: no copy is needed to ship them; where the
         // device holds them, read back first).
         let t0 = Instant::now();
-        // One after the other: the copies share the bus, and each takes the device's op set.
-        for t in trainers.iter_mut() {
-            t.sync_params(be);
-        }
+        Trainer::sync_params_batch(trainers, be);
         trainers.par_iter_mut().for_each(|t| t.export());
         set_each(&mut recs, "perf/export_time", t0.elapsed().as_secs_f64());
 

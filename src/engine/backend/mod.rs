@@ -234,7 +234,7 @@ pub trait Backend: Send + Sync {
     /// Whether this device keeps runs' training state across steps (their master weights,
     /// AdamW moments and gradients: [`Backend::held_forward_batch`]). The trainer then neither
     /// uploads prepared models nor runs AdamW on the host each minibatch; it reads a run's
-    /// weights back once a step ([`Backend::held_params`]) for its export.
+    /// weights back once a step ([`Backend::held_params`], every run at once) for its export.
     fn holds_training(&self) -> bool {
         false
     }
@@ -251,10 +251,11 @@ pub trait Backend: Send + Sync {
             self.name()
         )))
     }
-    /// Run `run`'s master weights as this device holds them.
-    fn held_params(&self, run: u64) -> Result<Params, OpError> {
+    /// Each of `runs`' master weights as this device holds them (read back together: one copy
+    /// for all of them).
+    fn held_params(&self, runs: &[u64]) -> Result<Vec<Params>, OpError> {
         Err(OpError::Shape(format!(
-            "{}: holds no training state for run {run}",
+            "{}: holds no training state for runs {runs:?}",
             self.name()
         )))
     }

@@ -329,8 +329,8 @@ impl Backend for CudaBackend {
         self.held_forward_runs(items, counts)
     }
 
-    fn held_params(&self, run: u64) -> Result<crate::engine::model::Params, OpError> {
-        self.held_params_of(run)
+    fn held_params(&self, runs: &[u64]) -> Result<Vec<crate::engine::model::Params>, OpError> {
+        self.held_params_of(runs)
     }
 
     fn release_held(&self, run: u64) {

@@ -38,7 +38,7 @@ use crate::engine::ops::RMSNORM_EPS;
 use crate::formats::QuantStats;
 use crate::recipe::{ModelPlan, SitePlan};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -332,6 +332,11 @@ impl GpuOps {
         })
     }
 
+    /// Each `(src, dst)` copied back in one staged copy ([`super::staging::Staging::download`]).
+    pub fn download(&self, parts: &mut [(CudaView<'_, f32>, &mut [f32])]) -> Result<(), CudaError> {
+        self.lin.staging().download(parts)
+    }
+
     /// The master weights of runs stepped together, stacked as [`GpuOps::prepare_models`] reads
     /// them (each of `Params::named_tensors` holding every run's copy in turn), in one staged
     /// copy.
@@ -515,10 +520,10 @@ impl Ops for GpuOps {
 
     fn all_to_host(&self, ts: Vec<(CudaSlice<f32>, usize)>) -> OpResult<Vec<Vec<f32>>> {
         let mut host: Vec<Vec<f32>> = ts.iter().map(|(_, n)| vec![0.0; *n]).collect();
-        let mut parts: Vec<(&CudaSlice<f32>, &mut [f32])> = ts
+        let mut parts: Vec<(CudaView<'_, f32>, &mut [f32])> = ts
             .iter()
             .zip(host.iter_mut())
-            .map(|((t, _), h)| (t, &mut h[..]))
+            .map(|((t, _), h)| (t.as_view(), &mut h[..]))
             .collect();
         self.lin.staging().download(&mut parts)?;
         Ok(host)

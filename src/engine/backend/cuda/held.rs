@@ -11,10 +11,10 @@
 use super::CudaBackend;
 use super::batch::{JointRows, counts_per_run, forward_members};
 use super::device_ops::GpuOps;
-use super::optim::{GpuOptim, QueuedSums};
+use super::optim::{GpuOptim, StateTensor};
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, Counts, HeldBatch, HeldItem};
-use crate::engine::device::{OpError, Ops};
+use crate::engine::device::OpError;
 use crate::engine::model::pass::{self, Cache, Weights};
 use crate::engine::model::{ModelConfig, Params, check_layout_inputs};
 use crate::engine::optim::AdamStep;
@@ -153,38 +153,43 @@ impl HeldPool {
             .push(g);
     }
 
-    /// Run `run`'s master weights, copied back on `ops`' stream; `None` where none are held.
-    fn params(&self, ops: &GpuOps, run: u64) -> Result<Option<Params>, OpError> {
+    /// Each of `runs`' master weights, all copied back in one staged copy on `ops`' stream;
+    /// `None` for a run none are held of.
+    fn params(&self, ops: &GpuOps, runs: &[u64]) -> Result<Vec<Option<Params>>, OpError> {
         let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((g, slot)) = groups
+        let found: Vec<Option<(&HeldGroup, usize)>> = runs
             .iter()
-            .enumerate()
-            .find_map(|(g, grp)| grp.slot_of(run).map(|slot| (g, slot)))
-        else {
-            return Ok(None);
-        };
-        let grp = &groups[g];
-        let cfg = grp.cfg.clone();
-        let views: Vec<(CudaSlice<f32>, usize)> = grp
-            .master
-            .iter()
-            .zip(&grp.lens)
-            .map(|(t, &len)| {
-                let mut one = super::output_buffer(ops.stream(), len)?;
-                if len > 0 {
-                    ops.stream().memcpy_dtod(
-                        &t.slice(slot * len..(slot + 1) * len),
-                        &mut one.slice_mut(..len),
-                    )?;
-                }
-                Ok((one, len))
+            .map(|&run| {
+                groups
+                    .iter()
+                    .find_map(|g| g.slot_of(run).map(|slot| (g, slot)))
             })
-            .collect::<Result<_, CudaError>>()?;
-        drop(groups);
-        let host = ops.all_to_host(views)?;
-        Params::from_tensors(&cfg, host)
-            .map(Some)
-            .map_err(|e| OpError::Shape(e.to_string()))
+            .collect();
+        let mut host: Vec<Vec<Vec<f32>>> = found
+            .iter()
+            .map(|f| match f {
+                Some((g, _)) => g.lens.iter().map(|&len| vec![0.0; len]).collect(),
+                None => Vec::new(),
+            })
+            .collect();
+        let mut parts = Vec::new();
+        for (f, run) in found.iter().zip(host.iter_mut()) {
+            let Some((g, slot)) = *f else { continue };
+            for ((t, &len), dst) in g.master.iter().zip(&g.lens).zip(run.iter_mut()) {
+                parts.push((t.slice(slot * len..(slot + 1) * len), &mut dst[..]));
+            }
+        }
+        ops.download(&mut parts)?;
+        drop(parts);
+        found
+            .iter()
+            .zip(host)
+            .map(|(f, tensors)| {
+                f.map(|(g, _)| Params::from_tensors(&g.cfg, tensors))
+                    .transpose()
+                    .map_err(|e| OpError::Shape(e.to_string()))
+            })
+            .collect()
     }
 
     /// Forget `run`: its slot emptied, a group with no runs left freed.
@@ -226,11 +231,18 @@ impl CudaBackend {
     }
 
     /// [`crate::engine::backend::Backend::held_params`].
-    pub(super) fn held_params_of(&self, run: u64) -> Result<Params, OpError> {
+    pub(super) fn held_params_of(&self, runs: &[u64]) -> Result<Vec<Params>, OpError> {
         let ops = self.take_ops()?;
-        let out = self.held.params(&ops, run);
+        let out = self.held.params(&ops, runs);
         self.give_ops(ops);
-        out?.ok_or_else(|| OpError::Shape(format!("{}: holds no state for run {run}", self.name())))
+        out?.into_iter()
+            .zip(runs)
+            .map(|(p, run)| {
+                p.ok_or_else(|| {
+                    OpError::Shape(format!("{}: holds no state for run {run}", self.name()))
+                })
+            })
+            .collect()
     }
 
     /// [`crate::engine::backend::Backend::release_held`].
@@ -376,33 +388,21 @@ impl<'a> HeldPart<'a> {
         };
         let ops = self.ops.take().expect("held until drop");
         let mut group = self.group.take().expect("held until drop");
-        let queued = (|| -> Result<Vec<QueuedSums>, CudaError> {
+        let sums = (|| -> Result<Vec<Vec<(f64, f64)>>, CudaError> {
             let optim = self.backend.held.optim(self.backend.device())?;
-            let s = ops.stream();
-            let mut out = Vec::with_capacity(group.lens.len());
-            for t in 0..group.lens.len() {
-                let ks: Vec<Option<AdamStep>> =
-                    steps.iter().map(|k| k.as_ref().map(|k| k[t])).collect();
-                let HeldGroup {
-                    master, m, v, lens, ..
-                } = &mut group;
-                out.push(optim.update_queued(
-                    s,
-                    &mut master[t],
-                    &mut m[t],
-                    &mut v[t],
-                    &grads[t],
-                    lens[t],
-                    &ks,
-                )?);
-            }
-            Ok(out)
+            let HeldGroup {
+                master, m, v, lens, ..
+            } = &mut group;
+            let tensors = master
+                .iter_mut()
+                .zip(m.iter_mut())
+                .zip(v.iter_mut())
+                .zip(&grads)
+                .zip(lens.iter())
+                .map(|((((p, m), v), g), &len)| StateTensor { p, m, v, g, len })
+                .collect();
+            optim.update_model(ops.stream(), tensors, steps)
         })();
-        let sums = queued.and_then(|q| {
-            q.into_iter()
-                .map(|q| q.read(ops.stream()))
-                .collect::<Result<Vec<_>, _>>()
-        });
         self.ops = Some(ops);
         self.group = Some(group);
         let sums = sums.unwrap_or_else(|e| self.fail("update", e));
@@ -411,11 +411,9 @@ impl<'a> HeldPart<'a> {
                 steps[r].as_ref().map(|_| {
                     // `AdamW::update`'s order: tensors in turn, each one's chunks in order.
                     let (mut upd, mut wsq) = (0.0f64, 0.0f64);
-                    for t in &sums {
-                        for &(u, w) in &t[r] {
-                            upd += u;
-                            wsq += w;
-                        }
+                    for &(u, w) in &sums[r] {
+                        upd += u;
+                        wsq += w;
                     }
                     (upd, wsq)
                 })

@@ -9,7 +9,7 @@
 //! way back (a backward's gradients): gathered on the device, one copy, unpacked in parallel.
 
 use super::CudaError;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, CudaView, PinnedHostSlice};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
 
@@ -96,7 +96,7 @@ impl Staging {
 
     /// Each `(src, dst)`: the first `dst.len()` values of `src` into `dst`, after the stream's
     /// earlier work (this waits for it).
-    pub fn download(&self, parts: &mut [(&CudaSlice<f32>, &mut [f32])]) -> Result<(), CudaError> {
+    pub fn download(&self, parts: &mut [(CudaView<'_, f32>, &mut [f32])]) -> Result<(), CudaError> {
         let total: usize = parts.iter().map(|(_, d)| d.len()).sum();
         if total == 0 {
             return Ok(());
