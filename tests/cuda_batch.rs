@@ -599,4 +599,18 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
     assert!(be.held_params(&[t.run_key()]).is_ok());
     be.release_held(t.run_key());
     assert!(be.held_params(&[t.run_key()]).is_err());
+    // From three runs stepped together: a pair keeps its state on the host, a trio on the GPU,
+    // and the trio's runs stay held when one of them leaves.
+    be.set_held_from(3);
+    for (n, held) in [(2, false), (3, true)] {
+        let mut ts = trainers(&vec!["bf16"; n]);
+        for left in [n, n - 1] {
+            let mut members: Vec<&mut Trainer> = ts.iter_mut().take(left).collect();
+            Trainer::step_batch(&mut members, be);
+        }
+        for t in &ts {
+            assert_eq!(be.held_params(&[t.run_key()]).is_ok(), held, "{n} runs");
+            be.release_held(t.run_key());
+        }
+    }
 }

@@ -209,6 +209,9 @@ pub struct Trainer {
     /// This trainer's key among the runs a device holds the training state of
     /// ([`Backend::holds_training`]).
     run_key: u64,
+    /// Whether the device holds this run's state ([`Backend::holds_training`], asked at the
+    /// run's first step and kept: the state lives in one place for the whole run).
+    held: Option<bool>,
     /// The device holds this run's state and updated it since `params` was read back: `params`
     /// (and the host `adam`'s moments, which the device then keeps) are stale until
     /// [`Trainer::sync_params`].
@@ -269,6 +272,7 @@ impl Trainer {
             last_rollout: None,
             step: 0,
             run_key: RUN_KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            held: None,
             params_on_device: false,
         })
     }
@@ -331,6 +335,15 @@ impl Trainer {
         assert!(
             trainers.iter().all(|t| t.batch_shape() == shape),
             "Trainer::step_batch: members must share the model, the task and the rollout's sizes"
+        );
+        // Where a run's training state lives is settled at its first step.
+        let held = be.holds_training(trainers.len());
+        for t in trainers.iter_mut() {
+            t.held.get_or_insert(held);
+        }
+        assert!(
+            trainers.iter().all(|t| t.held == trainers[0].held),
+            "Trainer::step_batch: members whose state the device holds step apart from others"
         );
         let t_step = Instant::now();
         let mut recs: Vec<StepRecord> = trainers
@@ -616,7 +629,7 @@ impl Trainer {
                 break;
             }
             // Held state is prepared on the device; otherwise each member's weights here.
-            let fresh: Vec<PreparedModel> = if be.holds_training() {
+            let fresh: Vec<PreparedModel> = if trainers[0].held == Some(true) {
                 Vec::new()
             } else {
                 members
@@ -1270,7 +1283,7 @@ fn policy_pass<'a>(
     counts: Counts,
 ) -> Pass<'a> {
     let failed = |e| -> ! { panic!("{}: training forward failed: {e}", be.name()) };
-    if !be.holds_training() {
+    if trainers[members[0]].held != Some(true) {
         return Pass::Host(
             be.train_forward_batch(items, counts)
                 .unwrap_or_else(|e| failed(e)),

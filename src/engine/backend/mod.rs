@@ -231,11 +231,13 @@ pub trait Backend: Send + Sync {
         Ok(Box::new(LoopBatch(passes)))
     }
 
-    /// Whether this device keeps runs' training state across steps (their master weights,
-    /// AdamW moments and gradients: [`Backend::held_forward_batch`]). The trainer then neither
-    /// uploads prepared models nor runs AdamW on the host each minibatch; it reads a run's
-    /// weights back once a step ([`Backend::held_params`], every run at once) for its export.
-    fn holds_training(&self) -> bool {
+    /// Whether this device keeps the training state of runs stepped `runs` together across
+    /// steps (their master weights, AdamW moments and gradients:
+    /// [`Backend::held_forward_batch`]). The trainer then neither uploads prepared models nor
+    /// runs AdamW on the host each minibatch; it reads the runs' weights back once a step
+    /// ([`Backend::held_params`], every run at once) for their export. A run keeps the answer
+    /// given at its first step.
+    fn holds_training(&self, _runs: usize) -> bool {
         false
     }
     /// The training forward of several runs over the state this device holds for them, each

@@ -67,6 +67,36 @@ fn bump(field: &AtomicU64, v: u64) {
 /// 56), so a GPU batches only when asked.
 pub const BATCH_RUNS: usize = 1;
 
+/// [`Backend::holds_training`] on a GPU: runs stepped this many or more together keep their
+/// training state on the device. `usize::MAX` (never) until the held path beats the host's.
+pub const HELD_FROM_RUNS: usize = usize::MAX;
+
+/// The environment variable that overrides [`HELD_FROM_RUNS`]: `on`, `off`, or N.
+pub const HELD_STATE_VAR: &str = "LOCKSTEP_HELD_STATE";
+
+/// [`HELD_FROM_RUNS`], or what [`HELD_STATE_VAR`] says.
+fn held_from_runs() -> Result<usize, CudaError> {
+    match std::env::var(HELD_STATE_VAR) {
+        Ok(v) => parse_held_state(&v),
+        Err(_) => Ok(HELD_FROM_RUNS),
+    }
+}
+
+/// A value of [`HELD_STATE_VAR`]: the fewest runs stepped together that keep their state on the
+/// GPU.
+fn parse_held_state(v: &str) -> Result<usize, CudaError> {
+    match v.trim() {
+        "on" => Ok(1),
+        "off" => Ok(usize::MAX),
+        n => n.parse().ok().filter(|&n| n >= 1).ok_or_else(|| {
+            CudaError::Setting(format!(
+                "{HELD_STATE_VAR}=`{v}`: use on, off, or N (runs stepped N or more together keep \
+                 their training state on the GPU)"
+            ))
+        }),
+    }
+}
+
 /// A cuBLAS handle on `stream` in `CUBLAS_PEDANTIC_MATH`: FP32 operands and accumulation, no
 /// TF32 or other reduced-precision path, whatever `NVIDIA_TF32_OVERRIDE` says. Every cuBLAS
 /// handle of the engine is made here.
@@ -116,8 +146,9 @@ pub struct CudaBackend {
     uploaded: Mutex<Vec<(u64, Arc<Weights<GpuOps>>)>>,
     /// Runs' training state kept on the GPU across steps ([`Backend::holds_training`]).
     pub(super) held: super::held::HeldPool,
-    /// Whether [`Backend::holds_training`] says yes ([`CudaBackend::set_holds_training`]).
-    holds_training: std::sync::atomic::AtomicBool,
+    /// [`Backend::holds_training`] says yes from this many runs stepped together
+    /// ([`CudaBackend::set_holds_training`]).
+    held_from: std::sync::atomic::AtomicUsize,
 }
 
 /// The key of a model, or of several stacked in this order, among the held inference copies.
@@ -165,8 +196,7 @@ impl CudaBackend {
             ops: Pool(Mutex::new(vec![first])),
             uploaded: Mutex::new(Vec::new()),
             held: Default::default(),
-            // Off until the held path has run on a GPU (it has run on the CUDA emulator only).
-            holds_training: std::sync::atomic::AtomicBool::new(false),
+            held_from: std::sync::atomic::AtomicUsize::new(held_from_runs()?),
         })
     }
 
@@ -253,12 +283,19 @@ impl CudaBackend {
         &self.dev
     }
 
-    /// Whether trainers keep their state on this GPU or on the host (the default), with
-    /// prepared models uploaded and gradients downloaded each minibatch (`lockstep bench step`
-    /// times both; tests compare them). Set it before any trainer steps on this backend.
+    /// Whether trainers keep their state on this GPU or on the host, with prepared models
+    /// uploaded and gradients downloaded each minibatch (`lockstep bench step` times both; tests
+    /// compare them), whatever the number of runs stepped together. A run keeps the choice made
+    /// at its first step.
     pub fn set_holds_training(&self, on: bool) {
-        self.holds_training
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.set_held_from(if on { 1 } else { usize::MAX });
+    }
+
+    /// Runs stepped `runs` or more together keep their state on this GPU, fewer on the host
+    /// ([`HELD_FROM_RUNS`]).
+    pub fn set_held_from(&self, runs: usize) {
+        self.held_from
+            .store(runs.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -316,9 +353,8 @@ impl Backend for CudaBackend {
         self.train_forward_runs(items, counts)
     }
 
-    fn holds_training(&self) -> bool {
-        self.holds_training
-            .load(std::sync::atomic::Ordering::Relaxed)
+    fn holds_training(&self, runs: usize) -> bool {
+        runs >= self.held_from.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn held_forward_batch<'a>(
@@ -385,5 +421,21 @@ impl Backend for CudaBackend {
         Ok(Box::new(ResidentPass::new(
             self, prep, tokens, layout, replay,
         )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_state_setting_reads_on_off_and_a_run_count() {
+        assert_eq!(parse_held_state("on").unwrap(), 1);
+        assert_eq!(parse_held_state(" off ").unwrap(), usize::MAX);
+        assert_eq!(parse_held_state("8").unwrap(), 8);
+        for bad in ["0", "-1", "yes", ""] {
+            let e = parse_held_state(bad).unwrap_err().to_string();
+            assert!(e.contains(HELD_STATE_VAR) && e.contains("use on, off, or N"), "{e}");
+        }
     }
 }

@@ -78,6 +78,9 @@ pub enum CudaError {
     Format(#[from] crate::formats::FormatError),
     #[error("{0}")]
     Shape(String),
+    /// A setting (an environment variable) that cannot be read; the message says the fix.
+    #[error("{0}")]
+    Setting(String),
 }
 
 /// Check, without panicking, that the driver, NVRTC and cuBLAS libraries can be loaded.
