@@ -435,7 +435,10 @@ mod tests {
         assert_eq!(parse_held_state("8").unwrap(), 8);
         for bad in ["0", "-1", "yes", ""] {
             let e = parse_held_state(bad).unwrap_err().to_string();
-            assert!(e.contains(HELD_STATE_VAR) && e.contains("use on, off, or N"), "{e}");
+            assert!(
+                e.contains(HELD_STATE_VAR) && e.contains("use on, off, or N"),
+                "{e}"
+            );
         }
     }
 }
