@@ -25,18 +25,23 @@ pub struct SweepArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Layouts to time, `PxJ` = P worker processes per device with J workers each, `PxJbN` with
-    /// each worker stepping up to N runs together (`--batch-runs N`). Default: on the CPU 1xN,
-    /// N = cores; on GPUs today's worker pool 2x4, then 1x1 with 1, 8, 32 and 128 runs batched.
+    /// each worker stepping up to N runs together (`--batch-runs N`); on a GPU a layout may end
+    /// in `:held` or `:host` to keep the runs' training state there whatever the batch
+    /// (LOCKSTEP_HELD_STATE). Default: on the CPU 1xN, N = cores; on GPUs today's worker pool
+    /// 2x4, then 1x1 with 1, 8, 32 and 128 runs batched.
     #[arg(long, value_delimiter = ',')]
     pub layouts: Vec<String>,
 }
 
-/// `P` processes per device, `J` workers each, each worker stepping up to `batch` runs together.
+/// `P` processes per device, `J` workers each, each worker stepping up to `batch` runs together;
+/// `held`: the runs' training state kept on the GPU (`Some(true)`) or the host, where the
+/// layout says (else the device's default for the batch).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Layout {
     processes: usize,
     workers: usize,
     batch: usize,
+    held: Option<bool>,
 }
 
 impl Layout {
@@ -45,6 +50,7 @@ impl Layout {
             processes,
             workers,
             batch,
+            held: None,
         }
     }
 }
@@ -55,24 +61,37 @@ impl std::fmt::Display for Layout {
         if self.batch > 1 {
             write!(f, "b{}", self.batch)?;
         }
-        Ok(())
+        match self.held {
+            Some(true) => write!(f, ":held"),
+            Some(false) => write!(f, ":host"),
+            None => Ok(()),
+        }
     }
 }
 
 fn parse_layout(s: &str) -> Result<Layout> {
-    let t = s.trim();
+    let (t, held) = match s.trim().split_once(':') {
+        Some((t, "held")) => (t, Some(Some(true))),
+        Some((t, "host")) => (t, Some(Some(false))),
+        Some((t, _)) => (t, None),
+        None => (s.trim(), Some(None)),
+    };
     let (pool, batch) = match t.split_once('b') {
         Some((pool, n)) => (pool, n.parse().ok()),
         None => (t, Some(1)),
     };
     let parsed = pool
         .split_once('x')
-        .and_then(|(p, j)| Some((p.parse().ok()?, j.parse().ok()?, batch?)));
+        .and_then(|(p, j)| Some((p.parse().ok()?, j.parse().ok()?, batch?, held?)));
     match parsed {
-        Some((p, j, n)) if p > 0 && j > 0 && n > 0 => Ok(Layout::new(p, j, n)),
+        Some((p, j, n, held)) if p > 0 && j > 0 && n > 0 => Ok(Layout {
+            held,
+            ..Layout::new(p, j, n)
+        }),
         _ => bail!(
             "layout `{s}`: use PxJ (P processes per device of J workers each, e.g. 2x4) or PxJbN \
-             (each worker stepping N runs together, e.g. 1x1b32)"
+             (each worker stepping N runs together, e.g. 1x1b32), optionally ending in :held or \
+             :host (the runs' training state kept on the GPU or the host, e.g. 1x1b32:held)"
         ),
     }
 }
@@ -110,6 +129,12 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
             .map(|l| parse_layout(l))
             .collect::<Result<_>>()?
     };
+    if let Some(l) = layouts.iter().find(|l| l.held.is_some() && !on_gpu) {
+        bail!(
+            "layout `{l}`: only a GPU holds training state; drop the `:held`/`:host` ending \
+             or sweep with --device cuda"
+        );
+    }
     let tmp = Scratch::new()?;
     let cache = tmp.path().join("cache");
     let t0 = Instant::now();
@@ -130,7 +155,7 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
         t0.elapsed().as_secs_f64()
     );
     println!(
-        "{:<10} {:>9} {:>14} {:>9} {:>13}  metrics",
+        "{:<12} {:>9} {:>14} {:>9} {:>13}  metrics",
         "layout", "wall", "run-steps/s", "vs first", "GEMM GFLOP/s"
     );
     let mut first: Option<(f64, PathBuf, usize)> = None;
@@ -156,7 +181,7 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
         let ratio = first.as_ref().map_or(1.0, |(f, _, _)| f / secs);
         let gflops = gemm_flops(&runs, &s.name, &store)? / secs / 1e9;
         println!(
-            "{:<10} {:>8.1}s {:>14.1} {:>8.2}x {:>13.1}  {same}",
+            "{:<12} {:>8.1}s {:>14.1} {:>8.2}x {:>13.1}  {same}",
             l.to_string(),
             secs,
             run_steps as f64 / secs,
@@ -250,7 +275,14 @@ fn time_run(
     let exe = std::env::current_exe().context("cannot find the lockstep binary")?;
     let jobs = l.processes * l.workers * devices;
     let t0 = Instant::now();
-    let out = Command::new(exe)
+    let mut cmd = Command::new(exe);
+    if let Some(held) = l.held {
+        cmd.env(
+            lockstep::engine::backend::cuda::backend::HELD_STATE_VAR,
+            if held { "on" } else { "off" },
+        );
+    }
+    let out = cmd
         .arg("run")
         .arg(suite)
         .arg("--store")
@@ -318,7 +350,23 @@ mod tests {
         assert_eq!(parse_layout("1x1b32").unwrap(), Layout::new(1, 1, 32));
         assert_eq!(Layout::new(1, 1, 32).to_string(), "1x1b32");
         assert_eq!(Layout::new(2, 4, 1).to_string(), "2x4");
-        for bad in ["2", "0x4", "2x0", "ax4", "2x4x1", "1x1b0", "1x1b", "b8"] {
+        for (text, held) in [("1x1b32:held", true), ("2x4:host", false)] {
+            let l = parse_layout(text).unwrap();
+            assert_eq!(l.held, Some(held));
+            assert_eq!(l.to_string(), text);
+        }
+        for bad in [
+            "2",
+            "0x4",
+            "2x0",
+            "ax4",
+            "2x4x1",
+            "1x1b0",
+            "1x1b",
+            "b8",
+            "1x1b8:gpu",
+            "1x1:",
+        ] {
             let e = parse_layout(bad).unwrap_err().to_string();
             assert!(e.contains("use PxJ"), "{bad}: {e}");
         }
