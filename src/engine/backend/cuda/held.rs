@@ -157,41 +157,28 @@ impl HeldPool {
     /// masters; `None` for a run none are held of.
     fn params(&self, ops: &GpuOps, runs: &[u64]) -> Result<Vec<Option<Params>>, OpError> {
         let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-        let found: Vec<Option<(&HeldGroup, usize)>> = runs
-            .iter()
-            .map(|&run| {
-                groups
-                    .iter()
-                    .find_map(|g| g.slot_of(run).map(|slot| (g, slot)))
-            })
-            .collect();
-        let mut host: Vec<Vec<Vec<f32>>> = found
-            .iter()
-            .map(|f| match f {
-                Some((g, _)) => g.lens.iter().map(|&len| vec![0.0; len]).collect(),
-                None => Vec::new(),
-            })
-            .collect();
         // A staged copy per run, so one model-sized page-locked buffer serves every run: one
         // copy of all runs (hundreds of MB staged at once) measured slower on an H100 than the
         // runs read one by one (docs/cuda.md).
-        for (f, run) in found.iter().zip(host.iter_mut()) {
-            let Some((g, slot)) = *f else { continue };
-            let mut parts: Vec<_> = g
-                .master
-                .iter()
-                .zip(&g.lens)
-                .zip(run.iter_mut())
-                .map(|((t, &len), dst)| (t.slice(slot * len..(slot + 1) * len), &mut dst[..]))
-                .collect();
-            ops.download(&mut parts)?;
-        }
-        found
-            .iter()
-            .zip(host)
-            .map(|(f, tensors)| {
-                f.map(|(g, _)| Params::from_tensors(&g.cfg, tensors))
-                    .transpose()
+        runs.iter()
+            .map(|&run| {
+                let Some((g, slot)) = groups
+                    .iter()
+                    .find_map(|g| g.slot_of(run).map(|slot| (g, slot)))
+                else {
+                    return Ok(None);
+                };
+                let mut tensors: Vec<Vec<f32>> = g.lens.iter().map(|&len| vec![0.0; len]).collect();
+                let mut parts: Vec<_> = g
+                    .master
+                    .iter()
+                    .zip(&g.lens)
+                    .zip(tensors.iter_mut())
+                    .map(|((t, &len), dst)| (t.slice(slot * len..(slot + 1) * len), &mut dst[..]))
+                    .collect();
+                ops.download(&mut parts)?;
+                Params::from_tensors(&g.cfg, tensors)
+                    .map(Some)
                     .map_err(|e| OpError::Shape(e.to_string()))
             })
             .collect()
