@@ -502,17 +502,22 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
     let own = CudaBackend::new(0).unwrap();
     let be = &own;
     let task = Task::Add(2);
-    let grpo = GrpoConfig {
+    // Evaluated every step (greedy decodes of the step's export); the five runs sample the export
+    // a step old, so the run that leaves is still in the stack its neighbours sample from.
+    let grpo = |lag: usize| GrpoConfig {
         prompts_per_step: 4,
         samples_per_prompt: 4,
         max_response_tokens: task.answer_len() + 1,
         minibatches: 2,
         kl_coef: 0.1,
-        eval_every: 0,
+        eval_every: 1,
+        eval_prompts: 4,
+        policy_lag: lag,
         ..Default::default()
     };
     let cfg = ModelConfig::tiny();
     let trainers = |recipes: &[&str]| -> Vec<Trainer> {
+        let lag = usize::from(recipes.len() > 1);
         recipes
             .iter()
             .enumerate()
@@ -522,7 +527,7 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
                     init,
                     task,
                     preset(r).unwrap(),
-                    grpo.clone(),
+                    grpo(lag),
                     9,
                     ContractBreak::None,
                 )
@@ -567,6 +572,14 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
                 w
             })
             .collect();
+        // Held runs export on the device: one export a run-step, no model uploaded for them.
+        let steps: usize = recs.iter().map(Vec::len).sum();
+        let exports = be.take_counters().held_exports;
+        assert_eq!(
+            exports,
+            if held { steps as u64 } else { 0 },
+            "device exports"
+        );
         (recs, weights)
     };
     for recipes in [
@@ -589,6 +602,7 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
                     ra.scalars["train/update_weight_ratio"] > 0.0,
                     "{what}: no update"
                 );
+                assert!(ra.scalars.contains_key("eval/accuracy"), "{what}: eval");
             }
         }
         assert!(held_w == host_w, "{recipes:?}: final weights differ");

@@ -7,8 +7,8 @@
 //! the sampled response (ending in `<eos>` unless truncated), then `<pad>`. Position `t`'s logprob
 //! is the rollout's log-probability of token `t` given tokens `< t` (response positions only).
 
-use super::backend::Backend;
-use super::model::{self, KvCache, PreparedModel, Routing};
+use super::backend::{Backend, BatchDecoder, HeldExport};
+use super::model::{self, KvCache, ModelConfig, PreparedModel, Routing};
 use super::task::{EOS, PAD};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -131,13 +131,70 @@ fn sample(logp: &[f32], u: f32) -> usize {
         .unwrap_or(0)
 }
 
+/// A run's exported policy as the rollout reads it: prepared on the host, or on the device that
+/// holds the run's training state ([`Backend::held_export`]; the same bytes, never copied back).
+#[derive(Clone, Copy)]
+pub enum Policy<'a> {
+    Host(&'a PreparedModel),
+    Held(&'a HeldExport),
+}
+
+impl Policy<'_> {
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Policy::Host(p) => &p.config,
+            Policy::Held(e) => e.config(),
+        }
+    }
+}
+
+impl<'a> From<&'a PreparedModel> for Policy<'a> {
+    fn from(p: &'a PreparedModel) -> Self {
+        Policy::Host(p)
+    }
+}
+
 /// One run's part of a batched rollout ([`generate_batch`]): its exported policy, its prompts and
 /// the seed of its sampling stream.
 #[derive(Clone, Copy)]
 pub struct RolloutItem<'a> {
-    pub prep: &'a PreparedModel,
+    pub policy: Policy<'a>,
     pub prompts: &'a [Vec<u32>],
     pub seed: u64,
+}
+
+/// One decoder of every member's policy: all exported on the host, or all on the device.
+///
+/// # Panics
+/// When the device fails, or the members mix the two.
+fn decoder_of<'a>(
+    be: &'a dyn Backend,
+    items: &[RolloutItem<'a>],
+    seqs: usize,
+    positions: usize,
+) -> Box<dyn BatchDecoder + 'a> {
+    let host: Option<Vec<&PreparedModel>> = items
+        .iter()
+        .map(|i| match i.policy {
+            Policy::Host(p) => Some(p),
+            Policy::Held(_) => None,
+        })
+        .collect();
+    let held: Option<Vec<&HeldExport>> = items
+        .iter()
+        .map(|i| match i.policy {
+            Policy::Held(e) => Some(e),
+            Policy::Host(_) => None,
+        })
+        .collect();
+    let made = match (host, held) {
+        (Some(preps), _) => be.decoder_batch(&preps, seqs, positions),
+        (None, Some(exports)) => be.held_decoder_batch(&exports, seqs, positions),
+        (None, None) => {
+            panic!("rollout: members exported on the host and on the device decode apart")
+        }
+    };
+    made.unwrap_or_else(|e| panic!("{}: decoder failed: {e}", be.name()))
 }
 
 /// Generate `samples` responses for each prompt (all prompts the same length). `temperature` 0 is
@@ -157,7 +214,7 @@ pub fn generate(
     seed: u64,
 ) -> Rollout {
     let item = RolloutItem {
-        prep,
+        policy: prep.into(),
         prompts,
         seed,
     };
@@ -299,13 +356,13 @@ fn generate_with(
     let Some(first) = items.first() else {
         return Vec::new();
     };
-    let cfg = &first.prep.config;
+    let cfg = first.policy.config();
     let n_prompts = first.prompts.len();
     let prompt_len = first.prompts.first().map_or(0, |p| p.len());
     assert!(
         items
             .iter()
-            .all(|i| i.prompts.len() == n_prompts && i.prep.config == *cfg),
+            .all(|i| i.prompts.len() == n_prompts && i.policy.config() == cfg),
         "rollout: batched members must share the model shape and prompt count"
     );
     assert!(
@@ -329,10 +386,7 @@ fn generate_with(
     // Positions 0..T-1 are decoded (the last token is sampled, never read back).
     let positions = t.saturating_sub(1).max(1);
     let seqs = if shared > 0 { n_prompts } else { b };
-    let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
-    let mut dec = be
-        .decoder_batch(&preps, seqs, positions)
-        .unwrap_or_else(|e| panic!("{}: decoder failed: {e}", be.name()));
+    let mut dec = decoder_of(be, items, seqs, positions);
     if shared > 0 {
         let inputs: Vec<Vec<u32>> = items
             .iter()
@@ -407,7 +461,7 @@ mod tests {
         for plan in &plans {
             let prep = PreparedModel::new(&params, plan).unwrap();
             let item = [RolloutItem {
-                prep: &prep,
+                policy: (&prep).into(),
                 prompts: &prompts,
                 seed: 9,
             }];
@@ -499,7 +553,7 @@ mod tests {
             .zip(&prompts)
             .zip([21, 22, 23])
             .map(|((prep, prompts), seed)| RolloutItem {
-                prep,
+                policy: prep.into(),
                 prompts,
                 seed,
             })
@@ -509,10 +563,10 @@ mod tests {
             let together = generate_batch(&CpuBackend, &items, samples, 12, temperature);
             // The position after which every sequence of a member is padding.
             let mut ends = Vec::new();
-            for (m, (item, got)) in items.iter().zip(&together).enumerate() {
+            for (m, ((item, prep), got)) in items.iter().zip(&models).zip(&together).enumerate() {
                 let alone = generate(
                     &CpuBackend,
-                    item.prep,
+                    prep,
                     item.prompts,
                     samples,
                     12,

@@ -14,14 +14,16 @@
 //! then one batched backend call over all of them, which is what keeps a GPU busy with runs this
 //! small; a single run's step is a batch of one.
 
-use super::backend::{Backend, Counts, ForwardItem, HeldBatch, HeldItem, TrainBatch};
+use super::backend::{
+    Backend, Counts, ForwardItem, HeldBatch, HeldExport, HeldItem, HeldRun, TrainBatch,
+};
 use super::contract;
 use super::cost;
 use super::layout::Layout;
 use super::metrics::{Event, LayerRecord, StepRecord, site_of};
 use super::model::{self, ModelConfig, Params, PreparedModel, Routing};
 use super::optim::{AdamStep, AdamW};
-use super::rollout::{self, Rollout, RolloutItem};
+use super::rollout::{self, Policy, Rollout, RolloutItem};
 use super::task::{Problem, Split, Task};
 use crate::formats::{MxScaleRule, QuantStats, SecondScale};
 use crate::recipe::{ModelPlan, Precision, Recipe, RecipeError, SitePlan};
@@ -202,7 +204,7 @@ pub struct Trainer {
     /// Rolling grad norms per (site, layer) for spike detection.
     history: BTreeMap<(String, i64), Vec<f64>>,
     /// The rollout's exported policies, oldest first: the last `policy_lag + 1`.
-    exported: VecDeque<PreparedModel>,
+    exported: VecDeque<Exported>,
     /// The last step's rollout, as sampled.
     last_rollout: Option<Rollout>,
     pub step: usize,
@@ -355,11 +357,13 @@ impl Trainer {
             .collect();
 
         // 1. Live weight export: the rollout builds its own quantized view of the shipped weights
-        // (the master weights as they stand, read-only: no copy is needed to ship them; where the
-        // device holds them, read back first).
+        // (the master weights as they stand, read-only: no copy is needed to ship them). Where
+        // the device holds them, it prepares the export itself; else they are read back first.
         let t0 = Instant::now();
-        Trainer::sync_params_batch(trainers, be);
-        trainers.par_iter_mut().for_each(|t| t.export());
+        if !Trainer::export_held(trainers, be) {
+            Trainer::sync_params_batch(trainers, be);
+            trainers.par_iter_mut().for_each(|t| t.export());
+        }
         set_each(&mut recs, "perf/export_time", t0.elapsed().as_secs_f64());
 
         // 2. Rollout, the trainers' own weights, rewards and advantages.
@@ -408,7 +412,7 @@ impl Trainer {
             .iter()
             .zip(&prompts)
             .map(|(t, prompts)| RolloutItem {
-                prep: t.newest_and_sampled().1,
+                policy: t.newest_and_sampled().1.policy(),
                 prompts,
                 seed: t.sampling_seed(),
             })
@@ -428,9 +432,12 @@ impl Trainer {
             || {
                 trainers
                     .par_iter()
-                    .map(|t| {
-                        PreparedModel::new(&t.params, &t.plan)
-                            .expect("plan checked at construction")
+                    .map(|t| match t.newest_and_sampled().0 {
+                        Exported::Host(_) => Some(
+                            PreparedModel::new(&t.params, &t.plan)
+                                .expect("plan checked at construction"),
+                        ),
+                        Exported::Held(_) => None,
                     })
                     .collect::<Vec<_>>()
             },
@@ -443,19 +450,26 @@ impl Trainer {
 
     /// This member's rollout checked against its trainer's weights `prep` (the contract) and
     /// scored: rewards, group-normalised advantages, and the rows its training reads.
+    ///
+    /// An export the device made ([`Backend::held_export`]) is checked by construction: the
+    /// device prepares it from the held masters under the trainer's own plan, as it prepares the
+    /// trainer's forwards, and never under another (a rollout plan of its own exports through
+    /// the host, whose bytes are compared here).
     fn score(
         &self,
         ro: Rollout,
-        prep: PreparedModel,
+        prep: Option<PreparedModel>,
         problems: &[Problem],
         rollout_time: f64,
         rec: &mut StepRecord,
     ) -> Scored {
-        let (newest, _) = self.newest_and_sampled();
-        let bad = contract::mismatches(
-            &contract::fingerprints(&prep),
-            &contract::fingerprints(newest),
-        );
+        let bad = match (&prep, self.newest_and_sampled().0) {
+            (Some(prep), Exported::Host(newest)) => contract::mismatches(
+                &contract::fingerprints(prep),
+                &contract::fingerprints(newest),
+            ),
+            _ => Vec::new(),
+        };
         rec.set("contract/violations", bad.len() as f64);
         for site in &bad {
             rec.events.push(Event {
@@ -507,19 +521,54 @@ impl Trainer {
         }
     }
 
-    /// Export the current weights to the rollout, keeping the last `policy_lag + 1` exports.
+    /// Export the current weights to the rollout, prepared on the host.
     fn export(&mut self) {
         let prep = PreparedModel::new(&self.params, &self.rollout_plan)
             .expect("plan checked at construction");
-        self.exported.push_back(prep);
+        self.keep_export(Exported::Host(Box::new(prep)));
+    }
+
+    /// Keep `e` as the newest export, and the last `policy_lag + 1` exports.
+    fn keep_export(&mut self, e: Exported) {
+        self.exported.push_back(e);
         while self.exported.len() > self.config.policy_lag + 1 {
             self.exported.pop_front();
         }
     }
 
+    /// Export every member's current weights on the device that holds them, where it can: each
+    /// member's state is held and its rollout reads its own plan. Returns whether it did (else
+    /// the host exports them all).
+    fn export_held(trainers: &mut [&mut Trainer], be: &dyn Backend) -> bool {
+        if trainers
+            .iter()
+            .any(|t| t.held != Some(true) || t.rollout_plan != t.plan)
+        {
+            return false;
+        }
+        let runs: Vec<HeldRun> = trainers
+            .iter()
+            .map(|t| HeldRun {
+                run: t.run_key,
+                params: &t.params,
+                plan: &t.rollout_plan,
+            })
+            .collect();
+        let exports = be
+            .held_export(&runs)
+            .unwrap_or_else(|e| panic!("{}: weight export failed: {e}", be.name()));
+        let Some(exports) = exports else {
+            return false;
+        };
+        for (t, e) in trainers.iter_mut().zip(exports) {
+            t.keep_export(Exported::Held(e));
+        }
+        true
+    }
+
     /// The newest export (the current weights: what the contract check and evaluation see) and
     /// the one this step's rollout samples from (`policy_lag` steps older, or the oldest kept).
-    fn newest_and_sampled(&self) -> (&PreparedModel, &PreparedModel) {
+    fn newest_and_sampled(&self) -> (&Exported, &Exported) {
         let newest = self.exported.back().expect("exported before use");
         let oldest = self.exported.front().expect("exported before use");
         (newest, oldest)
@@ -573,7 +622,18 @@ impl Trainer {
         // reference's logits for the KL metric: two independent forwards, run side by side so
         // each fills the other's serial stretches (same bits as one after the other). The
         // reference needs no cache, so it is the backend's cheaper `forward_logits`.
-        let items: Vec<ForwardItem> = scored.iter().map(|sc| sc.rows.item(&sc.prep)).collect();
+        // Held state is prepared on the device; otherwise each member's own preparation.
+        let items: Vec<ForwardItem> = if trainers[0].held == Some(true) {
+            Vec::new()
+        } else {
+            scored
+                .iter()
+                .map(|sc| {
+                    let prep = sc.prep.as_ref().expect("host state: prepared on the host");
+                    sc.rows.item(prep)
+                })
+                .collect()
+        };
         let t_fwd = Instant::now();
         let (first, ref_logits) = {
             let refs: Vec<ForwardItem> = trainers
@@ -1025,9 +1085,14 @@ impl Trainer {
         let Some(&first) = due.first() else {
             return;
         };
-        let members: Vec<(&PreparedModel, u64)> = due
+        let members: Vec<(Policy, u64)> = due
             .iter()
-            .map(|&m| (trainers[m].newest_and_sampled().0, trainers[m].seed))
+            .map(|&m| {
+                (
+                    trainers[m].newest_and_sampled().0.policy(),
+                    trainers[m].seed,
+                )
+            })
             .collect();
         let (task, c) = (trainers[first].task, &trainers[first].config);
         let accuracy = evaluate_batch(be, task, c.eval_prompts, c.max_response_tokens, &members);
@@ -1127,11 +1192,28 @@ impl BatchShape {
     }
 }
 
+/// A run's exported policy, kept for the steps that sample it: prepared on the host, or on the
+/// device that holds the run's state.
+enum Exported {
+    Host(Box<PreparedModel>),
+    Held(HeldExport),
+}
+
+impl Exported {
+    fn policy(&self) -> Policy<'_> {
+        match self {
+            Exported::Host(p) => Policy::Host(p),
+            Exported::Held(e) => Policy::Held(e),
+        }
+    }
+}
+
 /// One member's rollout, scored, with the rows its training reads: fixed for the rest of its step.
 struct Scored {
     ro: Rollout,
-    /// The trainer's own quantized weights: its first forward runs on them.
-    prep: PreparedModel,
+    /// The trainer's own quantized weights, where the host exported (its first forward runs on
+    /// them unless the device holds its state).
+    prep: Option<PreparedModel>,
     adv: Vec<f32>,
     rows: TrainRows,
 }
@@ -1359,7 +1441,7 @@ pub fn evaluate(
     max_new: usize,
     seed: u64,
 ) -> f64 {
-    evaluate_batch(be, task, count, max_new, &[(prep, seed)])[0]
+    evaluate_batch(be, task, count, max_new, &[(prep.into(), seed)])[0]
 }
 
 /// [`evaluate`] of several models, each on the evaluation prompts of its own seed, decoded
@@ -1369,7 +1451,7 @@ pub fn evaluate_batch(
     task: Task,
     count: usize,
     max_new: usize,
-    members: &[(&PreparedModel, u64)],
+    members: &[(Policy<'_>, u64)],
 ) -> Vec<f64> {
     let problems: Vec<Vec<Problem>> = members
         .iter()
@@ -1379,8 +1461,8 @@ pub fn evaluate_batch(
     let items: Vec<RolloutItem> = members
         .iter()
         .zip(&prompts)
-        .map(|((prep, _), prompts)| RolloutItem {
-            prep,
+        .map(|((policy, _), prompts)| RolloutItem {
+            policy: *policy,
             prompts,
             seed: 0,
         })

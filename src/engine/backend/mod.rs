@@ -12,7 +12,7 @@ pub use cpu::CpuBackend;
 
 use crate::engine::device::OpError;
 use crate::engine::layout::Layout;
-use crate::engine::model::{Params, PreparedModel, Routing, TrainPass};
+use crate::engine::model::{ModelConfig, Params, PreparedModel, Routing, TrainPass};
 use crate::engine::optim::AdamStep;
 use crate::engine::rollout::Decoder;
 use crate::formats::QuantStats;
@@ -263,6 +263,26 @@ pub trait Backend: Send + Sync {
     }
     /// Forget run `run`'s state (the run ended); nothing where none is held.
     fn release_held(&self, _run: u64) {}
+    /// Each of `runs`' weights exported where the device holds them: prepared there per the
+    /// run's plan from the master weights as they stand (a run not held yet is taken on from
+    /// `params` first), for [`Backend::held_decoder_batch`]. The weights never cross the bus;
+    /// the bytes are those of `PreparedModel::new(params, plan)`. `None` where this device
+    /// exports nothing (the host prepares the export).
+    fn held_export(&self, _runs: &[HeldRun<'_>]) -> Result<Option<Vec<HeldExport>>, OpError> {
+        Ok(None)
+    }
+    /// [`Backend::decoder_batch`] of exports made by [`Backend::held_export`] (of any steps).
+    fn held_decoder_batch<'a>(
+        &'a self,
+        _exports: &[&'a HeldExport],
+        _seqs: usize,
+        _positions: usize,
+    ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
+        Err(OpError::Shape(format!(
+            "{}: this device exports no held weights",
+            self.name()
+        )))
+    }
     /// [`Backend::decoder`] of several runs, stepped together.
     fn decoder_batch<'a>(
         &'a self,
@@ -312,6 +332,53 @@ pub struct HeldItem<'a> {
     pub tokens: &'a [u32],
     pub layout: &'a Layout,
     pub replay: Option<&'a Routing>,
+}
+
+/// One run's input to [`Backend::held_export`].
+#[derive(Clone, Copy)]
+pub struct HeldRun<'a> {
+    /// [`HeldItem::run`].
+    pub run: u64,
+    /// The run's weights as the host has them (read only when the device first sees the run).
+    pub params: &'a Params,
+    /// The plan the export is prepared under (the rollout's).
+    pub plan: &'a ModelPlan,
+}
+
+/// A run's weights exported on the device that holds its state ([`Backend::held_export`]): one
+/// member of a stack of runs prepared together, kept alive on the device as long as any of
+/// them is. Opaque to the host; only the device that made it reads it.
+#[derive(Clone)]
+pub struct HeldExport {
+    stack: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    member: usize,
+    config: ModelConfig,
+}
+
+impl HeldExport {
+    /// Member `member` of `stack` (what the device made), a model of shape `config`.
+    pub fn new(
+        stack: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+        member: usize,
+        config: ModelConfig,
+    ) -> Self {
+        HeldExport {
+            stack,
+            member,
+            config,
+        }
+    }
+    /// The device's stack this run is a member of.
+    pub fn stack(&self) -> &std::sync::Arc<dyn std::any::Any + Send + Sync> {
+        &self.stack
+    }
+    /// This run's place in [`HeldExport::stack`].
+    pub fn member(&self) -> usize {
+        self.member
+    }
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
 }
 
 /// The training forward of runs whose state the device holds, their backward and their AdamW

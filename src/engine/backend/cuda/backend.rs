@@ -37,6 +37,8 @@ pub struct PassCounters {
     /// Wall time of the training forwards, ns (from the queued upload on, so waiting for its
     /// copy is included).
     pub train_forward_ns: u64,
+    /// Runs' weights exported on the device from the masters it holds (never uploaded).
+    pub held_exports: u64,
 }
 
 #[derive(Default)]
@@ -44,6 +46,7 @@ struct AtomicCounters {
     model_uploads: AtomicU64,
     model_upload_ns: AtomicU64,
     train_forward_ns: AtomicU64,
+    held_exports: AtomicU64,
 }
 
 impl AtomicCounters {
@@ -53,6 +56,7 @@ impl AtomicCounters {
             model_uploads: t(&self.model_uploads),
             model_upload_ns: t(&self.model_upload_ns),
             train_forward_ns: t(&self.train_forward_ns),
+            held_exports: t(&self.held_exports),
         }
     }
 }
@@ -209,6 +213,11 @@ impl CudaBackend {
         o.set_runs(1);
         o.set_run_counts(true);
         self.ops.give(o);
+    }
+
+    /// Count `runs` runs' weights exported on the device.
+    pub(super) fn note_held_exports(&self, runs: usize) {
+        bump(&self.counters.held_exports, runs as u64);
     }
 
     /// Count a whole-model upload that started at `since` and is queued (the host's part: packing
@@ -371,6 +380,22 @@ impl Backend for CudaBackend {
 
     fn release_held(&self, run: u64) {
         self.release_held_run(run)
+    }
+
+    fn held_export(
+        &self,
+        runs: &[crate::engine::backend::HeldRun<'_>],
+    ) -> Result<Option<Vec<crate::engine::backend::HeldExport>>, OpError> {
+        self.held_export_runs(runs).map(Some)
+    }
+
+    fn held_decoder_batch<'a>(
+        &'a self,
+        exports: &[&'a crate::engine::backend::HeldExport],
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn crate::engine::backend::BatchDecoder + 'a>, OpError> {
+        self.held_decoder_runs(exports, seqs, positions)
     }
 
     fn decoder_batch<'a>(

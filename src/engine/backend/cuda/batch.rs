@@ -19,16 +19,18 @@ use super::CudaBackend;
 use super::CudaError;
 use super::decoder::per_position;
 use super::device_ops::{DeviceKvCache, GpuOps, GpuRows};
+use super::held::ExportStack;
 use super::launch::{DeviceGroups, DeviceLayout};
 use crate::engine::backend::{
-    Backend, BatchDecoder, Counts, ForwardItem, HeldItem, LoopBatch, LoopDecoder, TrainBatch,
+    Backend, BatchDecoder, Counts, ForwardItem, HeldExport, HeldItem, LoopBatch, LoopDecoder,
+    TrainBatch,
 };
 use crate::engine::device::{OpError, Ops};
 use crate::engine::layout::Layout;
 use crate::engine::model::pass::{self, Cache, Weights};
 use crate::engine::model::{Params, PreparedModel, Routing, check_layout_inputs, quant_sites};
 use crate::formats::QuantStats;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// A token id the embedding turns into a zero row (`PAD_ROW` in the kernels' prelude).
 const PAD_ROW: u32 = u32::MAX;
@@ -329,6 +331,47 @@ impl CudaBackend {
             parts,
             groups,
             members: preps.len(),
+        }))
+    }
+}
+
+impl CudaBackend {
+    /// [`crate::engine::backend::Backend::held_decoder_batch`]: one decoder per stack the
+    /// exports are members of, each reading the stack where it lies.
+    pub(super) fn held_decoder_runs<'a>(
+        &'a self,
+        exports: &[&'a HeldExport],
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, e) in exports.iter().enumerate() {
+            match groups
+                .iter_mut()
+                .find(|g| Arc::ptr_eq(exports[g[0]].stack(), e.stack()))
+            {
+                Some(g) => g.push(i),
+                None => groups.push(vec![i]),
+            }
+        }
+        let parts = groups
+            .iter()
+            .map(|g| {
+                let stack = exports[g[0]]
+                    .stack()
+                    .downcast_ref::<ExportStack>()
+                    .ok_or_else(|| {
+                        OpError::Shape(format!("{}: an export of another device", self.name()))
+                    })?;
+                let slots = g.iter().map(|&i| exports[i].member()).collect();
+                let model = |_: &GpuOps| Ok(Arc::clone(&stack.model));
+                GpuBatchDecoder::over(self, model, stack.runs, slots, seqs, positions)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(GroupedDecoder {
+            parts,
+            groups,
+            members: exports.len(),
         }))
     }
 }
@@ -651,49 +694,71 @@ impl TrainBatch for Grouped<'_> {
 struct GpuBatchDecoder<'a> {
     backend: &'a CudaBackend,
     ops: Option<GpuOps>,
-    model: Weights<GpuOps>,
+    model: Arc<Weights<GpuOps>>,
     cache: DeviceKvCache,
+    /// Runs in `model`'s stack (each decoded; the cache holds each one's sequences).
     runs: usize,
+    /// This decoder's members' places in the stack, in member order. A run of the stack that
+    /// is no member is decoded on the first member's tokens and its results dropped: runs do
+    /// not depend on their neighbours, so a member gets what the whole stack's decode gives it.
+    slots: Vec<usize>,
 }
 
 impl<'a> GpuBatchDecoder<'a> {
+    /// A decoder of `preps` uploaded as one stack.
     fn new(
         backend: &'a CudaBackend,
         preps: &[&PreparedModel],
         seqs: usize,
         positions: usize,
     ) -> Result<Self, OpError> {
-        let cfg = &preps[0].config;
-        if positions > cfg.max_seq {
-            return Err(OpError::Shape(format!(
-                "kv cache: {positions} positions exceed max_seq {}",
-                cfg.max_seq
-            )));
-        }
-        let mut ops = backend.take_ops()?;
-        ops.set_runs(preps.len());
         let t0 = std::time::Instant::now();
-        let made = ops
-            .upload_models(preps, false)
-            .inspect(|_| backend.note_model_uploads(t0, preps.len()))
-            .map_err(OpError::from)
-            .and_then(|model| {
-                let cache = ops.kv_cache(
-                    cfg.n_layers,
-                    seqs * preps.len(),
-                    positions,
-                    cfg.d_model,
-                    cfg.n_heads,
-                )?;
-                Ok((model, cache))
-            });
+        let upload = |ops: &GpuOps| {
+            let model = ops.upload_models(preps, false)?;
+            backend.note_model_uploads(t0, preps.len());
+            Ok(Arc::new(model))
+        };
+        let slots: Vec<usize> = (0..preps.len()).collect();
+        Self::over(backend, upload, preps.len(), slots, seqs, positions)
+    }
+
+    /// A decoder of members `slots` of a stack of `runs` runs that `model` gives on the
+    /// decoder's op set.
+    fn over(
+        backend: &'a CudaBackend,
+        model: impl FnOnce(&GpuOps) -> Result<Arc<Weights<GpuOps>>, CudaError>,
+        runs: usize,
+        slots: Vec<usize>,
+        seqs: usize,
+        positions: usize,
+    ) -> Result<Self, OpError> {
+        let mut ops = backend.take_ops()?;
+        ops.set_runs(runs);
+        let made = model(&ops).map_err(OpError::from).and_then(|model| {
+            let cfg = &model.config;
+            if positions > cfg.max_seq {
+                return Err(OpError::Shape(format!(
+                    "kv cache: {positions} positions exceed max_seq {}",
+                    cfg.max_seq
+                )));
+            }
+            let cache = ops.kv_cache(
+                cfg.n_layers,
+                seqs * runs,
+                positions,
+                cfg.d_model,
+                cfg.n_heads,
+            )?;
+            Ok((model, cache))
+        });
         match made {
             Ok((model, cache)) => Ok(GpuBatchDecoder {
                 backend,
                 ops: Some(ops),
                 model,
                 cache,
-                runs: preps.len(),
+                runs,
+                slots,
             }),
             Err(e) => {
                 backend.give_ops(ops);
@@ -712,17 +777,22 @@ impl<'a> GpuBatchDecoder<'a> {
     /// `count` positions of every run's sequences (`tokens[m]` sequence-major): each run's
     /// logits and its sequence-major routing.
     fn decode(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<(Vec<f32>, Routing)> {
-        let joint: Vec<u32> = tokens.iter().flatten().copied().collect();
+        let mut stacked: Vec<&[u32]> = vec![&tokens[0]; self.runs];
+        for (t, &slot) in tokens.iter().zip(&self.slots) {
+            stacked[slot] = t;
+        }
+        let joint: Vec<u32> = stacked.concat();
         let ops = self.ops.as_ref().expect("held until drop");
         let (logits, routing) =
-            match pass::decode(ops, &self.model, &mut self.cache, &joint, count, None) {
+            match pass::decode(ops, &*self.model, &mut self.cache, &joint, count, None) {
                 Ok(out) => out,
                 Err(e) => self.fail("decode", e),
             };
         let (v, k, runs) = (self.model.config.vocab, routing.top_k, self.runs);
         let rows = routing.n_tokens / runs;
-        (0..runs)
-            .map(|m| {
+        self.slots
+            .iter()
+            .map(|&m| {
                 let l = logits[m * rows * v..][..rows * v].to_vec();
                 let r = Routing {
                     top_k: k,

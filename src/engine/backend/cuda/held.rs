@@ -13,13 +13,14 @@ use super::batch::{JointRows, counts_per_run, forward_members};
 use super::device_ops::GpuOps;
 use super::optim::{GpuOptim, StateTensor};
 use super::{CudaDevice, CudaError};
-use crate::engine::backend::{Backend, Counts, HeldBatch, HeldItem};
+use crate::engine::backend::{Backend, Counts, HeldBatch, HeldExport, HeldItem, HeldRun};
 use crate::engine::device::OpError;
 use crate::engine::model::pass::{self, Cache, Weights};
 use crate::engine::model::{ModelConfig, Params, check_layout_inputs};
 use crate::engine::optim::AdamStep;
 use crate::formats::QuantStats;
 use cudarc::driver::CudaSlice;
+use std::any::Any;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The runs' state the device holds, in groups of the runs last stepped together.
@@ -68,17 +69,17 @@ impl HeldPool {
         Ok(self.optim.get_or_init(|| o))
     }
 
-    /// The group of exactly `items`' runs, in their order, taken out of the pool: the group
-    /// they were last stepped in where it is that, else one gathered on `ops`' stream from the
-    /// groups that hold them (their slots there emptied) and, for a run not held yet, its
-    /// `params` uploaded with zero moments.
-    fn take(&self, ops: &GpuOps, items: &[&HeldItem<'_>]) -> Result<HeldGroup, CudaError> {
-        let runs: Vec<u64> = items.iter().map(|i| i.run).collect();
+    /// The group of exactly `items`' runs (`(run, params)`), in their order, taken out of the
+    /// pool: the group they were last stepped in where it is that, else one gathered on `ops`'
+    /// stream from the groups that hold them (their slots there emptied) and, for a run not
+    /// held yet, its `params` uploaded with zero moments.
+    fn take(&self, ops: &GpuOps, items: &[(u64, &Params)]) -> Result<HeldGroup, CudaError> {
+        let runs: Vec<u64> = items.iter().map(|i| i.0).collect();
         let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = groups.iter().position(|g| g.holds_exactly(&runs)) {
             return Ok(groups.remove(k));
         }
-        let cfg = &items[0].params.config;
+        let cfg = &items[0].1.config;
         let lens = tensor_lens(cfg);
         let r = runs.len();
         let s = ops.stream();
@@ -97,7 +98,7 @@ impl HeldPool {
             .filter(|&i| groups.iter().all(|g| g.slot_of(runs[i]).is_none()))
             .collect();
         if !fresh.is_empty() {
-            let params: Vec<&Params> = fresh.iter().map(|&i| items[i].params).collect();
+            let params: Vec<&Params> = fresh.iter().map(|&i| items[i].1).collect();
             let up = ops.upload_params(&params)?;
             for (k, &i) in fresh.iter().enumerate() {
                 for (t, &len) in lens.iter().enumerate() {
@@ -222,6 +223,62 @@ impl CudaBackend {
         Ok(Box::new(HeldParts { parts, index }))
     }
 
+    /// [`crate::engine::backend::Backend::held_export`]: one stack per plan, prepared from the
+    /// held masters (runs not held yet taken on first) and complete when this returns.
+    pub(super) fn held_export_runs(
+        &self,
+        runs: &[HeldRun<'_>],
+    ) -> Result<Vec<HeldExport>, OpError> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, r) in runs.iter().enumerate() {
+            match groups.iter_mut().find(|g| *runs[g[0]].plan == *r.plan) {
+                Some(g) => g.push(i),
+                None => groups.push(vec![i]),
+            }
+        }
+        let mut out: Vec<Option<HeldExport>> = vec![None; runs.len()];
+        for group in groups {
+            let cfg = runs[group[0]].params.config.clone();
+            if group.iter().any(|&i| runs[i].params.config != cfg) {
+                return Err(OpError::Shape(
+                    "held runs exported together need one model shape".into(),
+                ));
+            }
+            let its: Vec<(u64, &Params)> = group
+                .iter()
+                .map(|&i| (runs[i].run, runs[i].params))
+                .collect();
+            let mut ops = self.take_ops()?;
+            ops.set_runs(its.len());
+            let made = self.held.take(&ops, &its).and_then(|g| {
+                let model = ops
+                    .prepare_models(&cfg, runs[group[0]].plan, &g.master, its.len())
+                    .and_then(|m| {
+                        // Complete before any other stream reads it, or an update rewrites
+                        // the masters it is made from.
+                        ops.stream().synchronize()?;
+                        Ok(m)
+                    });
+                self.held.give(g);
+                model
+            });
+            self.give_ops(ops);
+            let model = Arc::new(made?);
+            self.note_held_exports(its.len());
+            let stack: Arc<dyn Any + Send + Sync> = Arc::new(ExportStack {
+                model,
+                runs: its.len(),
+            });
+            for (m, &i) in group.iter().enumerate() {
+                out[i] = Some(HeldExport::new(Arc::clone(&stack), m, cfg.clone()));
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|e| e.expect("every run in one group"))
+            .collect())
+    }
+
     /// [`crate::engine::backend::Backend::held_params`].
     pub(super) fn held_params_of(&self, runs: &[u64]) -> Result<Vec<Params>, OpError> {
         let ops = self.take_ops()?;
@@ -241,6 +298,13 @@ impl CudaBackend {
     pub(super) fn release_held_run(&self, run: u64) {
         self.held.release(run);
     }
+}
+
+/// Runs' exported weights prepared together ([`HeldExport`]'s stack on a GPU): read by
+/// decoders on any stream (the stream that made it was synchronized).
+pub(super) struct ExportStack {
+    pub(super) model: Arc<Weights<GpuOps>>,
+    pub(super) runs: usize,
 }
 
 /// The held runs of one precision plan in one pass.
@@ -279,7 +343,8 @@ impl<'a> HeldPart<'a> {
         let mut ops = backend.take_ops()?;
         ops.set_runs(its.len());
         ops.set_run_counts(counts == Counts::Keep);
-        let group = match backend.held.take(&ops, its) {
+        let runs: Vec<(u64, &Params)> = its.iter().map(|i| (i.run, i.params)).collect();
+        let group = match backend.held.take(&ops, &runs) {
             Ok(g) => g,
             Err(e) => {
                 backend.give_ops(ops);
