@@ -337,7 +337,9 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// [`crate::engine::backend::Backend::held_decoder_batch`]: one decoder per stack the
-    /// exports are members of, each reading the stack where it lies.
+    /// exports are members of, reading the stack where it lies when they are all of it in its
+    /// order, else a stack of just them gathered on the device (the stack the host would have
+    /// uploaded for them: a run decodes as with its state on the host, bit for bit).
     pub(super) fn held_decoder_runs<'a>(
         &'a self,
         exports: &[&'a HeldExport],
@@ -363,9 +365,16 @@ impl CudaBackend {
                     .ok_or_else(|| {
                         OpError::Shape(format!("{}: an export of another device", self.name()))
                     })?;
-                let slots = g.iter().map(|&i| exports[i].member()).collect();
-                let model = |_: &GpuOps| Ok(Arc::clone(&stack.model));
-                GpuBatchDecoder::over(self, model, stack.runs, slots, seqs, positions)
+                let keep: Vec<usize> = g.iter().map(|&i| exports[i].member()).collect();
+                let whole = keep.iter().copied().eq(0..stack.runs);
+                let model = |ops: &GpuOps| {
+                    if whole {
+                        Ok(Arc::clone(&stack.model))
+                    } else {
+                        ops.gather_models(&stack.model, stack.runs, &keep).map(Arc::new)
+                    }
+                };
+                GpuBatchDecoder::over(self, model, keep.len(), seqs, positions)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Box::new(GroupedDecoder {
@@ -696,12 +705,7 @@ struct GpuBatchDecoder<'a> {
     ops: Option<GpuOps>,
     model: Arc<Weights<GpuOps>>,
     cache: DeviceKvCache,
-    /// Runs in `model`'s stack (each decoded; the cache holds each one's sequences).
     runs: usize,
-    /// This decoder's members' places in the stack, in member order. A run of the stack that
-    /// is no member is decoded on the first member's tokens and its results dropped: runs do
-    /// not depend on their neighbours, so a member gets what the whole stack's decode gives it.
-    slots: Vec<usize>,
 }
 
 impl<'a> GpuBatchDecoder<'a> {
@@ -718,17 +722,14 @@ impl<'a> GpuBatchDecoder<'a> {
             backend.note_model_uploads(t0, preps.len());
             Ok(Arc::new(model))
         };
-        let slots: Vec<usize> = (0..preps.len()).collect();
-        Self::over(backend, upload, preps.len(), slots, seqs, positions)
+        Self::over(backend, upload, preps.len(), seqs, positions)
     }
 
-    /// A decoder of members `slots` of a stack of `runs` runs that `model` gives on the
-    /// decoder's op set.
+    /// A decoder of the stack of `runs` runs' models that `model` gives on the decoder's op set.
     fn over(
         backend: &'a CudaBackend,
         model: impl FnOnce(&GpuOps) -> Result<Arc<Weights<GpuOps>>, CudaError>,
         runs: usize,
-        slots: Vec<usize>,
         seqs: usize,
         positions: usize,
     ) -> Result<Self, OpError> {
@@ -758,7 +759,6 @@ impl<'a> GpuBatchDecoder<'a> {
                 model,
                 cache,
                 runs,
-                slots,
             }),
             Err(e) => {
                 backend.give_ops(ops);
@@ -777,11 +777,7 @@ impl<'a> GpuBatchDecoder<'a> {
     /// `count` positions of every run's sequences (`tokens[m]` sequence-major): each run's
     /// logits and its sequence-major routing.
     fn decode(&mut self, tokens: &[Vec<u32>], count: usize) -> Vec<(Vec<f32>, Routing)> {
-        let mut stacked: Vec<&[u32]> = vec![&tokens[0]; self.runs];
-        for (t, &slot) in tokens.iter().zip(&self.slots) {
-            stacked[slot] = t;
-        }
-        let joint: Vec<u32> = stacked.concat();
+        let joint: Vec<u32> = tokens.iter().flatten().copied().collect();
         let ops = self.ops.as_ref().expect("held until drop");
         let (logits, routing) =
             match pass::decode(ops, &*self.model, &mut self.cache, &joint, count, None) {
@@ -790,9 +786,8 @@ impl<'a> GpuBatchDecoder<'a> {
             };
         let (v, k, runs) = (self.model.config.vocab, routing.top_k, self.runs);
         let rows = routing.n_tokens / runs;
-        self.slots
-            .iter()
-            .map(|&m| {
+        (0..runs)
+            .map(|m| {
                 let l = logits[m * rows * v..][..rows * v].to_vec();
                 let r = Routing {
                     top_k: k,

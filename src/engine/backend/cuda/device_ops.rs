@@ -439,6 +439,51 @@ impl GpuOps {
         })
     }
 
+    /// Runs `keep` of `w`, a stack of `runs` runs' models, as a stack of their own in that order
+    /// (device-to-device copies): what [`GpuOps::upload_models`] or [`GpuOps::prepare_models`]
+    /// would have made of those runs alone, bit for bit.
+    pub fn gather_models(
+        &self,
+        w: &Weights<GpuOps>,
+        runs: usize,
+        keep: &[usize],
+    ) -> Result<Weights<GpuOps>, CudaError> {
+        if keep.iter().any(|&k| k >= runs) {
+            return Err(shape(format!("gather: runs {keep:?} of a stack of {runs}")));
+        }
+        let s = &self.stream;
+        let cfg = &w.config;
+        let d = cfg.d_model;
+        let param = |p: &CudaSlice<f32>, len: usize| super::linear::gather_chunks(s, p, len, keep);
+        let weight = |x: &DeviceWeight| x.gather(s, runs, keep);
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    attn_norm: param(&l.attn_norm, d)?,
+                    linear_qkv: weight(&l.linear_qkv)?,
+                    linear_proj: weight(&l.linear_proj)?,
+                    mlp_norm: param(&l.mlp_norm, d)?,
+                    router: weight(&l.router)?,
+                    experts_fc1: weight(&l.experts_fc1)?,
+                    experts_fc2: weight(&l.experts_fc2)?,
+                    shared_fc1: weight(&l.shared_fc1)?,
+                    shared_fc2: weight(&l.shared_fc2)?,
+                })
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        Ok(Weights {
+            config: cfg.clone(),
+            plan: w.plan.clone(),
+            wte: param(&w.wte, cfg.vocab * d)?,
+            wpe: param(&w.wpe, cfg.max_seq * d)?,
+            layers,
+            final_norm: param(&w.final_norm, d)?,
+            output_layer: weight(&w.output_layer)?,
+        })
+    }
+
     /// [`CudaLinear::forward_counted`] into a fresh count buffer (`n` rows per weight block),
     /// three counts per run. Stepping several runs, the forward runs once for all of them and
     /// each run's activations are counted on their own (a count is a sum over a run's blocks).

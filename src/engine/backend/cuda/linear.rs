@@ -112,6 +112,27 @@ impl DeviceWeight {
         }
     }
 
+    /// Runs `keep` of this stack of `runs` runs' weights (each run `batch / runs` of them), in
+    /// that order: a stack of their own, copied on `s`.
+    pub fn gather(
+        &self,
+        s: &Arc<CudaStream>,
+        runs: usize,
+        keep: &[usize],
+    ) -> Result<Self, CudaError> {
+        let per_run = self.batch / runs;
+        let size = per_run * self.out_dim * self.in_dim;
+        let take = |b: &CudaSlice<f32>| gather_chunks(s, b, size, keep);
+        Ok(DeviceWeight {
+            w_fwd: take(&self.w_fwd)?,
+            w_bwd: self.w_bwd.as_ref().map(take).transpose()?,
+            has_dgrad: self.has_dgrad,
+            out_dim: self.out_dim,
+            in_dim: self.in_dim,
+            batch: per_run * keep.len(),
+        })
+    }
+
     pub fn out_dim(&self) -> usize {
         self.out_dim
     }
@@ -122,6 +143,26 @@ impl DeviceWeight {
     pub fn batch(&self) -> usize {
         self.batch
     }
+}
+
+/// Chunks `keep` of `b` (chunk k: values `k·size..(k+1)·size`), back to back in a new buffer
+/// copied on `s`.
+pub fn gather_chunks(
+    s: &Arc<CudaStream>,
+    b: &CudaSlice<f32>,
+    size: usize,
+    keep: &[usize],
+) -> Result<CudaSlice<f32>, CudaError> {
+    let mut out = super::output_buffer(s, size * keep.len())?;
+    if size > 0 {
+        for (j, &k) in keep.iter().enumerate() {
+            s.memcpy_dtod(
+                &b.slice(k * size..(k + 1) * size),
+                &mut out.slice_mut(j * size..(j + 1) * size),
+            )?;
+        }
+    }
+    Ok(out)
 }
 
 /// A weight's operands prepared on the device ([`CudaLinear::prepare`]).
