@@ -31,7 +31,7 @@ if [ "${3:-}" = batch ]; then
     for r in bf16 nvfp4-dq; do
       "$DIR/lockstep" bench step --device cuda --model small --steps 3 --recipe $r --batch-runs 1,8,32
     done
-    "$DIR/lockstep" bench sweep --device cuda --layouts "${SWEEP_LAYOUTS:-2x4,1x1,1x1b8,1x1b32,1x1b128}"
+    "$DIR/lockstep" bench sweep --device cuda --layouts "${SWEEP_LAYOUTS:-2x4:host,1x2b16,1x1,1x1b8,1x1b32,1x1b128}"
   } 2>&1 | tee "$OUT/batch.log" || status=1
   # The worker pool under MPS (its processes' kernels then share the GPU at once instead of
   # taking turns by context), where the machine has the daemon.

@@ -27,8 +27,9 @@ pub struct SweepArgs {
     /// Layouts to time, `PxJ` = P worker processes per device with J workers each, `PxJbN` with
     /// each worker stepping up to N runs together (`--batch-runs N`); on a GPU a layout may end
     /// in `:held` or `:host` to keep the runs' training state there whatever the batch
-    /// (LOCKSTEP_HELD_STATE). Default: on the CPU 1xN, N = cores; on GPUs today's worker pool
-    /// 2x4, then 1x1 with 1, 8, 32 and 128 runs batched.
+    /// (LOCKSTEP_HELD_STATE). Default: on the CPU 1xN, N = cores; on GPUs the worker pool of one
+    /// run a worker with host state (2x4:host, the default before runs were batched), `lockstep
+    /// run`'s default (1x2b16), then 1x1 with 1, 8, 32 and 128 runs batched.
     #[arg(long, value_delimiter = ',')]
     pub layouts: Vec<String>,
 }
@@ -113,7 +114,11 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
     let layouts: Vec<Layout> = if args.layouts.is_empty() {
         if on_gpu {
             vec![
-                Layout::new(2, 4, 1),
+                Layout {
+                    held: Some(false),
+                    ..Layout::new(2, 4, 1)
+                },
+                Layout::new(1, 2, 16),
                 Layout::new(1, 1, 1),
                 Layout::new(1, 1, 8),
                 Layout::new(1, 1, 32),

@@ -233,10 +233,21 @@ pub fn run_local(
         .filter(|i| i.one_process_only)
         .map(|i| i.name.clone())
         .collect();
-    let processes = worker_processes(args.processes, on_gpu, &exclusive)?;
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| default_jobs(on_gpu, devices.len() * processes));
+    // Without --batch-runs, what the devices suit: known here without opening them, so the
+    // parent deals worker processes whole batches.
+    let batch_runs = args
+        .batch_runs
+        .map(usize::from)
+        .or_else(|| infos.iter().map(|i| i.batch_runs).min());
+    let batched = batch_runs.is_some_and(|n| n > 1) && s.engine == "builtin";
+    let processes = worker_processes(args.processes, on_gpu && !batched, &exclusive)?;
+    let jobs = args.jobs.unwrap_or_else(|| {
+        if on_gpu && batched {
+            BATCHED_WORKERS * devices.len()
+        } else {
+            default_jobs(on_gpu, devices.len() * processes)
+        }
+    });
     // No more processes than workers: `--jobs 1` runs in this process.
     let processes = processes.min(jobs / devices.len().max(1)).max(1);
     let opts = RunnerOptions {
@@ -245,12 +256,7 @@ pub fn run_local(
         force: args.force,
         cache: default_cache(),
         threads_per_worker: worker_threads(on_gpu, jobs),
-        // Without --batch-runs, what the devices suit: known here without opening them, so the
-        // parent deals worker processes whole batches.
-        batch_runs: args
-            .batch_runs
-            .map(usize::from)
-            .or_else(|| infos.iter().map(|i| i.batch_runs).min()),
+        batch_runs,
     };
     let total = runs.len();
     let start = Instant::now();
@@ -424,14 +430,16 @@ fn usable_devices<B>(
 /// two locks, not one) and 1 on the CPU; 1 where a GPU takes one process at a time
 /// (exclusive-process mode: the devices named in `exclusive`), and an error if more were asked
 /// there.
-fn worker_processes(asked: Option<u16>, on_gpu: bool, exclusive: &[String]) -> Result<usize> {
+/// Worker processes per device when `--processes` is not given: two on a GPU whose workers step
+/// one run each (`pooled`: their small launches then overlap across contexts), else one.
+fn worker_processes(asked: Option<u16>, pooled: bool, exclusive: &[String]) -> Result<usize> {
     match asked.map(usize::from) {
         Some(n) if n > 1 && !exclusive.is_empty() => bail!(
             "--processes {n}: {} takes one process at a time (exclusive-process compute mode); use --processes 1",
             exclusive.join(", ")
         ),
         Some(n) => Ok(n),
-        None if on_gpu && exclusive.is_empty() => Ok(2),
+        None if pooled && exclusive.is_empty() => Ok(2),
         None => Ok(1),
     }
 }
@@ -446,7 +454,15 @@ pub(super) fn worker_threads(on_gpu: bool, jobs: usize) -> Option<usize> {
     (on_gpu && jobs > 1 && cores / jobs >= 2).then_some(cores / jobs)
 }
 
-/// Workers when `--jobs` is not given: one per core on the CPU; on GPUs four per process, the
+/// Workers per GPU when `--jobs` is not given and runs are stepped in batches: one process of two
+/// workers, each stepping a batch while the other does its host work. On an H200 the nightly
+/// suite in batches of up to 16 took 14.3-15.1 s in 1 process of 2 workers, 15.6 s in 2 of 2
+/// (batches of 8), 15.8 s in 1 of 4 (of 8), 16.2 s in 2 of 1 (of 16), against 21.1-21.5 s for
+/// the pool of 2 processes of 4 workers stepping one run each (docs/cuda.md).
+const BATCHED_WORKERS: usize = 2;
+
+/// Workers when `--jobs` is not given, runs stepped one at a time: one per core on the CPU; on
+/// GPUs four per process, the
 /// measured sweet spot on an H200 (the nightly suite in one process: 55 s with one worker, 35 s
 /// with 4, 37 s with 8, 52 s with 16; in 2 processes of 4, 21 s against 30-33 s for 1 of 4).
 fn default_jobs(on_gpu: bool, processes: usize) -> usize {

@@ -66,14 +66,16 @@ fn bump(field: &AtomicU64, v: u64) {
 }
 
 /// [`Backend::batch_runs`] on a GPU: runs stepped as one pass when `--batch-runs` is not given.
-/// One: on an H200 no batched layout beat the default worker pool on the nightly suite
-/// (`lockstep bench sweep --device cuda`, docs/cuda.md: 2x4 57 run-steps/s, the best batched one
-/// 56), so a GPU batches only when asked.
-pub const BATCH_RUNS: usize = 1;
+/// On an H200 the nightly suite (30 runs x 40 steps) ran at 79.6-84.0 run-steps/s in batches of
+/// up to 16 (two workers), against 55.9-56.8 for the worker pool stepping one run each; batches
+/// of 8 gave 75.8-77.0, of 32 66.5-69.0 (`lockstep bench sweep --device cuda`, docs/cuda.md).
+pub const BATCH_RUNS: usize = 16;
 
 /// [`Backend::holds_training`] on a GPU: runs stepped this many or more together keep their
-/// training state on the device. `usize::MAX` (never) until the held path beats the host's.
-pub const HELD_FROM_RUNS: usize = usize::MAX;
+/// training state on the device. Every run: on an H200 a run alone steps in 44.7 ms held against
+/// 53.7 on the host (bf16; nvfp4-dq 53.4 against 56.3), 8 together 12.9 against 26.3 ms a
+/// run-step, and the worker pool's runs hold the same metrics bit for bit either way.
+pub const HELD_FROM_RUNS: usize = 1;
 
 /// The environment variable that overrides [`HELD_FROM_RUNS`]: `on`, `off`, or N.
 pub const HELD_STATE_VAR: &str = "LOCKSTEP_HELD_STATE";
