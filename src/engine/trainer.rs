@@ -642,7 +642,7 @@ impl Trainer {
                 .map(|(t, sc)| sc.rows.item(&t.reference))
                 .collect();
             rayon::join(
-                || policy_pass(be, trainers, scored, &everyone, &items, Counts::Keep),
+                || policy_pass(be, trainers, scored, &everyone, &items, Counts::Keep, true),
                 || {
                     be.forward_logits_batch(&refs)
                         .unwrap_or_else(|e| panic!("{}: reference forward failed: {e}", be.name()))
@@ -706,7 +706,8 @@ impl Trainer {
                 .map(|(&m, prep)| scored[m].rows.item(prep))
                 .collect();
             // Only the first forward's activation counts are recorded.
-            let mut batch = policy_pass(be, trainers, scored, &members, &items, Counts::Skip);
+            let mut batch =
+                policy_pass(be, trainers, scored, &members, &items, Counts::Skip, false);
             for &m in &members {
                 tallies[m].forwards += 1;
             }
@@ -1355,7 +1356,8 @@ enum Grads {
 }
 
 /// The trainer's policy forward of members `members` (`items`: their forwards over the host's
-/// prepared models, unread where the device holds their state).
+/// prepared models, unread where the device holds their state). `as_exported`: no update since
+/// this step's export, so a device may read the export instead of preparing the weights again.
 fn policy_pass<'a>(
     be: &'a dyn Backend,
     trainers: &[&mut Trainer],
@@ -1363,6 +1365,7 @@ fn policy_pass<'a>(
     members: &[usize],
     items: &[ForwardItem<'a>],
     counts: Counts,
+    as_exported: bool,
 ) -> Pass<'a> {
     let failed = |e| -> ! { panic!("{}: training forward failed: {e}", be.name()) };
     if trainers[members[0]].held != Some(true) {
@@ -1382,6 +1385,10 @@ fn policy_pass<'a>(
                 tokens: &rows.rows,
                 layout: &rows.layout,
                 replay: rows.replay.as_ref(),
+                export: match t.newest_and_sampled().0 {
+                    Exported::Held(e) if as_exported => Some(e),
+                    _ => None,
+                },
             }
         })
         .collect();

@@ -332,6 +332,9 @@ pub struct HeldItem<'a> {
     pub tokens: &'a [u32],
     pub layout: &'a Layout,
     pub replay: Option<&'a Routing>,
+    /// The run's export made from its masters as they stand, under its plan, where there is
+    /// one (the first forward of a step): a device may read it instead of preparing again.
+    pub export: Option<&'a HeldExport>,
 }
 
 /// One run's input to [`Backend::held_export`].

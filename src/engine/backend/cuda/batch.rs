@@ -371,7 +371,8 @@ impl CudaBackend {
                     if whole {
                         Ok(Arc::clone(&stack.model))
                     } else {
-                        ops.gather_models(&stack.model, stack.runs, &keep).map(Arc::new)
+                        ops.gather_models(&stack.model, stack.runs, &keep)
+                            .map(Arc::new)
                     }
                 };
                 GpuBatchDecoder::over(self, model, keep.len(), seqs, positions)

@@ -300,6 +300,19 @@ impl CudaBackend {
     }
 }
 
+/// The stack `its` were exported in this step, where it is exactly theirs, in their order, under
+/// their plan: the weights this pass would prepare from the same masters, bit for bit.
+fn exported_stack(its: &[&HeldItem<'_>]) -> Option<Arc<Weights<GpuOps>>> {
+    let first = its[0].export?;
+    let stack = first.stack().downcast_ref::<ExportStack>()?;
+    let whole = stack.runs == its.len()
+        && its.iter().enumerate().all(|(m, it)| {
+            it.export
+                .is_some_and(|e| Arc::ptr_eq(e.stack(), first.stack()) && e.member() == m)
+        });
+    (whole && stack.model.plan == *its[0].plan).then(|| Arc::clone(&stack.model))
+}
+
 /// Runs' exported weights prepared together ([`HeldExport`]'s stack on a GPU): read by
 /// decoders on any stream (the stream that made it was synchronized).
 pub(super) struct ExportStack {
@@ -312,7 +325,7 @@ struct HeldPart<'a> {
     backend: &'a CudaBackend,
     ops: Option<GpuOps>,
     group: Option<HeldGroup>,
-    model: Weights<GpuOps>,
+    model: Arc<Weights<GpuOps>>,
     cache: Cache<GpuOps>,
     joint: JointRows,
     vocab: usize,
@@ -352,7 +365,12 @@ impl<'a> HeldPart<'a> {
             }
         };
         let run = |ops: &GpuOps, group: &HeldGroup| -> Result<_, OpError> {
-            let model = ops.prepare_models(&cfg, its[0].plan, &group.master, its.len())?;
+            let model = match exported_stack(its) {
+                Some(m) => m,
+                None => {
+                    Arc::new(ops.prepare_models(&cfg, its[0].plan, &group.master, its.len())?)
+                }
+            };
             let (logits, cache) = forward_members(ops, &model, its, &joint)?;
             Ok((model, logits, cache))
         };
