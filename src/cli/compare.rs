@@ -470,14 +470,16 @@ pub struct NightlyArgs {
     /// Run store root (runs, compare.json, verdict and the nights' history go under `<store>/<suite>/`).
     #[arg(long, default_value = "runs")]
     pub store: PathBuf,
-    /// Parallel runs, over all processes (default: one per core; on GPUs four per process).
+    /// Parallel workers, over all processes (default: one per core; on GPUs two per GPU when
+    /// runs are batched, else four per process).
     #[arg(long)]
     pub jobs: Option<usize>,
-    /// Worker processes per device (default: 2 per GPU, 1 on the CPU); see `lockstep run`.
+    /// Worker processes per device (default: 1; 2 per GPU whose workers step one run each); see
+    /// `lockstep run`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub processes: Option<u16>,
-    /// Runs a worker steps together (default: what the device suits, 1 on the CPU); see
-    /// `lockstep run`.
+    /// Runs a worker steps together (default: what the device suits, 16 on a GPU, 1 on the
+    /// CPU); see `lockstep run`.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub batch_runs: Option<u16>,
     /// Compare what is in the store without running anything.

@@ -121,17 +121,18 @@ pub struct RunArgs {
     /// Run store root.
     #[arg(long, default_value = "runs")]
     pub store: PathBuf,
-    /// Parallel runs, over all processes (default: one per core; on GPUs four per process).
+    /// Parallel workers, over all processes (default: one per core; on GPUs two per GPU when
+    /// runs are batched, else four per process).
     #[arg(long)]
     pub jobs: Option<usize>,
-    /// Worker processes per device (default: 2 per GPU, 1 on the CPU). A GPU's workers in one
-    /// process queue on the CUDA driver's lock; each process has its own.
+    /// Worker processes per device (default: 1; 2 per GPU whose workers step one run each). A
+    /// GPU's workers in one process queue on the CUDA driver's lock; each process has its own.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub processes: Option<u16>,
     /// Runs a worker steps together, one batched device call per pass for all of them: runs of
     /// one model, task and workload shape, the seeds of one configuration first (built-in
-    /// engine). Default: what the device suits (1 on the CPU, whose passes already use every
-    /// core); 1 runs each run by itself. On the CPU every run's metrics are the same either way;
+    /// engine). Default: what the device suits (16 on a GPU; 1 on the CPU, whose passes already
+    /// use every core); 1 runs each run by itself. On the CPU every run's metrics are the same either way;
     /// on a GPU a batched run's differ from its metrics alone by the GEMMs' summation order, and
     /// repeat bit for bit for the same batches.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]

@@ -1,8 +1,10 @@
 //! [`CudaBackend`]: the engine's [`Backend`] on one GPU: the model's passes (`model::pass`)
 //! over [`GpuOps`]. The rollout and the evaluation decode there ([`ResidentDecoder`]), the
 //! trainer's policy forward and backward and the warm start's steps run there
-//! ([`ResidentPass`]), and so does the trainer's BF16 reference forward (`forward_logits`);
-//! weight preparation, the loss and AdamW stay on the host.
+//! ([`ResidentPass`]), and so does the trainer's BF16 reference forward (`forward_logits`).
+//! A trainer's state (master weights, AdamW moments, gradients) is held on the device
+//! (`held`, [`HELD_FROM_RUNS`]): its weights are prepared, exported and updated there, and the
+//! loss and the metrics stay on the host. The warm start's supervised steps prepare on the host.
 //!
 //! Concurrent callers (the suite runner's workers) each take an op set — a stream, its cuBLAS
 //! handle and compiled kernels — from a pool, so they never share a handle or a stream. cuBLAS is

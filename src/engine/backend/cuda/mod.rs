@@ -39,12 +39,13 @@ use std::sync::{Arc, Mutex};
 
 /// What `lockstep run` and `run-one` print (to stderr) when they compute on a GPU, so nobody takes
 /// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
-pub const GPU_NOTE: &str = "note: on a GPU the rollout decodes there and the trainer's forward \
-    and backward run there; weight preparation, the loss and AdamW stay on this host's CPU. Runs \
-    sharing a GPU overlap little (the many small launches of each step queue behind one \
-    another on a process's driver lock): on an H200 the nightly suite's 30 runs took 55 s with \
-    one worker, 30-35 s with 4 in one process and 21 s in 2 processes of 4, the default \
-    (--processes and --jobs to change; docs/cuda.md)";
+pub const GPU_NOTE: &str = "note: on a GPU each run's training state (master weights, AdamW \
+    moments, gradients) stays on the device, where its weights are prepared, exported, decoded, \
+    trained and updated; the loss and the metrics stay on this host's CPU. Two workers step \
+    batches of up to 16 runs each (one launch per op for a batch): on an H200 the nightly \
+    suite's 30 runs ran at 80-84 run-steps/s, against 56-57 in the former pool of 2 processes \
+    of 4 workers stepping one run each (--batch-runs, --jobs, --processes to change; \
+    docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
