@@ -37,9 +37,15 @@ const PAD_ROW: u32 = u32::MAX;
 
 /// Member indices grouped by precision plan, groups in order of first appearance.
 fn by_plan(preps: &[&PreparedModel]) -> Vec<Vec<usize>> {
+    groups_of(preps, |a, b| a.plan == b.plan)
+}
+
+/// Indices of `items` grouped by `same` (an equivalence), groups in order of first appearance
+/// and each in item order.
+pub(super) fn groups_of<T>(items: &[T], same: impl Fn(&T, &T) -> bool) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    for (i, p) in preps.iter().enumerate() {
-        match groups.iter_mut().find(|g| preps[g[0]].plan == p.plan) {
+    for (i, it) in items.iter().enumerate() {
+        match groups.iter_mut().find(|g| same(&items[g[0]], it)) {
             Some(g) => g.push(i),
             None => groups.push(vec![i]),
         }
@@ -346,16 +352,7 @@ impl CudaBackend {
         seqs: usize,
         positions: usize,
     ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        for (i, e) in exports.iter().enumerate() {
-            match groups
-                .iter_mut()
-                .find(|g| Arc::ptr_eq(exports[g[0]].stack(), e.stack()))
-            {
-                Some(g) => g.push(i),
-                None => groups.push(vec![i]),
-            }
-        }
+        let groups = groups_of(exports, |a, b| Arc::ptr_eq(a.stack(), b.stack()));
         let parts = groups
             .iter()
             .map(|g| {

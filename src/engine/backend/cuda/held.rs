@@ -9,7 +9,7 @@
 //! [`Backend::holds_training`]: crate::engine::backend::Backend::holds_training
 
 use super::CudaBackend;
-use super::batch::{JointRows, counts_per_run, forward_members};
+use super::batch::{JointRows, counts_per_run, forward_members, groups_of};
 use super::device_ops::GpuOps;
 use super::optim::{GpuOptim, StateTensor};
 use super::{CudaDevice, CudaError};
@@ -204,13 +204,7 @@ impl CudaBackend {
         items: &[HeldItem<'_>],
         counts: Counts,
     ) -> Result<Box<dyn HeldBatch + 'a>, OpError> {
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        for (i, it) in items.iter().enumerate() {
-            match groups.iter_mut().find(|g| *items[g[0]].plan == *it.plan) {
-                Some(g) => g.push(i),
-                None => groups.push(vec![i]),
-            }
-        }
+        let groups = groups_of(items, |a, b| a.plan == b.plan);
         let mut parts = Vec::with_capacity(groups.len());
         let mut index = vec![(0, 0); items.len()];
         for (g, group) in groups.iter().enumerate() {
@@ -229,13 +223,7 @@ impl CudaBackend {
         &self,
         runs: &[HeldRun<'_>],
     ) -> Result<Vec<HeldExport>, OpError> {
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        for (i, r) in runs.iter().enumerate() {
-            match groups.iter_mut().find(|g| *runs[g[0]].plan == *r.plan) {
-                Some(g) => g.push(i),
-                None => groups.push(vec![i]),
-            }
-        }
+        let groups = groups_of(runs, |a, b| a.plan == b.plan);
         let mut out: Vec<Option<HeldExport>> = vec![None; runs.len()];
         for group in groups {
             let cfg = runs[group[0]].params.config.clone();
