@@ -127,7 +127,10 @@ fn two_cards(g0: &CudaBackend, g1: CudaBackend) {
         sum.per_device
     );
     let spread = outcomes(two.path());
-    let uuid = |b: &CudaBackend| b.device().uuid().unwrap();
+    // Read before the fault below: a faulted context answers no more driver calls, its UUID
+    // query included (cudarc reports an error a failed free recorded on it).
+    let uuids = [g0.device().uuid().unwrap(), g1.device().uuid().unwrap()];
+    let uuid = |b: &CudaBackend| uuids[usize::from(!std::ptr::eq(b, g0))].clone();
     for (id, (status, device, gpu, steps)) in &spread {
         assert_eq!(*status, RunStatus::Ok, "{id}");
         let card = if device == "cuda:0" { g0 } else { &g1 };
