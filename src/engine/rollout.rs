@@ -139,11 +139,27 @@ pub enum Policy<'a> {
     Held(&'a HeldExport),
 }
 
-impl Policy<'_> {
+impl<'a> Policy<'a> {
     pub fn config(&self) -> &ModelConfig {
         match self {
             Policy::Host(p) => &p.config,
             Policy::Held(e) => e.config(),
+        }
+    }
+
+    /// The host's prepared model, where the host exported.
+    pub fn host(self) -> Option<&'a PreparedModel> {
+        match self {
+            Policy::Host(p) => Some(p),
+            Policy::Held(_) => None,
+        }
+    }
+
+    /// The device's export, where the device that holds the run exported.
+    pub fn held(self) -> Option<&'a HeldExport> {
+        match self {
+            Policy::Held(e) => Some(e),
+            Policy::Host(_) => None,
         }
     }
 }
@@ -173,25 +189,15 @@ fn decoder_of<'a>(
     seqs: usize,
     positions: usize,
 ) -> Box<dyn BatchDecoder + 'a> {
-    let host: Option<Vec<&PreparedModel>> = items
-        .iter()
-        .map(|i| match i.policy {
-            Policy::Host(p) => Some(p),
-            Policy::Held(_) => None,
-        })
-        .collect();
-    let held: Option<Vec<&HeldExport>> = items
-        .iter()
-        .map(|i| match i.policy {
-            Policy::Held(e) => Some(e),
-            Policy::Host(_) => None,
-        })
-        .collect();
-    let made = match (host, held) {
-        (Some(preps), _) => be.decoder_batch(&preps, seqs, positions),
-        (None, Some(exports)) => be.held_decoder_batch(&exports, seqs, positions),
-        (None, None) => {
-            panic!("rollout: members exported on the host and on the device decode apart")
+    let host: Option<Vec<&PreparedModel>> = items.iter().map(|i| i.policy.host()).collect();
+    let made = match host {
+        Some(preps) => be.decoder_batch(&preps, seqs, positions),
+        None => {
+            let held: Option<Vec<&HeldExport>> = items.iter().map(|i| i.policy.held()).collect();
+            let exports = held.unwrap_or_else(|| {
+                panic!("rollout: members exported on the host and on the device decode apart")
+            });
+            be.held_decoder_batch(&exports, seqs, positions)
         }
     };
     made.unwrap_or_else(|e| panic!("{}: decoder failed: {e}", be.name()))
