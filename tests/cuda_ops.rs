@@ -401,6 +401,55 @@ fn moe_combine_matches_model_order_bit_for_bit() {
     );
 }
 
+/// The busiest expert's slot count in `ids`, rounded up to the device's 128-row multiple.
+fn busiest_rounded(ids: &[u32]) -> usize {
+    let most = (0..E as u32)
+        .map(|e| ids.iter().filter(|&&i| i == e).count())
+        .max()
+        .unwrap_or(0);
+    most.div_ceil(128).max(1) * 128
+}
+
+/// From 16k rows (`device_ops::COUNT_FROM_ROWS`) every expert of the batch gets the busiest
+/// one's count of rows, below it every row of the run; either way each slot reaches the combine.
+#[test]
+fn expert_batch_holds_the_busiest_expert_and_drops_no_slot() {
+    let Some(g) = common::gpu_ops("expert_batch_holds_the_busiest_expert_and_drops_no_slot") else {
+        return;
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let n = 16 * 1024;
+    let logits = uniform(&mut rng, n * E, 3.0);
+    let (routed, _) = route(&CpuOps::new(), &logits, n, None);
+    let skewed: Vec<u32> = (0..n).flat_map(|_| [5, 3]).collect();
+    let below = routed[..2 * 4000].to_vec();
+    let cases = [
+        ("routed", &routed, E * busiest_rounded(&routed)),
+        ("skewed", &skewed, E * n),
+        ("below the count's threshold", &below, E * 4096),
+    ];
+    for (what, ids, rows) in cases {
+        let n = ids.len() / K;
+        let disp = g.dispatch(&g.ids(ids).unwrap(), n, K, E).unwrap();
+        assert_eq!(g.dispatch_rows(&disp), rows, "{what}: rows of the batch");
+        let w = uniform(&mut rng, n * K, 1.0);
+        let xe = uniform(&mut rng, n * D, 2.0);
+        let (shared, x) = (uniform(&mut rng, n * D, 1.0), uniform(&mut rng, n * D, 4.0));
+        same_bits(
+            &format!("{what}: combine over the batch"),
+            &combine(g, ids, &w, &xe, &shared, &x),
+            &moe_combine_cpu(&shared, &xe, ids, &w, &x),
+        )
+        .unwrap();
+    }
+    // A router's busiest expert is far below a row per token (the padding the count saves).
+    assert!(
+        busiest_rounded(&routed) < n / 2,
+        "{}",
+        busiest_rounded(&routed)
+    );
+}
+
 #[test]
 fn short_buffers_and_bad_shapes_are_shape_errors() {
     let Some(g) = common::gpu_ops("short_buffers_and_bad_shapes_are_shape_errors") else {

@@ -46,6 +46,12 @@ use std::sync::Arc;
 /// (FP8 block's 128), so that blocks never straddle two experts.
 const CAP_MULTIPLE: usize = 128;
 
+/// From this many rows in a pass (all runs together) the expert batch is sized by the busiest
+/// expert's count ([`super::moe::ExpertBatch::largest_count`]) rather than by every row of a run.
+/// On an H200 at 32 runs the training forward took 78 instead of 112 ms, while decode steps of
+/// 2-8k rows and one run's 4k-row pass were slower for the wait.
+const COUNT_FROM_ROWS: usize = 16 * 1024;
+
 impl From<CudaError> for OpError {
     fn from(e: CudaError) -> Self {
         match e {
@@ -1082,8 +1088,18 @@ impl Ops for GpuOps {
         k: usize,
         e: usize,
     ) -> OpResult<GpuDispatch> {
+        // A token names distinct experts (`Routing::check`), so no expert gets more than a run's
+        // rows. Counting waits for the stream, which stops the host queueing ahead of the GPU;
+        // that costs more than the padding saves until the batch is large.
         let run_rows = self.run_rows("dispatch", n)?;
-        let cap = run_rows.div_ceil(CAP_MULTIPLE) * CAP_MULTIPLE;
+        let cap = if n < COUNT_FROM_ROWS {
+            run_rows.next_multiple_of(CAP_MULTIPLE)
+        } else {
+            let busiest = self
+                .batch
+                .largest_count(&self.stream, ids, (n, k, e), self.runs)?;
+            busiest.next_multiple_of(CAP_MULTIPLE).max(CAP_MULTIPLE)
+        };
         let slots = self
             .batch
             .route(&self.stream, ids, (n, k, e), cap, self.runs)?;

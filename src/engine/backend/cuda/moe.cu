@@ -30,11 +30,22 @@ extern "C" __global__ void route_slots(const u32 *__restrict__ ids, u32 *__restr
             slot_row[s] = qx * cap + r;
             src_row[qx * cap + r] = s / k;
         } else {
-            slot_row[s] = 0xFFFFFFFFu; // cannot happen with cap >= n (a token picks an expert once)
+            slot_row[s] = 0xFFFFFFFFu; // cannot happen with cap >= every expert's count
         }
         r++;
     }
     for (; r < cap; r++) src_row[qx * cap + r] = 0xFFFFFFFFu;
+}
+
+// counts[q*e + id] = how many of run q's slots chose expert id (ids >= e are not counted), over
+// zeroed counts: the largest sets the batch's capacity (integer sums, so any order gives the same).
+extern "C" __global__ void expert_counts(const u32 *__restrict__ ids, u32 *__restrict__ counts,
+                                         u32 nk, u32 e, u32 runs) {
+    u32 run_slots = nk / runs;
+    for (u32 s = blockIdx.x * blockDim.x + threadIdx.x; s < nk; s += gridDim.x * blockDim.x) {
+        u32 id = ids[s];
+        if (id < e) atomicAdd(&counts[(s / run_slots) * e + id], 1u);
+    }
 }
 
 // dst[row] = x[src_row[row]] (d values), or zeros where src_row is 0xFFFFFFFF (or out of range).

@@ -1,7 +1,9 @@
 //! The capacity-padded expert batch (`moe.cu`), shared by the resident forward, decoder and
 //! trainer: the routed slots of a layer go to rows of a batch where expert e owns rows
 //! `[e·cap, (e+1)·cap)` (its tokens in token order, then zero rows), so every expert site runs as
-//! one strided batched GEMM with no host round trip.
+//! one strided batched GEMM. The capacity is the busiest expert's count
+//! ([`ExpertBatch::largest_count`], one small copy back per layer), not every row a run has: at
+//! top-2 of 8 experts the latter made three of every four expert rows padding.
 
 use super::launch::dim;
 use super::{CudaDevice, CudaError};
@@ -17,6 +19,7 @@ pub const NO_ROW: u32 = u32::MAX;
 pub struct ExpertBatch {
     route_slots: CudaFunction,
     gather_padded: CudaFunction,
+    expert_counts: CudaFunction,
 }
 
 /// Where each slot went: `slot_row[n·k]` (batch row of slot t·k + j) and `src_row[e·cap]` (token
@@ -33,13 +36,54 @@ impl ExpertBatch {
         Ok(ExpertBatch {
             route_slots: m.load_function("route_slots")?,
             gather_padded: m.load_function("gather_padded")?,
+            expert_counts: m.load_function("expert_counts")?,
         })
     }
 
+    /// The most slots any one expert of any run got from `ids` (`[n, k]` expert ids, `runs` runs'
+    /// rows in turn; ids >= e are not counted). Waits for the stream: the host sizes the batch.
+    pub fn largest_count(
+        &self,
+        stream: &Arc<CudaStream>,
+        ids: &CudaSlice<u32>,
+        (n, k, e): (usize, usize, usize),
+        runs: usize,
+    ) -> Result<usize, CudaError> {
+        let op = "expert_counts";
+        if runs == 0 || !n.is_multiple_of(runs) || ids.len() < n * k {
+            return Err(CudaError::Shape(format!(
+                "{op}: {n} tokens of {runs} runs, {} ids for {n} x {k}",
+                ids.len()
+            )));
+        }
+        if n * k == 0 {
+            return Ok(0);
+        }
+        let mut counts = stream.alloc_zeros::<u32>(e * runs)?;
+        let (nk32, e32, runs32) = (
+            dim(op, "slots", n * k)?,
+            dim(op, "e", e)?,
+            dim(op, "runs", runs)?,
+        );
+        dim(op, "counts", e * runs)?;
+        let mut b = stream.launch_builder(&self.expert_counts);
+        b.arg(ids)
+            .arg(&mut counts)
+            .arg(&nk32)
+            .arg(&e32)
+            .arg(&runs32);
+        // SAFETY: grid-stride over slots s < n·k (ids holds that many, checked); a slot of run
+        // s / (n·k / runs) < runs with id < e adds to counts[run·e + id] < e·runs (its length).
+        unsafe { b.launch(LaunchConfig::for_num_elems(nk32.min(1 << 16))) }?;
+        let counts = stream.clone_dtoh(&counts)?;
+        Ok(counts.into_iter().max().unwrap_or(0) as usize)
+    }
+
     /// Route the `n·k` slots of `ids` (`[n, k]` expert ids) to a batch of `e` experts with `cap`
-    /// rows each (`cap >= n`: a token picks an expert at most once, so none overflows). With
-    /// `runs` > 1 the tokens are that many runs' rows in turn (`n / runs` each) and the batch
-    /// holds each run's `e` experts in turn, `cap >= n / runs`.
+    /// rows each. With `runs` > 1 the tokens are that many runs' rows in turn (`n / runs` each)
+    /// and the batch holds each run's `e` experts in turn. `cap` must be at least
+    /// [`ExpertBatch::largest_count`] (every slot of a run, `n·k / runs`, bounds it); a slot past
+    /// it would be dropped.
     pub fn route(
         &self,
         stream: &Arc<CudaStream>,
@@ -49,7 +93,7 @@ impl ExpertBatch {
         runs: usize,
     ) -> Result<Slots, CudaError> {
         let op = "moe";
-        if runs == 0 || !n.is_multiple_of(runs) || cap < n / runs || ids.len() < n * k {
+        if runs == 0 || !n.is_multiple_of(runs) || ids.len() < n * k {
             return Err(CudaError::Shape(format!(
                 "{op}: capacity {cap} for {n} tokens of {runs} runs, {} ids for {n} x {k}",
                 ids.len()
