@@ -628,3 +628,54 @@ fn training_state_held_on_the_gpu_trains_as_host_state() {
         }
     }
 }
+
+/// The warm start on a GPU that holds training state (prepared, stepped and updated there, read
+/// back once at the end) ends where the host-state warm start ends, bit for bit.
+#[test]
+fn warm_start_on_held_state_trains_as_host_state() {
+    use lockstep::engine::task::Task;
+    use lockstep::engine::warmstart::{WarmStartConfig, warm_start};
+    if gpu("warm_start_on_held_state_trains_as_host_state").is_none() {
+        return;
+    }
+    let own = CudaBackend::new(0).unwrap();
+    let cfg = ModelConfig::tiny();
+    // Every step clipped or not as it falls, evaluated twice on the way, never stopping early.
+    let ws = WarmStartConfig {
+        max_steps: 6,
+        batch: 8,
+        lr: 3e-2,
+        target_accuracy: 1.1,
+        eval_every: 3,
+        eval_prompts: 8,
+        seed: 3,
+    };
+    let train = |held: bool| {
+        own.set_holds_training(held);
+        let mut lines = Vec::new();
+        own.take_counters();
+        let (params, info) = warm_start(&own, &cfg, Task::Add(2), &ws, None, |l| {
+            lines.push(l.to_string())
+        })
+        .unwrap();
+        (params, info.accuracy, lines, own.take_counters())
+    };
+    let (host, host_acc, host_log, host_counts) = train(false);
+    let (held, held_acc, held_log, held_counts) = train(true);
+    assert_eq!(
+        host_counts.held_exports, 0,
+        "host state exports on the host"
+    );
+    assert_eq!(
+        held_counts.held_exports, 3,
+        "one device export per evaluation"
+    );
+    assert_eq!(held_counts.model_uploads, 0, "held state uploads no model");
+    assert_eq!(held_log, host_log, "evaluations along the way");
+    assert_eq!(held_acc.to_bits(), host_acc.to_bits());
+    let init = Params::init(&cfg, ws.seed).unwrap();
+    assert!(held != init, "the warm start did not train");
+    for ((name, a), (_, b)) in held.named_tensors().iter().zip(host.named_tensors()) {
+        assert_eq!(bits(a), bits(b), "{name}");
+    }
+}

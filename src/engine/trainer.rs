@@ -223,6 +223,11 @@ pub struct Trainer {
 /// Keys of trainers, unique in the process.
 static RUN_KEYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// A key no other run of this process has, for state a device holds ([`HeldItem::run`]).
+pub fn new_run_key() -> u64 {
+    RUN_KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Deterministic per-step seeds derived from the run seed.
 fn mix(seed: u64, step: usize, stream: u64) -> u64 {
     let mut z = seed
@@ -273,7 +278,7 @@ impl Trainer {
             exported: VecDeque::new(),
             last_rollout: None,
             step: 0,
-            run_key: RUN_KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            run_key: new_run_key(),
             held: None,
             params_on_device: false,
         })

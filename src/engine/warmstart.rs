@@ -5,11 +5,12 @@
 //! every configuration and seed of a suite starts from the same checkpoint; each recipe then
 //! converts it to its own formats.
 
-use super::backend::Backend;
+use super::backend::{Backend, Counts, HeldItem, HeldRun};
 use super::checkpoint;
 use super::layout::Layout;
 use super::model::{self, ModelConfig, Params, PreparedModel};
 use super::optim::AdamW;
+use super::rollout::Policy;
 use super::task::{Split, Task};
 use crate::io::IoError;
 use crate::io::lock::PidLock;
@@ -166,7 +167,9 @@ pub fn warm_start(
 }
 
 /// Supervised cross-entropy on the answer tokens, in BF16, until the target accuracy; each step
-/// is the backend's training forward and its backward (on a GPU, on the device).
+/// is the backend's training forward and its backward. On a device that holds training state
+/// the weights, their BF16 preparation, the gradients and AdamW stay there (as a GRPO run's do);
+/// elsewhere the host prepares and updates them.
 fn train(
     be: &dyn Backend,
     cfg: &ModelConfig,
@@ -174,21 +177,19 @@ fn train(
     ws: &WarmStartConfig,
     log: &mut impl FnMut(&str),
 ) -> Result<(Params, usize, f64), model::ModelError> {
-    let mut params = Params::init(cfg, ws.seed)?;
     let plan = ModelPlan::uniform(cfg.n_layers, SitePlan::BF16);
-    let mut opt = AdamW::new(&params, ws.lr, 0.9, 0.98, 1e-8);
-    let (pl, al, v) = (task.prompt_len(), task.answer_len(), cfg.vocab);
+    let mut learner = Learner::new(be, Params::init(cfg, ws.seed)?, ws.lr);
+    let (pl, al) = (task.prompt_len(), task.answer_len());
     let t = pl + al;
     let mut accuracy = 0.0;
     for step in 0..=ws.max_steps {
         if step % ws.eval_every.max(1) == 0 {
-            let prep = PreparedModel::new(&params, &plan)?;
-            accuracy = super::trainer::evaluate(be, &prep, task, ws.eval_prompts, al, ws.seed);
+            accuracy = learner.evaluate(&plan, task, ws)?;
             log(&format!(
                 "warm start: step {step} held-out accuracy {accuracy:.3}"
             ));
             if accuracy >= ws.target_accuracy || step == ws.max_steps {
-                return Ok((params, step, accuracy));
+                return Ok((learner.finish()?, step, accuracy));
             }
         }
         let problems = task.sample(
@@ -204,38 +205,221 @@ fn train(
         let inputs: Vec<u32> = (0..b)
             .flat_map(|s| seqs[s * t..(s + 1) * t - 1].to_vec())
             .collect();
-        let prep = PreparedModel::new(&params, &plan)?;
         let layout = Layout::plain(b, t - 1);
-        let pass = be
-            .train_forward(&prep, &inputs, &layout, None)
-            .unwrap_or_else(|e| panic!("{}: warm start forward failed: {e}", be.name()));
-        let n = b * (t - 1);
-        let mut logp = vec![0.0f32; n * v];
-        super::ops::log_softmax_forward(&mut logp, pass.logits(), n, v);
-        let count = (b * al) as f32;
-        let mut dlogp = vec![0.0f32; n * v];
-        for s in 0..b {
-            for p in (pl - 1)..(t - 1) {
-                let target = seqs[s * t + p + 1] as usize;
-                dlogp[(s * (t - 1) + p) * v + target] = -1.0 / count;
+        learner.step(&plan, &inputs, &layout, |logits| {
+            answer_dlogits(logits, &seqs, b, (pl, al), cfg.vocab)
+        })?;
+    }
+    Ok((learner.finish()?, ws.max_steps, accuracy))
+}
+
+/// dL/dlogits of the mean cross-entropy of the answer tokens (`seqs`: `b` sequences of prompt
+/// then answer, `pl` and `al` tokens; `logits` over every position but the last).
+fn answer_dlogits(
+    logits: &[f32],
+    seqs: &[u32],
+    b: usize,
+    (pl, al): (usize, usize),
+    v: usize,
+) -> Vec<f32> {
+    let t = pl + al;
+    let n = b * (t - 1);
+    let mut logp = vec![0.0f32; n * v];
+    super::ops::log_softmax_forward(&mut logp, logits, n, v);
+    let count = (b * al) as f32;
+    let mut dlogp = vec![0.0f32; n * v];
+    for s in 0..b {
+        for p in (pl - 1)..(t - 1) {
+            let target = seqs[s * t + p + 1] as usize;
+            dlogp[(s * (t - 1) + p) * v + target] = -1.0 / count;
+        }
+    }
+    let mut dlogits = vec![0.0f32; n * v];
+    super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp, n, v);
+    dlogits
+}
+
+/// Gradients with a norm above 1 are scaled to norm 1.
+fn clip_scale(norm: f64) -> f32 {
+    if norm > 1.0 {
+        (1.0 / (norm + 1e-6)) as f32
+    } else {
+        1.0
+    }
+}
+
+/// The warm start's weights and optimizer: on the host, or held by the device as one run
+/// (`init` is read when the device first sees it; `opt` then only counts steps).
+enum Learner<'a> {
+    Host {
+        be: &'a dyn Backend,
+        params: Params,
+        opt: AdamW,
+    },
+    Held {
+        run: HeldKey<'a>,
+        init: Params,
+        opt: AdamW,
+    },
+}
+
+impl<'a> Learner<'a> {
+    fn new(be: &'a dyn Backend, params: Params, lr: f32) -> Self {
+        let opt = AdamW::new(&params, lr, 0.9, 0.98, 1e-8);
+        if be.holds_training(1) {
+            Learner::Held {
+                run: HeldKey {
+                    be,
+                    key: super::trainer::new_run_key(),
+                },
+                init: params,
+                opt,
+            }
+        } else {
+            Learner::Host { be, params, opt }
+        }
+    }
+
+    fn be(&self) -> &'a dyn Backend {
+        match self {
+            Learner::Host { be, .. } => *be,
+            Learner::Held { run, .. } => run.be,
+        }
+    }
+
+    fn failed(&self, what: &str, e: impl std::fmt::Display) -> ! {
+        panic!("{}: warm start {what} failed: {e}", self.be().name())
+    }
+
+    /// Greedy held-out accuracy of the weights as they stand, prepared under `plan`.
+    fn evaluate(
+        &self,
+        plan: &ModelPlan,
+        task: Task,
+        ws: &WarmStartConfig,
+    ) -> Result<f64, model::ModelError> {
+        let (be, al) = (self.be(), task.answer_len());
+        let (prompts, seed) = (ws.eval_prompts, ws.seed);
+        match self {
+            Learner::Host { params, .. } => {
+                let prep = PreparedModel::new(params, plan)?;
+                Ok(super::trainer::evaluate(be, &prep, task, prompts, al, seed))
+            }
+            Learner::Held { run, init, .. } => {
+                let me = HeldRun {
+                    run: run.key,
+                    params: init,
+                    plan,
+                };
+                match be
+                    .held_export(&[me])
+                    .unwrap_or_else(|e| self.failed("export", e))
+                {
+                    Some(ex) => {
+                        let policy = Policy::Held(&ex[0]);
+                        Ok(
+                            super::trainer::evaluate_batch(
+                                be,
+                                task,
+                                prompts,
+                                al,
+                                &[(policy, seed)],
+                            )[0],
+                        )
+                    }
+                    None => {
+                        let params = self.params()?;
+                        let prep = PreparedModel::new(&params, plan)?;
+                        Ok(super::trainer::evaluate(be, &prep, task, prompts, al, seed))
+                    }
+                }
             }
         }
-        let mut dlogits = vec![0.0f32; n * v];
-        super::ops::log_softmax_backward(&mut dlogits, &dlogp, &logp, n, v);
-        let grads = pass.backward(&dlogits);
-        let norm = grads
-            .named_tensors()
-            .iter()
-            .flat_map(|(_, g)| g.iter())
-            .map(|x| (*x as f64) * (*x as f64))
-            .sum::<f64>()
-            .sqrt();
-        let scale = if norm > 1.0 {
-            (1.0 / (norm + 1e-6)) as f32
-        } else {
-            1.0
-        };
-        opt.update(&mut params, &grads, scale, |_| 0.0);
     }
-    Ok((params, ws.max_steps, accuracy))
+
+    /// One supervised step over `inputs` in `layout`'s rows; `loss` maps the logits to
+    /// dL/dlogits. Gradients are clipped to norm 1, then AdamW (no weight decay).
+    fn step(
+        &mut self,
+        plan: &ModelPlan,
+        inputs: &[u32],
+        layout: &Layout,
+        loss: impl Fn(&[f32]) -> Vec<f32>,
+    ) -> Result<(), model::ModelError> {
+        let be = self.be();
+        match self {
+            Learner::Host { params, opt, .. } => {
+                let prep = PreparedModel::new(params, plan)?;
+                let pass = be
+                    .train_forward(&prep, inputs, layout, None)
+                    .unwrap_or_else(|e| panic!("{}: warm start forward failed: {e}", be.name()));
+                let grads = pass.backward(&loss(pass.logits()));
+                // Σ g² over every element in order (the norm this path has always used).
+                let norm = grads
+                    .named_tensors()
+                    .iter()
+                    .flat_map(|(_, g)| g.iter())
+                    .map(|x| (*x as f64) * (*x as f64))
+                    .sum::<f64>()
+                    .sqrt();
+                opt.update(params, &grads, clip_scale(norm), |_| 0.0);
+            }
+            Learner::Held { run, init, opt, .. } => {
+                let item = HeldItem {
+                    run: run.key,
+                    params: init,
+                    plan,
+                    tokens: inputs,
+                    layout,
+                    replay: None,
+                    export: None,
+                };
+                let mut pass = be
+                    .held_forward_batch(&[item], Counts::Skip)
+                    .unwrap_or_else(|e| panic!("{}: warm start forward failed: {e}", be.name()));
+                let dlogits = loss(pass.logits(0));
+                // The device's per-tensor sums of squares, added in tensor order.
+                let squares = pass
+                    .backward(&[Some(&dlogits)])
+                    .remove(0)
+                    .unwrap_or_default();
+                let norm = squares.iter().sum::<f64>().sqrt();
+                let step = opt.next_step(clip_scale(norm));
+                pass.update(&[Some(vec![step; squares.len()])]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The weights as they stand (read back from the device that holds them).
+    fn params(&self) -> Result<Params, model::ModelError> {
+        match self {
+            Learner::Host { params, .. } => Ok(params.clone()),
+            Learner::Held { run, .. } => Ok(run
+                .be
+                .held_params(&[run.key])
+                .unwrap_or_else(|e| self.failed("read-back", e))
+                .remove(0)),
+        }
+    }
+
+    /// The trained weights; a device lets go of them.
+    fn finish(self) -> Result<Params, model::ModelError> {
+        match self {
+            Learner::Host { params, .. } => Ok(params),
+            Learner::Held { .. } => self.params(),
+        }
+    }
+}
+
+/// A run whose state a device holds, let go of when dropped (also when the warm start fails).
+struct HeldKey<'a> {
+    be: &'a dyn Backend,
+    key: u64,
+}
+
+impl Drop for HeldKey<'_> {
+    fn drop(&mut self) {
+        self.be.release_held(self.key);
+    }
 }
