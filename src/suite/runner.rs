@@ -304,9 +304,11 @@ fn shape_of(run: &RunSpec) -> BatchShape {
 }
 
 /// Up to `size` runs off `queue` for one batch, each admitted ([`admit`]): the front run, then
-/// the other seeds of its configuration, then other runs of its shape, each in queue order. Runs
-/// found finished or locked on the way are passed to `record`. Empty when the queue is, or a
-/// stop was asked for before any run was admitted.
+/// the other seeds of its configuration, then, of its shape, whole configurations that still fit
+/// (each in queue order). A configuration is split only when no batch holds it whole: a device
+/// steps each configuration's runs as one pass, so a split one costs a pass in two batches.
+/// Runs found finished or locked on the way are passed to `record`. Empty when the queue is, or
+/// a stop was asked for before any run was admitted.
 fn take_batch<'r>(
     queue: &Mutex<VecDeque<&'r RunSpec>>,
     size: usize,
@@ -316,13 +318,15 @@ fn take_batch<'r>(
     record: &dyn Fn(Outcome) -> bool,
 ) -> Vec<Admitted<'r>> {
     let mut batch: Vec<Admitted> = Vec::new();
+    let mut last: Option<&RunSpec> = None;
     while batch.len() < size.max(1) && super::interrupt::requested().is_none() {
-        let first = batch.first().map(|a| a.run);
+        let room = size.max(1) - batch.len();
         let next = queue
             .lock()
             .ok()
-            .and_then(|mut q| pop_fitting(&mut q, first));
+            .and_then(|mut q| pop_fitting(&mut q, last, (room, size.max(1))));
         let Some(run) = next else { break };
+        last = Some(run);
         match admit(run, root, opts, progress) {
             Ok(a) => batch.push(a),
             Err(passed) => {
@@ -333,21 +337,28 @@ fn take_batch<'r>(
     batch
 }
 
-/// The next run of a batch that starts with `first`: the front of the queue for a new batch;
-/// otherwise the first run of `first`'s configuration, else the first of its shape.
+/// The next run of a batch of `size` whose latest run is `last`, with `room` places left: the
+/// front of the queue for a new batch; otherwise the next seed of `last`'s configuration, else
+/// the first run of the first configuration of its shape whose queued runs all fit in `room`, or
+/// that no batch could hold whole.
 fn pop_fitting<'r>(
     queue: &mut VecDeque<&'r RunSpec>,
-    first: Option<&RunSpec>,
+    last: Option<&RunSpec>,
+    (room, size): (usize, usize),
 ) -> Option<&'r RunSpec> {
-    let Some(first) = first else {
+    let Some(last) = last else {
         return queue.pop_front();
     };
-    let shape = shape_of(first);
+    let shape = shape_of(last);
     let fits = |r: &RunSpec| shape_of(r) == shape;
+    let whole = |config: &str| {
+        let queued = queue.iter().filter(|r| r.config == config).count();
+        queued <= room || queued > size
+    };
     let at = queue
         .iter()
-        .position(|r| r.config == first.config && fits(r))
-        .or_else(|| queue.iter().position(|r| fits(r)))?;
+        .position(|r| r.config == last.config && fits(r))
+        .or_else(|| queue.iter().position(|r| fits(r) && whole(&r.config)))?;
     queue.remove(at)
 }
 
@@ -860,13 +871,13 @@ mod tests {
             };
             seen.lock().unwrap().push(line);
         };
-        let together = run_suite(&[&be], &suite, &runs, &opts("together", 3), &progress).unwrap();
+        let together = run_suite(&[&be], &suite, &runs, &opts("together", 4), &progress).unwrap();
         assert_eq!((together.ok, together.diverged), (2, 2), "{together:?}");
         assert_eq!(together, alone);
         for r in &runs {
             let (a, b) = (
                 opts("alone", 1).store.join("batch").join(&r.run_id),
-                opts("together", 3).store.join("batch").join(&r.run_id),
+                opts("together", 4).store.join("batch").join(&r.run_id),
             );
             assert_eq!(
                 run_content(&b),
@@ -876,8 +887,8 @@ mod tests {
                 r.seed
             );
         }
-        // The bf16 seeds and boom's first were stepped together, boom's second after them; boom
-        // diverged at step 1 and the others went on to their last step.
+        // All four were stepped together; boom's seeds diverged at step 1 and the bf16 seeds
+        // went on to their last step.
         let seen = seen.into_inner().unwrap();
         let at = |line: &str| {
             seen.iter()
@@ -885,19 +896,85 @@ mod tests {
                 .unwrap_or_else(|| panic!("{line}: {seen:?}"))
         };
         assert!(at("start boom 0") < at("step bf16 0 0"), "{seen:?}");
+        assert!(at("start boom 1") < at("step bf16 0 0"), "{seen:?}");
         assert!(at("end boom 0 Diverged") < at("step bf16 1 2"), "{seen:?}");
-        assert!(at("end bf16 1 Ok") < at("start boom 1"), "{seen:?}");
+        assert!(at("end boom 1 Diverged") < at("step bf16 1 2"), "{seen:?}");
 
         // A rerun skips what is done; a run whose folder went is redone, alone in its batch.
         let redo = runs
             .iter()
             .find(|r| r.config == "bf16" && r.seed == 1)
             .unwrap();
-        let dir = opts("together", 3).store.join("batch").join(&redo.run_id);
+        let dir = opts("together", 4).store.join("batch").join(&redo.run_id);
         let before = run_content(&dir);
         std::fs::remove_dir_all(&dir).unwrap();
-        let again = run_suite(&[&be], &suite, &runs, &opts("together", 3), &|_| {}).unwrap();
+        let again = run_suite(&[&be], &suite, &runs, &opts("together", 4), &|_| {}).unwrap();
         assert_eq!((again.ok, again.skipped), (1, 3), "{again:?}");
         assert_eq!(run_content(&dir), before);
+    }
+
+    /// The configurations of each batch `pop_fitting` makes of `suite`'s runs, batches of `size`.
+    /// Only the runs `keep` keeps are queued.
+    fn batches(text: &str, size: usize, keep: impl Fn(&RunSpec) -> bool) -> Vec<Vec<String>> {
+        let suite = crate::suite::spec::parse(text, Path::new("b.toml")).unwrap();
+        let runs = crate::suite::plan::expand(&suite).unwrap();
+        let mut queue: VecDeque<&RunSpec> = runs.iter().filter(|r| keep(r)).collect();
+        let mut out = Vec::new();
+        while !queue.is_empty() {
+            let mut batch: Vec<&RunSpec> = Vec::new();
+            while batch.len() < size {
+                match pop_fitting(
+                    &mut queue,
+                    batch.last().copied(),
+                    (size - batch.len(), size),
+                ) {
+                    Some(r) => batch.push(r),
+                    None => break,
+                }
+            }
+            out.push(
+                batch
+                    .iter()
+                    .map(|r| format!("{}{}", r.config, r.seed))
+                    .collect(),
+            );
+        }
+        out
+    }
+
+    #[test]
+    fn batches_split_a_configuration_only_when_no_batch_holds_it() {
+        let configs = |names: &[&str]| -> String {
+            names
+                .iter()
+                .map(|n| format!("[[configs]]\nname = \"{n}\"\nrecipe = \"bf16\"\n"))
+                .collect()
+        };
+        let suite = |seeds: usize, names: &[&str]| {
+            let seeds: Vec<String> = (0..seeds).map(|s| s.to_string()).collect();
+            format!(
+                "name = \"b\"\nseeds = [{}]\n[workload]\nsteps = 3\n{}",
+                seeds.join(", "),
+                configs(names)
+            )
+        };
+        // Five seeds of six configurations, 16 a batch: three whole configurations each.
+        let six = batches(&suite(5, &["a", "b", "c", "d", "e", "f"]), 16, |_| true);
+        let sizes: Vec<usize> = six.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [15, 15], "{six:?}");
+        assert!(
+            six[0].iter().all(|r| r.starts_with(['a', 'b', 'c'])),
+            "{six:?}"
+        );
+        // A configuration larger than a batch fills it; its rest starts the next, where the next
+        // configuration, split whatever happens, fills the room.
+        let big = batches(&suite(20, &["a", "b"]), 16, |_| true);
+        let sizes: Vec<usize> = big.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [16, 16, 8], "{big:?}");
+        // A later configuration that fits fills the room one that does not leaves.
+        let mixed = batches(&suite(3, &["a", "b", "z"]), 5, |r| {
+            r.config != "z" || r.seed == 0
+        });
+        assert_eq!(mixed[0], ["a0", "a1", "a2", "z0"], "{mixed:?}");
     }
 }
