@@ -130,8 +130,8 @@ pub struct RunArgs {
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub processes: Option<u16>,
     /// Runs a worker steps together, one batched device call per pass for all of them: runs of
-    /// one model, task and workload shape, the seeds of one configuration first (built-in
-    /// engine). Default: what the device suits (16 on a GPU; 1 on the CPU, whose passes already
+    /// one model, task and workload shape, the seeds of one configuration first, then whole
+    /// configurations that fit (built-in engine). Default: what the device suits (16 on a GPU; 1 on the CPU, whose passes already
     /// use every core); 1 runs each run by itself. On the CPU every run's metrics are the same either way;
     /// on a GPU a batched run's differ from its metrics alone by the GEMMs' summation order, and
     /// repeat bit for bit for the same batches.

@@ -198,7 +198,8 @@ pub fn unplanned_runs(root: &Path, runs: &[RunSpec]) -> Vec<String> {
 /// computing fails the run it had (the error names it) and takes no more: the others finish the
 /// sweep; runs that no device is left to take count as `not_run`. With batches of more than one
 /// run ([`RunnerOptions::batch_runs`]), a worker takes up to that many runs of one shape at a
-/// time, the seeds of one configuration first, and steps them together.
+/// time, the seeds of one configuration first, then whole configurations that fit
+/// ([`take_batch`]), and steps them together.
 pub fn run_suite(
     backends: &[&dyn Backend],
     suite: &SuiteSpec,
