@@ -401,34 +401,48 @@ fn moe_combine_matches_model_order_bit_for_bit() {
     );
 }
 
-/// The busiest expert's slot count in `ids`, rounded up to the device's 128-row multiple.
-fn busiest_rounded(ids: &[u32]) -> usize {
-    let most = (0..E as u32)
-        .map(|e| ids.iter().filter(|&&i| i == e).count())
+/// The busiest expert's slot count in `ids` (`runs` runs' tokens in turn, each run's experts its
+/// own), rounded up to the device's 128-row multiple.
+fn busiest_rounded(ids: &[u32], runs: usize) -> usize {
+    let most = ids
+        .chunks(ids.len() / runs)
+        .flat_map(|run| (0..E as u32).map(|e| run.iter().filter(|&&i| i == e).count()))
         .max()
         .unwrap_or(0);
     most.div_ceil(128).max(1) * 128
 }
 
-/// From 16k rows (`device_ops::COUNT_FROM_ROWS`) every expert of the batch gets the busiest
-/// one's count of rows, below it every row of the run; either way each slot reaches the combine.
+/// Runs stepped together with 512 rows each or more (`device_ops::COUNT_FROM_RUN_ROWS`: training
+/// passes) give every expert of the batch the busiest one's count of rows; a run alone and decode
+/// steps every row of a run. Either way each slot reaches the combine.
 #[test]
 fn expert_batch_holds_the_busiest_expert_and_drops_no_slot() {
-    let Some(g) = common::gpu_ops("expert_batch_holds_the_busiest_expert_and_drops_no_slot") else {
+    let Some(alone) = common::gpu_ops("expert_batch_holds_the_busiest_expert_and_drops_no_slot")
+    else {
         return;
     };
+    let mut two =
+        GpuOps::new(&lockstep::engine::backend::cuda::CudaDevice::open(0).unwrap()).unwrap();
+    two.set_runs(2);
     let mut rng = ChaCha8Rng::seed_from_u64(8);
-    let n = 16 * 1024;
+    let n = 4096;
     let logits = uniform(&mut rng, n * E, 3.0);
     let (routed, _) = route(&CpuOps::new(), &logits, n, None);
     let skewed: Vec<u32> = (0..n).flat_map(|_| [5, 3]).collect();
-    let below = routed[..2 * 4000].to_vec();
+    let decode = routed[..2 * 2 * 256].to_vec();
     let cases = [
-        ("routed", &routed, E * busiest_rounded(&routed)),
-        ("skewed", &skewed, E * n),
-        ("below the count's threshold", &below, E * 4096),
+        (
+            "two runs",
+            &two,
+            2,
+            &routed,
+            2 * E * busiest_rounded(&routed, 2),
+        ),
+        ("two runs, skewed", &two, 2, &skewed, 2 * E * n / 2),
+        ("two runs' decode step", &two, 2, &decode, 2 * E * 256),
+        ("a run alone", alone, 1, &routed, E * n),
     ];
-    for (what, ids, rows) in cases {
+    for (what, g, runs, ids, rows) in cases {
         let n = ids.len() / K;
         let disp = g.dispatch(&g.ids(ids).unwrap(), n, K, E).unwrap();
         assert_eq!(g.dispatch_rows(&disp), rows, "{what}: rows of the batch");
@@ -436,18 +450,15 @@ fn expert_batch_holds_the_busiest_expert_and_drops_no_slot() {
         let xe = uniform(&mut rng, n * D, 2.0);
         let (shared, x) = (uniform(&mut rng, n * D, 1.0), uniform(&mut rng, n * D, 4.0));
         same_bits(
-            &format!("{what}: combine over the batch"),
+            &format!("{what}: combine over the batch ({runs} runs)"),
             &combine(g, ids, &w, &xe, &shared, &x),
             &moe_combine_cpu(&shared, &xe, ids, &w, &x),
         )
         .unwrap();
     }
     // A router's busiest expert is far below a row per token (the padding the count saves).
-    assert!(
-        busiest_rounded(&routed) < n / 2,
-        "{}",
-        busiest_rounded(&routed)
-    );
+    let counted = busiest_rounded(&routed, 2);
+    assert!(counted < n / 4, "{counted}");
 }
 
 #[test]

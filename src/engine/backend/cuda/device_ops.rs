@@ -46,11 +46,13 @@ use std::sync::Arc;
 /// (FP8 block's 128), so that blocks never straddle two experts.
 const CAP_MULTIPLE: usize = 128;
 
-/// From this many rows in a pass (all runs together) the expert batch is sized by the busiest
-/// expert's count ([`super::moe::ExpertBatch::largest_count`]) rather than by every row of a run.
-/// On an H200 at 32 runs the training forward took 78 instead of 112 ms, while decode steps of
-/// 2-8k rows and one run's 4k-row pass were slower for the wait.
-const COUNT_FROM_ROWS: usize = 16 * 1024;
+/// Runs stepped together with at least this many rows each (training passes; a decode step has
+/// a row per sequence) size the expert batch by the busiest expert's count
+/// ([`super::moe::ExpertBatch::largest_count`]) rather than by every row of a run. Waiting for
+/// the count stops the host queueing ahead of the GPU: for a run alone (the worker pool, the warm
+/// start) and for decode steps that cost more than the padding saved (H200 and H100,
+/// `docs/cuda.md`).
+const COUNT_FROM_RUN_ROWS: usize = 512;
 
 impl From<CudaError> for OpError {
     fn from(e: CudaError) -> Self {
@@ -1089,10 +1091,9 @@ impl Ops for GpuOps {
         e: usize,
     ) -> OpResult<GpuDispatch> {
         // A token names distinct experts (`Routing::check`), so no expert gets more than a run's
-        // rows. Counting waits for the stream, which stops the host queueing ahead of the GPU;
-        // that costs more than the padding saves until the batch is large.
+        // rows.
         let run_rows = self.run_rows("dispatch", n)?;
-        let cap = if n < COUNT_FROM_ROWS {
+        let cap = if self.runs < 2 || run_rows < COUNT_FROM_RUN_ROWS {
             run_rows.next_multiple_of(CAP_MULTIPLE)
         } else {
             let busiest = self
