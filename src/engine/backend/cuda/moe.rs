@@ -1,9 +1,10 @@
 //! The capacity-padded expert batch (`moe.cu`), shared by the resident forward, decoder and
 //! trainer: the routed slots of a layer go to rows of a batch where expert e owns rows
 //! `[e·cap, (e+1)·cap)` (its tokens in token order, then zero rows), so every expert site runs as
-//! one strided batched GEMM. The capacity is the busiest expert's count
-//! ([`ExpertBatch::largest_count`], one small copy back per layer), not every row a run has: at
-//! top-2 of 8 experts the latter made three of every four expert rows padding.
+//! one strided batched GEMM. The capacity is every row a run has, with no host round trip, or,
+//! in a batch's training passes, the busiest expert's count ([`ExpertBatch::largest_count`], one
+//! small copy back per layer): at top-2 of 8 experts every row makes three of every four expert
+//! rows padding.
 
 use super::launch::dim;
 use super::{CudaDevice, CudaError};
@@ -82,8 +83,8 @@ impl ExpertBatch {
     /// Route the `n·k` slots of `ids` (`[n, k]` expert ids) to a batch of `e` experts with `cap`
     /// rows each. With `runs` > 1 the tokens are that many runs' rows in turn (`n / runs` each)
     /// and the batch holds each run's `e` experts in turn. `cap` must be at least
-    /// [`ExpertBatch::largest_count`] (every slot of a run, `n·k / runs`, bounds it); a slot past
-    /// it would be dropped.
+    /// [`ExpertBatch::largest_count`] (a run's rows bound it where each token names distinct
+    /// experts); a slot past it would be dropped.
     pub fn route(
         &self,
         stream: &Arc<CudaStream>,
