@@ -131,10 +131,10 @@ pub struct RunArgs {
     pub processes: Option<u16>,
     /// Runs a worker steps together, one batched device call per pass for all of them: runs of
     /// one model, task and workload shape, the seeds of one configuration first, then whole
-    /// configurations that fit (built-in engine). Default: what the device suits (16 on a GPU; 1 on the CPU, whose passes already
-    /// use every core); 1 runs each run by itself. On the CPU every run's metrics are the same either way;
-    /// on a GPU a batched run's differ from its metrics alone by the GEMMs' summation order, and
-    /// repeat bit for bit for the same batches.
+    /// configurations that fit (built-in engine). Default: what the device suits (16 on a GPU; 1
+    /// on the CPU, whose passes already use every core); 1 runs each run by itself. On the CPU
+    /// every run's metrics are the same either way; on a GPU a batched run's differ from its
+    /// metrics alone by the GEMMs' summation order, and repeat bit for bit for the same batches.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub batch_runs: Option<u16>,
     /// Redo finished runs too.
@@ -427,12 +427,10 @@ fn usable_devices<B>(
     }
 }
 
-/// Worker processes per device: `--processes`, else 2 on GPUs (their driver calls then queue on
-/// two locks, not one) and 1 on the CPU; 1 where a GPU takes one process at a time
-/// (exclusive-process mode: the devices named in `exclusive`), and an error if more were asked
-/// there.
-/// Worker processes per device when `--processes` is not given: two on a GPU whose workers step
-/// one run each (`pooled`: their small launches then overlap across contexts), else one.
+/// Worker processes per device: `--processes`, else 2 on a GPU whose workers step one run each
+/// (`pooled`: their driver calls then queue on two locks, not one) and 1 otherwise; 1 where a
+/// GPU takes one process at a time (exclusive-process mode: the devices named in `exclusive`),
+/// and an error if more were asked there.
 fn worker_processes(asked: Option<u16>, pooled: bool, exclusive: &[String]) -> Result<usize> {
     match asked.map(usize::from) {
         Some(n) if n > 1 && !exclusive.is_empty() => bail!(
@@ -463,8 +461,7 @@ pub(super) fn worker_threads(on_gpu: bool, jobs: usize) -> Option<usize> {
 const BATCHED_WORKERS: usize = 2;
 
 /// Workers when `--jobs` is not given, runs stepped one at a time: one per core on the CPU; on
-/// GPUs four per process, the
-/// measured sweet spot on an H200 (the nightly suite in one process: 55 s with one worker, 35 s
+/// GPUs four per process, the measured sweet spot on an H200 (the nightly suite in one process: 55 s with one worker, 35 s
 /// with 4, 37 s with 8, 52 s with 16; in 2 processes of 4, 21 s against 30-33 s for 1 of 4).
 fn default_jobs(on_gpu: bool, processes: usize) -> usize {
     if on_gpu {

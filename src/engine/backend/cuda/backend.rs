@@ -4,7 +4,8 @@
 //! ([`ResidentPass`]), and so does the trainer's BF16 reference forward (`forward_logits`).
 //! A trainer's state (master weights, AdamW moments, gradients) is held on the device
 //! (`held`, [`HELD_FROM_RUNS`]): its weights are prepared, exported and updated there, and the
-//! loss and the metrics stay on the host. The warm start's supervised steps prepare on the host.
+//! loss and the metrics stay on the host. The warm start's supervised steps hold their one run
+//! there too (`warmstart`).
 //!
 //! Concurrent callers (the suite runner's workers) each take an op set — a stream, its cuBLAS
 //! handle and compiled kernels — from a pool, so they never share a handle or a stream. cuBLAS is
