@@ -21,6 +21,7 @@ use crate::engine::linear::{
     self, Blocks, DgradOperand, PreparedWeight, SiteKernels, SiteQuant, SiteWeight,
 };
 use crate::formats::mxfp8::MX_BLOCK;
+use crate::formats::nvfp4::NV_BLOCK;
 use crate::formats::{QuantFormat, SecondScale};
 use crate::recipe::{Precision, SitePlan};
 use cudarc::cublas::sys::cublasOperation_t;
@@ -172,6 +173,34 @@ pub struct DevicePrepared {
     pub w_bwd: Option<CudaSlice<f32>>,
 }
 
+/// A stack of `batch` weights of `len` values each under a one-shard per-tensor NVFP4 plan,
+/// viewed as one row of `batch` shards: a shard's amax is then its weight's amax, the tensor
+/// scale of that weight alone, and no 16-value block straddles two rows (the row length is a
+/// block multiple), so every code and scale is the weight-by-weight one. `None`
+/// where the view does not hold (other formats, sharded scales) or the `Quantized` backward
+/// needs each weight's columns.
+fn nvfp4_stack_view(
+    plan: &SitePlan,
+    batch: usize,
+    (out_dim, in_dim): (usize, usize),
+) -> Option<(QuantFormat, usize, usize)> {
+    match plan.weight_format()? {
+        QuantFormat::Nvfp4 {
+            second: SecondScale::PerTensor,
+            shards: 1,
+        } if linear::dgrad_operand(plan) != DgradOperand::ColumnQuantized
+            && in_dim.is_multiple_of(NV_BLOCK) =>
+        {
+            let view = QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                shards: batch,
+            };
+            Some((view, 1, batch * out_dim * in_dim))
+        }
+        _ => None,
+    }
+}
+
 /// What the forward keeps for the backward (`linear::LinearCache` on the device).
 pub struct DeviceLinearCache {
     /// Operand of the wgrad GEMM, `[batch · n, in_dim]`, chosen by the backward mode.
@@ -243,12 +272,32 @@ impl CudaLinear {
         out_dim: usize,
         in_dim: usize,
     ) -> Result<DevicePrepared, CudaError> {
+        self.prepare_as(plan, None, w, 1, out_dim, in_dim)
+    }
+
+    /// [`Self::prepare`] of `batch` weights `[out_dim, in_dim]` back to back, their row
+    /// quantization (the forward operand) made in one call with `rows_as`, a format that
+    /// quantizes the stack as the plan's format quantizes each weight alone (`None`: the plan's,
+    /// over the stack as one `[batch · out_dim, in_dim]` weight). Column quantization (the
+    /// `Quantized` dgrad operand) needs `batch` = 1.
+    fn prepare_as(
+        &self,
+        plan: &SitePlan,
+        rows_as: Option<(QuantFormat, usize, usize)>,
+        w: &CudaSlice<f32>,
+        batch: usize,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<DevicePrepared, CudaError> {
         let n = out_dim
             .checked_mul(in_dim)
-            .ok_or_else(|| CudaError::Shape(format!("{out_dim} x {in_dim} elements overflow")))?;
+            .and_then(|n| n.checked_mul(batch))
+            .ok_or_else(|| {
+                CudaError::Shape(format!("{batch} x {out_dim} x {in_dim} elements overflow"))
+            })?;
         if w.len() < n {
             return Err(CudaError::Shape(format!(
-                "prepare: the weight holds {} values, [{out_dim}, {in_dim}] needs {n}",
+                "prepare: the weights hold {} values, {batch} of [{out_dim}, {in_dim}] need {n}",
                 w.len()
             )));
         }
@@ -264,7 +313,8 @@ impl CudaLinear {
         let mut w_hp = super::output_buffer(s, n)?;
         fq.round_bf16(w, &mut w_hp, n)?;
         let mut w_fwd = super::output_buffer(s, n)?;
-        fq.fake_quantize_rows(&w_hp, out_dim, in_dim, &fmt, &mut w_fwd)?;
+        let (row_fmt, rows, cols) = rows_as.unwrap_or((fmt, batch * out_dim, in_dim));
+        fq.fake_quantize_rows(&w_hp, rows, cols, &row_fmt, &mut w_fwd)?;
         let w_bwd = match linear::dgrad_operand(plan) {
             // A BF16 site's forward operand is its BF16-rounded weight already.
             DgradOperand::HighPrecision if plan.precision == Precision::Bf16 => None,
@@ -274,10 +324,15 @@ impl CudaLinear {
                 fq.round_bf16(&w_fwd, &mut b, n)?;
                 Some(b)
             }
-            DgradOperand::ColumnQuantized => {
+            DgradOperand::ColumnQuantized if batch == 1 => {
                 let mut b = super::output_buffer(s, n)?;
                 fq.fake_quantize_cols_padded(&w_hp, out_dim, in_dim, &fmt, &mut b)?;
                 Some(b)
+            }
+            DgradOperand::ColumnQuantized => {
+                return Err(CudaError::Shape(
+                    "prepare: column quantization of a stack of weights".into(),
+                ));
             }
         };
         Ok(DevicePrepared { w_fwd, w_bwd })
@@ -287,8 +342,10 @@ impl CudaLinear {
     /// `w` (a site's copy of every run, or every run's routed experts), into stacked operands.
     /// Where the format's scales never reach across a weight's rows or its column blocks (BF16;
     /// MXFP8 when `out_dim` is a multiple of its block, so column blocks do not straddle two
-    /// weights) the stack is one weight of `batch · out_dim` rows, one launch per kernel;
-    /// otherwise (NVFP4's per-tensor scale, FP8 block tiles) each weight is prepared alone.
+    /// weights) the stack is one weight of `batch · out_dim` rows, one launch per kernel; NVFP4
+    /// with one tensor scale a weight is quantized as one row with a shard per weight
+    /// ([`nvfp4_stack_view`]), also one launch per kernel; otherwise (sharded NVFP4 scales,
+    /// NVFP4's `Quantized` backward, FP8 block tiles) each weight is prepared alone.
     pub fn prepare_stacked(
         &self,
         plan: &SitePlan,
@@ -304,6 +361,9 @@ impl CudaLinear {
         };
         if stacks || batch == 1 {
             return self.prepare(plan, w, batch * out_dim, in_dim);
+        }
+        if let Some(view) = nvfp4_stack_view(plan, batch, (out_dim, in_dim)) {
+            return self.prepare_as(plan, Some(view), w, batch, out_dim, in_dim);
         }
         let n = out_dim * in_dim;
         let total = n
