@@ -374,8 +374,9 @@ fn suite_runs_batched_repeat_bit_for_bit_and_finish_as_alone() {
 }
 
 /// `bench step --batch-runs`' training-pass comparison: both ways run (with each run's model
-/// uploaded and its gradients downloaded, and with both left on the GPU), a dL/dlogits of
-/// another length than the batch's rows is an error, and so are runs of two plans (one pass).
+/// uploaded and its gradients downloaded, and with both left on the GPU), for runs of one plan
+/// and of two (one pass either way); a dL/dlogits of another length than the batch's rows is an
+/// error.
 #[test]
 fn training_pass_is_timed_with_and_without_transfers() {
     let Some(be) = gpu("training_pass_is_timed_with_and_without_transfers") else {
@@ -401,7 +402,11 @@ fn training_pass_is_timed_with_and_without_transfers() {
         run(&cfg, "mxfp8", 71, (2, 2, 3, 6)),
     ];
     let mixed_dl = vec![1e-3f32; CudaBackend::train_pass_rows(&items(&mixed)) * cfg.vocab];
-    assert!(be.train_pass_times(&items(&mixed), &mixed_dl, 1).is_err());
+    let t = be.train_pass_times(&items(&mixed), &mixed_dl, 1).unwrap();
+    assert!(
+        t.prepared_on_device.is_finite() && t.prepared_on_device > 0.0,
+        "{t:?}"
+    );
 }
 
 /// Weights prepared on the GPU from master weights kept there (`GpuOps::prepare_models`, what

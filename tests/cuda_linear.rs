@@ -81,14 +81,19 @@ fn device_linear_forward_and_backward_match_the_cpu_layer() {
 
             let dev_w = lin.upload(&pw).unwrap();
             let (gy, gcache) = lin
-                .forward(&plan, &s.clone_htod(&x).unwrap(), n, &dev_w)
+                .forward(
+                    std::slice::from_ref(&plan),
+                    &s.clone_htod(&x).unwrap(),
+                    n,
+                    &dev_w,
+                )
                 .unwrap();
             let (mut gdx, mut gdw) = (
                 s.alloc_zeros::<f32>(n * k).unwrap(),
                 s.clone_htod(&dw0).unwrap(),
             );
             lin.backward(
-                &plan,
+                std::slice::from_ref(&plan),
                 &gcache,
                 &dev_w,
                 &s.clone_htod(&dy).unwrap(),

@@ -22,7 +22,8 @@ use crate::formats::{
 };
 use crate::recipe::{BackwardMode, Precision, SitePlan};
 use sha2::{Digest, Sha256};
-use std::borrow::Borrow;
+use std::borrow::{Borrow, BorrowMut};
+use std::ops::Range;
 
 /// A weight prepared once per optimizer step: the operands the forward and the dgrad GEMM use.
 /// `w_fwd` is what the rollout computes with; `digest` hashes the quantized bytes behind it.
@@ -241,7 +242,7 @@ pub trait SiteKernels {
     /// A borrowed tensor.
     type Buf: ?Sized;
     /// A tensor the kernels return.
-    type Owned: Borrow<Self::Buf>;
+    type Owned: Borrow<Self::Buf> + BorrowMut<Self::Buf>;
     /// Where the forward's activation quantization adds its saturation/underflow counts.
     type Counts: ?Sized;
     type Error;
@@ -275,6 +276,50 @@ pub trait SiteKernels {
     ) -> Result<(), Self::Error>;
     /// Set every value to zero.
     fn fill_zero(&self, c: &mut Self::Buf) -> Result<(), Self::Error>;
+    /// A tensor of `len` values for ops to write in full.
+    fn alloc(&self, len: usize) -> Result<Self::Owned, Self::Error>;
+    /// Values `from..from + len` of `x`, as a tensor of their own.
+    fn copy_range(
+        &self,
+        x: &Self::Buf,
+        from: usize,
+        len: usize,
+    ) -> Result<Self::Owned, Self::Error>;
+    /// The first `len` values of `src` written into `dst` from `at` on.
+    fn place(
+        &self,
+        dst: &mut Self::Buf,
+        at: usize,
+        src: &Self::Buf,
+        len: usize,
+    ) -> Result<(), Self::Error>;
+}
+
+/// The runs of one site plan among the runs a device steps at once: blocks `blocks` of each of
+/// the site's tensors (a run owns `batch / runs` consecutive blocks of a stacked weight).
+pub struct PlanGroup<'p> {
+    pub plan: &'p SitePlan,
+    pub blocks: Range<usize>,
+}
+
+/// `plans` (one per run, or one for every run) as groups of consecutive runs of one plan over a
+/// site of `batch` blocks.
+pub fn plan_groups(plans: &[SitePlan], batch: usize) -> Vec<PlanGroup<'_>> {
+    assert!(
+        !plans.is_empty() && batch.is_multiple_of(plans.len()),
+        "{} site plans for a stack of {batch} weights: one per run, or one for all",
+        plans.len()
+    );
+    let per_run = batch / plans.len();
+    let mut groups: Vec<PlanGroup<'_>> = Vec::new();
+    for (r, p) in plans.iter().enumerate() {
+        let blocks = r * per_run..(r + 1) * per_run;
+        match groups.last_mut() {
+            Some(g) if g.plan == p => g.blocks.end = blocks.end,
+            _ => groups.push(PlanGroup { plan: p, blocks }),
+        }
+    }
+    groups
 }
 
 /// The forward's GEMM input: the activation quantized per the site's activation format, and its
@@ -326,41 +371,110 @@ fn multiply<K: SiteKernels>(
     Ok((x_hp, x_q))
 }
 
-/// The linear forward on a device: `y[n, m] = x[n, k] · Wᵀ` per block of `w`, with `x`
-/// quantized per the site's activation format. Returns the wgrad operand the backward mode asks
-/// for (`x_bwd`).
-pub fn forward_on<K: SiteKernels>(
+/// The wgrad operand the backward mode asks for, from the forward's quantized input (`q`, as
+/// [`quantized_input`] made it for `shape`); `None` for the input itself (FP32 sites).
+fn wgrad_operand<K: SiteKernels>(
     k: &K,
     plan: &SitePlan,
+    (x_hp, x_q): Quantized<K>,
+    shape: Blocks,
+) -> Result<Option<K::Owned>, K::Error> {
+    let len = shape.rows * shape.cols * shape.batch;
+    let Some(x_hp) = x_hp else {
+        // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
+        return Ok(x_q);
+    };
+    let x_q = x_q.expect("a site that rounds its input also quantizes it");
+    match plan.backward {
+        BackwardMode::HighPrecision => Ok(Some(x_hp)),
+        BackwardMode::Dequantized => k.round_bf16(x_q.borrow(), len).map(Some),
+        BackwardMode::Quantized if shape.rows == 0 => Ok(Some(x_hp)),
+        BackwardMode::Quantized => {
+            let fmt = plan
+                .activation_format()
+                .expect("a quantized site has a format");
+            k.quantize(SiteQuant::ColsPadded, x_hp.borrow(), shape, &fmt, None)
+                .map(Some)
+        }
+    }
+}
+
+/// The linear forward on a device: `y[n, m] = x[n, k] · Wᵀ` per block of `w`, with `x`
+/// quantized per the site's activation format. Returns the wgrad operand the backward mode asks
+/// for (`x_bwd`). `plans` holds the site's plan in each run the device steps (a run's blocks are
+/// consecutive), or one plan for all; the activation counts (`counts`) need one plan.
+pub fn forward_on<K: SiteKernels>(
+    k: &K,
+    plans: &[SitePlan],
     x: &K::Buf,
     n: usize,
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
     counts: Option<&mut K::Counts>,
 ) -> Result<K::Owned, K::Error> {
+    let groups = plan_groups(plans, w.batch);
+    if groups.len() > 1 && n > 0 {
+        assert!(counts.is_none(), "counts of a forward over several plans");
+        let (operand, kept) = group_operands(k, &groups, x, n, w, true)?;
+        let dims = (n, w.in_dim, w.out_dim);
+        k.gemm(
+            (operand.borrow(), false),
+            (w.fwd, true),
+            y,
+            dims,
+            w.batch,
+            false,
+        )?;
+        return Ok(kept.expect("asked for"));
+    }
+    let plan = groups[0].plan;
     let shape = Blocks {
         rows: n,
         cols: w.in_dim,
         batch: w.batch,
     };
-    let len = n * w.in_dim * w.batch;
-    let (x_hp, x_q) = multiply(k, plan, x, shape, w, y, counts)?;
-    let Some(x_hp) = x_hp else {
-        // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
-        return x_q.map_or_else(|| k.copy(x, len), Ok);
-    };
-    let x_q = x_q.expect("a site that rounds its input also quantizes it");
-    match plan.backward {
-        BackwardMode::HighPrecision => Ok(x_hp),
-        BackwardMode::Dequantized => k.round_bf16(x_q.borrow(), len),
-        BackwardMode::Quantized if n == 0 => Ok(x_hp),
-        BackwardMode::Quantized => {
-            let fmt = plan
-                .activation_format()
-                .expect("a quantized site has a format");
-            k.quantize(SiteQuant::ColsPadded, x_hp.borrow(), shape, &fmt, None)
+    let q = multiply(k, plan, x, shape, w, y, counts)?;
+    match wgrad_operand(k, plan, q, shape)? {
+        Some(kept) => Ok(kept),
+        None => k.copy(x, n * w.in_dim * w.batch),
+    }
+}
+
+/// A forward's GEMM operand and, when asked for, its wgrad operand.
+type GroupOperands<K> = (<K as SiteKernels>::Owned, Option<<K as SiteKernels>::Owned>);
+
+/// The GEMM operand of a forward over several plans, each group's rows quantized per its plan,
+/// and (when `keep`) the wgrad operand, each group's as its backward mode asks.
+fn group_operands<K: SiteKernels>(
+    k: &K,
+    groups: &[PlanGroup<'_>],
+    x: &K::Buf,
+    n: usize,
+    w: &SiteWeight<'_, K::Buf>,
+    keep: bool,
+) -> Result<GroupOperands<K>, K::Error> {
+    let per = n * w.in_dim;
+    let len = per * w.batch;
+    let mut operand = k.alloc(len)?;
+    let mut kept = if keep { Some(k.alloc(len)?) } else { None };
+    for g in groups {
+        let (at, glen) = (g.blocks.start * per, g.blocks.len() * per);
+        let shape = Blocks {
+            rows: n,
+            cols: w.in_dim,
+            batch: g.blocks.len(),
+        };
+        let xg = k.copy_range(x, at, glen)?;
+        let q = quantized_input(k, g.plan, xg.borrow(), shape, None)?;
+        let op = q.1.as_ref().map_or(xg.borrow(), Borrow::borrow);
+        k.place(operand.borrow_mut(), at, op, glen)?;
+        if let Some(kept) = kept.as_mut() {
+            let own = wgrad_operand(k, g.plan, q, shape)?;
+            let src = own.as_ref().map_or(xg.borrow(), Borrow::borrow);
+            k.place(kept.borrow_mut(), at, src, glen)?;
         }
     }
+    Ok((operand, kept))
 }
 
 /// The activation counts [`forward_on`] adds for `x`, without its GEMM: a device stepping
@@ -379,27 +493,67 @@ pub fn count_input<K: SiteKernels>(
 /// forward): the same quantization and GEMM.
 pub fn apply_on<K: SiteKernels>(
     k: &K,
-    plan: &SitePlan,
+    plans: &[SitePlan],
     x: &K::Buf,
     n: usize,
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
 ) -> Result<(), K::Error> {
+    let groups = plan_groups(plans, w.batch);
+    if groups.len() > 1 && n > 0 {
+        let (operand, _) = group_operands(k, &groups, x, n, w, false)?;
+        let dims = (n, w.in_dim, w.out_dim);
+        return k.gemm(
+            (operand.borrow(), false),
+            (w.fwd, true),
+            y,
+            dims,
+            w.batch,
+            false,
+        );
+    }
     let shape = Blocks {
         rows: n,
         cols: w.in_dim,
         batch: w.batch,
     };
-    multiply(k, plan, x, shape, w, y, None).map(|_| ())
+    multiply(k, groups[0].plan, x, shape, w, y, None).map(|_| ())
+}
+
+/// dy's dgrad and wgrad operands as the site's backward mode makes them (`None`: dy itself; the
+/// wgrad one `None` where it is the dgrad one).
+type DyOperands<K> = (
+    Option<<K as SiteKernels>::Owned>,
+    Option<<K as SiteKernels>::Owned>,
+);
+
+fn dy_operands<K: SiteKernels>(
+    k: &K,
+    plan: &SitePlan,
+    dy: &K::Buf,
+    shape: Blocks,
+) -> Result<DyOperands<K>, K::Error> {
+    let Some(fmt) = plan.activation_format() else {
+        return Ok((None, None));
+    };
+    let dy_hp = k.round_bf16(dy, shape.rows * shape.cols * shape.batch)?;
+    if plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized {
+        // dgrad contracts over m (row blocks of dy); wgrad over n (column blocks of dy).
+        let d = k.quantize(SiteQuant::RowsPadded, dy_hp.borrow(), shape, &fmt, None)?;
+        let wq = k.quantize(SiteQuant::ColsPadded, dy_hp.borrow(), shape, &fmt, None)?;
+        Ok((Some(d), Some(wq)))
+    } else {
+        Ok((Some(dy_hp), None))
+    }
 }
 
 /// The linear backward on a device: `dx = dy · W` (written when `dx` is given) and
 /// `dW += dyᵀ · x_bwd` (accumulated) per block of `w`, dy rounded and quantized as the site's
-/// backward mode says.
+/// backward mode says (`plans` as [`forward_on`] takes them).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_on<K: SiteKernels>(
     k: &K,
-    plan: &SitePlan,
+    plans: &[SitePlan],
     x_bwd: &K::Buf,
     n: usize,
     w: &SiteWeight<'_, K::Buf>,
@@ -411,25 +565,35 @@ pub fn backward_on<K: SiteKernels>(
     if n == 0 {
         return dx.map_or(Ok(()), |dx| k.fill_zero(dx));
     }
-    // The dgrad and wgrad operands where they are not dy itself (the wgrad one only where it
-    // differs from the dgrad one).
-    let (own_d, own_w) = match plan.activation_format() {
-        None => (None, None),
-        Some(fmt) => {
-            let dy_hp = k.round_bf16(dy, n * m * batch)?;
-            if plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized {
-                // dgrad contracts over m (row blocks of dy); wgrad over n (column blocks of dy).
+    let groups = plan_groups(plans, batch);
+    let (own_d, own_w) = match &groups[..] {
+        [g] => {
+            let shape = Blocks {
+                rows: n,
+                cols: m,
+                batch,
+            };
+            dy_operands(k, g.plan, dy, shape)?
+        }
+        _ => {
+            // Each group's operands into two tensors of every run's rows.
+            let per = n * m;
+            let (mut d_all, mut w_all) = (k.alloc(per * batch)?, k.alloc(per * batch)?);
+            for g in &groups {
+                let (at, glen) = (g.blocks.start * per, g.blocks.len() * per);
                 let shape = Blocks {
                     rows: n,
                     cols: m,
-                    batch,
+                    batch: g.blocks.len(),
                 };
-                let d = k.quantize(SiteQuant::RowsPadded, dy_hp.borrow(), shape, &fmt, None)?;
-                let wq = k.quantize(SiteQuant::ColsPadded, dy_hp.borrow(), shape, &fmt, None)?;
-                (Some(d), Some(wq))
-            } else {
-                (Some(dy_hp), None)
+                let dyg = k.copy_range(dy, at, glen)?;
+                let (d, wq) = dy_operands(k, g.plan, dyg.borrow(), shape)?;
+                let d = d.as_ref().map_or(dyg.borrow(), Borrow::borrow);
+                let wq = wq.as_ref().map_or(d, Borrow::borrow);
+                k.place(d_all.borrow_mut(), at, d, glen)?;
+                k.place(w_all.borrow_mut(), at, wq, glen)?;
             }
+            (Some(d_all), Some(w_all))
         }
     };
     let dy_d = own_d.as_ref().map_or(dy, Borrow::borrow);
@@ -513,6 +677,25 @@ impl SiteKernels for HostKernels {
         c.fill(0.0);
         Ok(())
     }
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>, Self::Error> {
+        Ok(vec![0.0; len])
+    }
+
+    fn copy_range(&self, x: &[f32], from: usize, len: usize) -> Result<Vec<f32>, Self::Error> {
+        Ok(x[from..from + len].to_vec())
+    }
+
+    fn place(
+        &self,
+        dst: &mut [f32],
+        at: usize,
+        src: &[f32],
+        len: usize,
+    ) -> Result<(), Self::Error> {
+        dst[at..at + len].copy_from_slice(&src[..len]);
+        Ok(())
+    }
 }
 
 impl PreparedWeight {
@@ -547,7 +730,7 @@ pub fn forward(
     let mut stats = QuantStats::default();
     let x_bwd = infallible(forward_on(
         &HostKernels,
-        plan,
+        std::slice::from_ref(plan),
         x,
         n,
         &w.site(),
@@ -571,7 +754,7 @@ pub fn backward(
     let site = w.site();
     infallible(backward_on(
         &HostKernels,
-        plan,
+        std::slice::from_ref(plan),
         &cache.x_bwd,
         cache.n,
         &site,
@@ -784,6 +967,164 @@ mod tests {
             let pw = prepare_weight(&plan(p, b), &w, m, k);
             assert_eq!(pw.bwd_is_fwd(), shared, "{p:?} {b:?}");
             assert_eq!(bits(pw.w_bwd()) == bits(pw.w_fwd()), shared, "{p:?} {b:?}");
+        }
+    }
+
+    /// The host's kernels over stacked blocks: each block quantized and multiplied alone, as a
+    /// device stepping several runs does it.
+    struct Blocked;
+
+    impl SiteKernels for Blocked {
+        type Buf = [f32];
+        type Owned = Vec<f32>;
+        type Counts = QuantStats;
+        type Error = std::convert::Infallible;
+
+        fn copy(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
+            HostKernels.copy(x, len)
+        }
+        fn round_bf16(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
+            HostKernels.round_bf16(x, len)
+        }
+        fn quantize(
+            &self,
+            kind: SiteQuant,
+            x: &[f32],
+            Blocks { rows, cols, batch }: Blocks,
+            fmt: &QuantFormat,
+            mut counts: Option<&mut QuantStats>,
+        ) -> Result<Vec<f32>, Self::Error> {
+            let one = Blocks {
+                rows,
+                cols,
+                batch: 1,
+            };
+            let mut out = Vec::new();
+            for b in 0..batch {
+                let blk = &x[b * rows * cols..(b + 1) * rows * cols];
+                let q = HostKernels.quantize(kind, blk, one, fmt, counts.as_deref_mut())?;
+                assert_eq!(q.len(), rows * cols);
+                out.extend(q);
+            }
+            Ok(out)
+        }
+        fn gemm(
+            &self,
+            (a, a_t): (&[f32], bool),
+            (b, b_t): (&[f32], bool),
+            c: &mut [f32],
+            (r, inner, cc): (usize, usize, usize),
+            batch: usize,
+            accumulate: bool,
+        ) -> Result<(), Self::Error> {
+            let (la, lb, lc) = (r * inner, inner * cc, r * cc);
+            for i in 0..batch {
+                HostKernels.gemm(
+                    (&a[i * la..(i + 1) * la], a_t),
+                    (&b[i * lb..(i + 1) * lb], b_t),
+                    &mut c[i * lc..(i + 1) * lc],
+                    (r, inner, cc),
+                    1,
+                    accumulate,
+                )?;
+            }
+            Ok(())
+        }
+        fn fill_zero(&self, c: &mut [f32]) -> Result<(), Self::Error> {
+            HostKernels.fill_zero(c)
+        }
+        fn alloc(&self, len: usize) -> Result<Vec<f32>, Self::Error> {
+            HostKernels.alloc(len)
+        }
+        fn copy_range(&self, x: &[f32], from: usize, len: usize) -> Result<Vec<f32>, Self::Error> {
+            HostKernels.copy_range(x, from, len)
+        }
+        fn place(
+            &self,
+            dst: &mut [f32],
+            at: usize,
+            src: &[f32],
+            len: usize,
+        ) -> Result<(), Self::Error> {
+            HostKernels.place(dst, at, src, len)
+        }
+    }
+
+    /// Runs of different plans in one stacked site (two blocks a run, like two experts): each
+    /// run's output, kept wgrad operand, dx and dW are bit for bit what a site of its plan alone
+    /// computes over its blocks, whatever the runs beside it. Runs 0 and 1 share a plan, so the
+    /// groups are consecutive runs (4 groups of 5 runs), the FP32 and BF16 groups take the
+    /// no-quantizer branches and the `Quantized` one pads its odd token count.
+    #[test]
+    fn runs_of_different_plans_in_one_site_each_compute_as_their_plan_alone() {
+        let (n, k, m, per_run) = (5, 64, 32, 2);
+        let plans = [
+            plan(Precision::Nvfp4, BackwardMode::Dequantized),
+            plan(Precision::Nvfp4, BackwardMode::Dequantized),
+            plan(Precision::Mxfp8, BackwardMode::Quantized),
+            SitePlan::FP32,
+            plan(Precision::Bf16, BackwardMode::HighPrecision),
+        ];
+        let runs = plans.len();
+        let batch = runs * per_run;
+        assert_eq!(plan_groups(&plans, batch).len(), 4);
+        let (xl, wl, yl) = (n * k, m * k, n * m);
+        let x = data(batch * xl, 0.5);
+        let dy = data(batch * yl, 1.5);
+        let dw0 = data(batch * wl, 2.5);
+        // Each block's weight prepared under its run's plan.
+        let prepared: Vec<PreparedWeight> = (0..batch)
+            .map(|b| prepare_weight(&plans[b / per_run], &data(wl, 3.0 + b as f32), m, k))
+            .collect();
+        let site = |blocks: std::ops::Range<usize>| -> (Vec<f32>, Vec<f32>) {
+            let fwd = blocks
+                .clone()
+                .flat_map(|b| prepared[b].w_fwd().to_vec())
+                .collect();
+            let bwd = blocks.flat_map(|b| prepared[b].w_bwd().to_vec()).collect();
+            (fwd, bwd)
+        };
+        // Forward and backward of blocks `blocks` under `plans`: y, x_bwd, dx, dW.
+        let run = |plans: &[SitePlan], blocks: std::ops::Range<usize>| {
+            let nb = blocks.len();
+            let (fwd, bwd) = site(blocks.clone());
+            let w = SiteWeight {
+                fwd: &fwd[..],
+                bwd: &bwd[..],
+                out_dim: m,
+                in_dim: k,
+                batch: nb,
+            };
+            let xs = &x[blocks.start * xl..blocks.end * xl];
+            let mut y = vec![0.0f32; nb * yl];
+            let kept = infallible(forward_on(&Blocked, plans, xs, n, &w, &mut y, None));
+            let mut dx = vec![0.0f32; nb * xl];
+            let mut dw = dw0[blocks.start * wl..blocks.end * wl].to_vec();
+            let dys = &dy[blocks.start * yl..blocks.end * yl];
+            infallible(backward_on(
+                &Blocked,
+                plans,
+                &kept,
+                n,
+                &w,
+                dys,
+                Some(&mut dx),
+                &mut dw,
+            ));
+            [y, kept, dx, dw]
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let joint = run(&plans, 0..batch);
+        for (r, p) in plans.iter().enumerate() {
+            let blocks = r * per_run..(r + 1) * per_run;
+            let alone = run(std::slice::from_ref(p), blocks.clone());
+            for (i, (what, len)) in [("y", yl), ("x_bwd", xl), ("dx", xl), ("dW", wl)]
+                .into_iter()
+                .enumerate()
+            {
+                let got = &joint[i][blocks.start * len..blocks.end * len];
+                assert_eq!(bits(got), bits(&alone[i]), "run {r} ({p:?}): {what}");
+            }
         }
     }
 }

@@ -81,6 +81,17 @@ fn shape(what: &str, got: usize, want: usize) -> OpResult<()> {
     }
 }
 
+/// The host steps one run at a time: a site has one plan.
+fn one_plan(plans: &[SitePlan]) -> OpResult<&SitePlan> {
+    match plans {
+        [p] => Ok(p),
+        _ => Err(OpError::Shape(format!(
+            "the host steps one run: {} site plans",
+            plans.len()
+        ))),
+    }
+}
+
 impl<'a> Ops for CpuOps<'a> {
     type T = Vec<f32>;
     type Ids = Vec<u32>;
@@ -263,11 +274,12 @@ impl<'a> Ops for CpuOps<'a> {
 
     fn linear(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &Vec<f32>,
         n: usize,
         w: &&'a PreparedWeight,
     ) -> OpResult<(Vec<f32>, LinearCache)> {
+        let plan = one_plan(plan)?;
         shape("linear input", x.len(), n * w.in_dim)?;
         let mut y = vec![0.0f32; n * w.out_dim];
         let c = linear::forward(plan, x, n, w, &mut y);
@@ -276,24 +288,26 @@ impl<'a> Ops for CpuOps<'a> {
 
     fn linear_backward(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         c: &LinearCache,
         w: &&'a PreparedWeight,
         dy: &Vec<f32>,
         dx: Option<&mut Vec<f32>>,
         dw: &mut Vec<f32>,
     ) -> OpResult<()> {
+        let plan = one_plan(plan)?;
         linear::backward(plan, c, w, dy, dx.map(|v| &mut v[..]), dw);
         Ok(())
     }
 
     fn experts_linear(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &Vec<f32>,
         disp: &CpuDispatch,
         w: &&'a [PreparedWeight],
     ) -> OpResult<(Vec<f32>, Vec<LinearCache>)> {
+        let plan = one_plan(plan)?;
         let (k, m) = (w[0].in_dim, w[0].out_dim);
         shape("experts' input", x.len(), disp.rows() * k)?;
         let mut y = vec![0.0f32; disp.rows() * m];
@@ -310,13 +324,14 @@ impl<'a> Ops for CpuOps<'a> {
 
     fn experts_linear_backward(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         c: &Vec<LinearCache>,
         w: &&'a [PreparedWeight],
         dy: &Vec<f32>,
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
     ) -> OpResult<()> {
+        let plan = one_plan(plan)?;
         let (k, m) = (w[0].in_dim, w[0].out_dim);
         let disp_rows: Vec<usize> = c.iter().map(|c| c.n).collect();
         let mut dy_rest: &[f32] = dy;

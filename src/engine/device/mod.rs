@@ -160,10 +160,14 @@ pub trait Ops: Sync {
     ) -> OpResult<Self::T>;
 
     // -- linear layers (quantized per the site's plan) ------------------------------------------
+    // `plan` is the site's plan in each run the op set steps, in run order, or one plan for all
+    // of them ([`crate::engine::model::pass::RunPlans::site`]): runs of different plans share
+    // every op, each run's rows quantized per its own plan.
+
     /// `y[n, m] = x[n, k] · Wᵀ`, with the activations quantized per `plan`.
     fn linear(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &Self::T,
         n: usize,
         w: &Self::Weight,
@@ -171,7 +175,7 @@ pub trait Ops: Sync {
     /// `dx = dy · W` (written when given) and `dW += dyᵀ · x`, per the plan's backward mode.
     fn linear_backward(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         c: &Self::Lin,
         w: &Self::Weight,
         dy: &Self::T,
@@ -181,7 +185,7 @@ pub trait Ops: Sync {
     /// [`Ops::linear`] of every routed expert over its dispatched rows.
     fn experts_linear(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &Self::T,
         d: &Self::Dispatch,
         w: &Self::Experts,
@@ -189,7 +193,7 @@ pub trait Ops: Sync {
     /// [`Ops::linear_backward`] of every routed expert (`dw` stacked `[E, out, in]`).
     fn experts_linear_backward(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         c: &Self::ExpertLin,
         w: &Self::Experts,
         dy: &Self::T,
@@ -197,13 +201,19 @@ pub trait Ops: Sync {
         dw: &mut Self::T,
     ) -> OpResult<()>;
     /// [`Ops::linear`] without what a backward needs (an inference pass).
-    fn apply(&self, plan: &SitePlan, x: &Self::T, n: usize, w: &Self::Weight) -> OpResult<Self::T> {
+    fn apply(
+        &self,
+        plan: &[SitePlan],
+        x: &Self::T,
+        n: usize,
+        w: &Self::Weight,
+    ) -> OpResult<Self::T> {
         self.linear(plan, x, n, w).map(|(y, _)| y)
     }
     /// [`Ops::experts_linear`] without what a backward needs.
     fn apply_experts(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &Self::T,
         d: &Self::Dispatch,
         w: &Self::Experts,

@@ -878,7 +878,7 @@ impl PreparedModel {
             .collect();
         pass::Weights {
             config: self.config.clone(),
-            plan: self.plan.clone(),
+            plans: pass::RunPlans::one(self.plan.clone()),
             wte: &self.wte,
             wpe: &self.wpe,
             layers,

@@ -14,7 +14,7 @@ use super::{ModelConfig, ModelError, Params, Routing, check_layout_inputs, check
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
 use crate::formats::QuantStats;
-use crate::recipe::{LayerPlan, ModelPlan, SitePlan};
+use crate::recipe::{ModelPlan, Site, SitePlan};
 
 /// One block's weights on a device (see `model::PreparedLayer`).
 pub struct LayerWeights<O: Ops> {
@@ -29,10 +29,104 @@ pub struct LayerWeights<O: Ops> {
     pub shared_fc2: O::Weight,
 }
 
-/// A prepared model on a device, with the plan its sites were prepared for.
+/// The precision plans of the runs a pass steps, site by site: each site's plan in every run,
+/// in run order, or one plan for all (a single run, or runs that share their plan). Runs of
+/// different plans share one pass: every op but the quantizers is plan-blind.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunPlans {
+    models: Vec<ModelPlan>,
+    /// `layers[l][s]`: site `Site::ALL[s]` of layer l in each run.
+    layers: Vec<Vec<Vec<SitePlan>>>,
+    output: Vec<SitePlan>,
+}
+
+impl RunPlans {
+    /// One plan for every run.
+    pub fn one(plan: ModelPlan) -> RunPlans {
+        RunPlans::of(vec![plan])
+    }
+
+    /// Run r on `models[r]`; runs that all share a plan keep one copy.
+    pub fn of(mut models: Vec<ModelPlan>) -> RunPlans {
+        assert!(!models.is_empty(), "plans of no runs");
+        if models.iter().all(|m| *m == models[0]) {
+            models.truncate(1);
+        }
+        let layers = (0..models[0].layers.len())
+            .map(|l| {
+                Site::ALL
+                    .iter()
+                    .map(|&s| models.iter().map(|m| *m.layers[l].get(s)).collect())
+                    .collect()
+            })
+            .collect();
+        let output = models.iter().map(|m| m.output_layer).collect();
+        RunPlans {
+            models,
+            layers,
+            output,
+        }
+    }
+
+    /// Each run's plan, or one for every run.
+    pub fn models(&self) -> &[ModelPlan] {
+        &self.models
+    }
+
+    /// Site `s` of layer `l` in each run (or one plan for all).
+    pub fn site(&self, l: usize, s: Site) -> &[SitePlan] {
+        let i = Site::ALL.iter().position(|&x| x == s).expect("a site");
+        &self.layers[l][i]
+    }
+
+    /// Layer `l`'s sites.
+    fn layer(&self, l: usize) -> LayerSites<'_> {
+        LayerSites {
+            plans: self,
+            layer: l,
+        }
+    }
+
+    /// The output layer's plan in each run (or one for all).
+    pub fn output(&self) -> &[SitePlan] {
+        &self.output
+    }
+
+    /// Whether run r's plan is `plans[r]` for every run.
+    pub fn is(&self, plans: &[&ModelPlan]) -> bool {
+        match &self.models[..] {
+            [one] => plans.iter().all(|p| *p == one),
+            all => all.len() == plans.len() && all.iter().zip(plans).all(|(a, b)| a == *b),
+        }
+    }
+
+    /// Runs `keep` of these plans, in that order.
+    pub fn gather(&self, keep: &[usize]) -> RunPlans {
+        match &self.models[..] {
+            [one] => RunPlans::one(one.clone()),
+            all => RunPlans::of(keep.iter().map(|&k| all[k].clone()).collect()),
+        }
+    }
+}
+
+/// One layer's sites in the plans of a pass.
+#[derive(Clone, Copy)]
+struct LayerSites<'a> {
+    plans: &'a RunPlans,
+    layer: usize,
+}
+
+impl<'a> LayerSites<'a> {
+    fn get(&self, s: Site) -> &'a [SitePlan] {
+        self.plans.site(self.layer, s)
+    }
+}
+
+/// A prepared model on a device (each run's copy, on a device stepping several), with the
+/// plans its sites were prepared for.
 pub struct Weights<O: Ops> {
     pub config: ModelConfig,
-    pub plan: ModelPlan,
+    pub plans: RunPlans,
     pub wte: O::Param,
     pub wpe: O::Param,
     pub layers: Vec<LayerWeights<O>>,
@@ -113,7 +207,7 @@ fn shape_err(e: ModelError) -> OpError {
 fn attn_forward<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     cfg: &ModelConfig,
     x: O::T,
     rows: &O::Rows,
@@ -121,9 +215,9 @@ fn attn_forward<O: Ops>(
 ) -> OpResult<(O::T, AttnCache<O>)> {
     let (d, h) = (cfg.d_model, cfg.n_heads);
     let (xn, rstd) = ops.rmsnorm(&x, &w.attn_norm, n, d)?;
-    let (qkv, qkv_lin) = ops.linear(&p.linear_qkv, &xn, n, &w.linear_qkv)?;
+    let (qkv, qkv_lin) = ops.linear(p.get(Site::LinearQkv), &xn, n, &w.linear_qkv)?;
     let (att, probs) = ops.attention(&qkv, rows, h, d)?;
-    let (mut out, proj_lin) = ops.linear(&p.linear_proj, &att, n, &w.linear_proj)?;
+    let (mut out, proj_lin) = ops.linear(p.get(Site::LinearProj), &att, n, &w.linear_proj)?;
     ops.add_into(&mut out, &x, n * d)?;
     let cache = AttnCache {
         x,
@@ -141,7 +235,7 @@ fn attn_forward<O: Ops>(
 fn attn_backward<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     cfg: &ModelConfig,
     c: &AttnCache<O>,
     dh: &mut O::T,
@@ -152,7 +246,7 @@ fn attn_backward<O: Ops>(
     let (d, h) = (cfg.d_model, cfg.n_heads);
     let mut datt = ops.zeros(n * d)?;
     ops.linear_backward(
-        &p.linear_proj,
+        p.get(Site::LinearProj),
         &c.proj_lin,
         &w.linear_proj,
         dh,
@@ -162,7 +256,7 @@ fn attn_backward<O: Ops>(
     let dqkv = ops.attention_backward(&datt, &c.qkv, &c.probs, rows, h, d)?;
     let mut dxn = ops.zeros(n * d)?;
     ops.linear_backward(
-        &p.linear_qkv,
+        p.get(Site::LinearQkv),
         &c.qkv_lin,
         &w.linear_qkv,
         &dqkv,
@@ -185,8 +279,8 @@ fn attn_backward<O: Ops>(
 /// The shared expert: fc1 → SwiGLU → fc2 over `x` `[n, D]`.
 fn shared_forward<O: Ops>(
     ops: &O,
-    (w1, p1): (&O::Weight, &SitePlan),
-    (w2, p2): (&O::Weight, &SitePlan),
+    (w1, p1): (&O::Weight, &[SitePlan]),
+    (w2, p2): (&O::Weight, &[SitePlan]),
     x: &O::T,
     n: usize,
     f: usize,
@@ -201,8 +295,8 @@ fn shared_forward<O: Ops>(
 #[allow(clippy::too_many_arguments)]
 fn shared_backward<O: Ops>(
     ops: &O,
-    (w1, p1): (&O::Weight, &SitePlan),
-    (w2, p2): (&O::Weight, &SitePlan),
+    (w1, p1): (&O::Weight, &[SitePlan]),
+    (w2, p2): (&O::Weight, &[SitePlan]),
     c: &SharedCache<O>,
     dy: &O::T,
     (n, f): (usize, usize),
@@ -219,15 +313,15 @@ fn shared_backward<O: Ops>(
 fn experts_forward<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     xe: &O::T,
     disp: &O::Dispatch,
     f: usize,
 ) -> OpResult<(O::T, ExpertsCache<O>)> {
     let rows = ops.dispatch_rows(disp);
-    let (fc1_out, fc1) = ops.experts_linear(&p.experts_fc1, xe, disp, &w.experts_fc1)?;
+    let (fc1_out, fc1) = ops.experts_linear(p.get(Site::ExpertsFc1), xe, disp, &w.experts_fc1)?;
     let act = ops.swiglu(&fc1_out, rows, f)?;
-    let (y, fc2) = ops.experts_linear(&p.experts_fc2, &act, disp, &w.experts_fc2)?;
+    let (y, fc2) = ops.experts_linear(p.get(Site::ExpertsFc2), &act, disp, &w.experts_fc2)?;
     Ok((y, FfnCache { fc1, fc1_out, fc2 }))
 }
 
@@ -236,7 +330,7 @@ fn experts_forward<O: Ops>(
 fn experts_backward<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     c: &MoeCache<O>,
     dy: &O::T,
     (d, f): (usize, usize),
@@ -245,10 +339,24 @@ fn experts_backward<O: Ops>(
     let rows = ops.dispatch_rows(&c.disp);
     let e = &c.experts;
     let mut dact = ops.zeros(rows * f)?;
-    ops.experts_linear_backward(&p.experts_fc2, &e.fc2, &w.experts_fc2, dy, &mut dact, dw2)?;
+    ops.experts_linear_backward(
+        p.get(Site::ExpertsFc2),
+        &e.fc2,
+        &w.experts_fc2,
+        dy,
+        &mut dact,
+        dw2,
+    )?;
     let dfc1 = ops.swiglu_backward(&dact, &e.fc1_out, rows, f)?;
     let mut dx = ops.zeros(rows * d)?;
-    ops.experts_linear_backward(&p.experts_fc1, &e.fc1, &w.experts_fc1, &dfc1, &mut dx, dw1)?;
+    ops.experts_linear_backward(
+        p.get(Site::ExpertsFc1),
+        &e.fc1,
+        &w.experts_fc1,
+        &dfc1,
+        &mut dx,
+        dw1,
+    )?;
     Ok(dx)
 }
 
@@ -258,7 +366,7 @@ fn experts_backward<O: Ops>(
 fn moe_forward<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     cfg: &ModelConfig,
     x: O::T,
     n: usize,
@@ -266,7 +374,7 @@ fn moe_forward<O: Ops>(
 ) -> OpResult<(O::T, MoeCache<O>)> {
     let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
     let (xn, rstd) = ops.rmsnorm(&x, &w.mlp_norm, n, d)?;
-    let (logits, router_lin) = ops.linear(&p.router, &xn, n, &w.router)?;
+    let (logits, router_lin) = ops.linear(p.get(Site::Router), &xn, n, &w.router)?;
     let (ids, weights) = ops.route(&logits, n, e, k, replay)?;
     let disp = ops.dispatch(&ids, n, k, e)?;
     let xe = ops.gather(&xn, &disp, d)?;
@@ -274,8 +382,8 @@ fn moe_forward<O: Ops>(
         || {
             shared_forward(
                 ops,
-                (&w.shared_fc1, &p.shared_fc1),
-                (&w.shared_fc2, &p.shared_fc2),
+                (&w.shared_fc1, p.get(Site::SharedFc1)),
+                (&w.shared_fc2, p.get(Site::SharedFc2)),
                 &xn,
                 n,
                 cfg.d_ff_shared,
@@ -304,7 +412,7 @@ fn moe_forward<O: Ops>(
 fn moe_backward<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     cfg: &ModelConfig,
     c: &MoeCache<O>,
     dh: &mut O::T,
@@ -327,8 +435,8 @@ fn moe_backward<O: Ops>(
         || {
             shared_backward(
                 ops,
-                (&w.shared_fc1, &p.shared_fc1),
-                (&w.shared_fc2, &p.shared_fc2),
+                (&w.shared_fc1, p.get(Site::SharedFc1)),
+                (&w.shared_fc2, p.get(Site::SharedFc2)),
                 &c.shared,
                 dh_in,
                 (n, cfg.d_ff_shared),
@@ -354,7 +462,7 @@ fn moe_backward<O: Ops>(
     let dlogits = ops.route_backward(&dweights, &c.ids, &c.weights, n, e, k)?;
     let mut dxr = ops.zeros(n * d)?;
     ops.linear_backward(
-        &p.router,
+        p.get(Site::Router),
         &c.router_lin,
         &w.router,
         &dlogits,
@@ -399,7 +507,8 @@ pub fn forward_on<O: Ops>(
     let d = cfg.d_model;
     let mut h = ops.embedding(&toks, &rows, &w.wte, &w.wpe, n, d)?;
     let mut layers = Vec::with_capacity(cfg.n_layers);
-    for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
+    for (l, lw) in w.layers.iter().enumerate() {
+        let p = w.plans.layer(l);
         let (mid, attn) = attn_forward(ops, lw, p, cfg, h, &rows, n)?;
         let r = replay.map(|r| r.layers[l].as_slice());
         let (out, moe) = moe_forward(ops, lw, p, cfg, mid, n, r)?;
@@ -407,7 +516,7 @@ pub fn forward_on<O: Ops>(
         h = out;
     }
     let (hn, final_rstd) = ops.rmsnorm(&h, &w.final_norm, n, d)?;
-    let (logits, out_lin) = ops.linear(&w.plan.output_layer, &hn, n, &w.output_layer)?;
+    let (logits, out_lin) = ops.linear(w.plans.output(), &hn, n, &w.output_layer)?;
     let logits = ops.to_host(&logits, n * cfg.vocab)?;
     let ids: Vec<&O::Ids> = layers.iter().map(|l| &l.moe.ids).collect();
     let routing = routing_to_host(ops, cfg, &ids, n)?;
@@ -578,7 +687,7 @@ pub fn backward_on_device<O: Ops>(
     let dl = ops.upload(dlogits)?;
     let mut dhn = ops.zeros(n * d)?;
     ops.linear_backward(
-        &w.plan.output_layer,
+        w.plans.output(),
         &c.out_lin,
         &w.output_layer,
         &dl,
@@ -598,7 +707,7 @@ pub fn backward_on_device<O: Ops>(
         d,
     )?;
     for l in (0..cfg.n_layers).rev() {
-        let (lw, p, lc, g) = (&w.layers[l], &w.plan.layers[l], &c.layers[l], &mut grads[l]);
+        let (lw, p, lc, g) = (&w.layers[l], w.plans.layer(l), &c.layers[l], &mut grads[l]);
         moe_backward(ops, lw, p, cfg, &lc.moe, &mut dh, g, n)?;
         attn_backward(ops, lw, p, cfg, &lc.attn, &mut dh, g, &c.rows, n)?;
     }
@@ -631,7 +740,7 @@ fn ffn_infer<O: Ops>(
 fn moe_infer<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     cfg: &ModelConfig,
     x: &O::T,
     n: usize,
@@ -639,7 +748,7 @@ fn moe_infer<O: Ops>(
 ) -> OpResult<(O::T, O::Ids)> {
     let (d, e, k) = (cfg.d_model, cfg.n_experts, cfg.top_k);
     let (xn, _) = ops.rmsnorm(x, &w.mlp_norm, n, d)?;
-    let logits = ops.apply(&p.router, &xn, n, &w.router)?;
+    let logits = ops.apply(p.get(Site::Router), &xn, n, &w.router)?;
     let (ids, weights) = ops.route(&logits, n, e, k, replay)?;
     let disp = ops.dispatch(&ids, n, k, e)?;
     let xe = ops.gather(&xn, &disp, d)?;
@@ -650,8 +759,8 @@ fn moe_infer<O: Ops>(
                 ops,
                 n,
                 cfg.d_ff_shared,
-                |x| ops.apply(&p.shared_fc1, x, n, &w.shared_fc1),
-                |x| ops.apply(&p.shared_fc2, x, n, &w.shared_fc2),
+                |x| ops.apply(p.get(Site::SharedFc1), x, n, &w.shared_fc1),
+                |x| ops.apply(p.get(Site::SharedFc2), x, n, &w.shared_fc2),
                 &xn,
             )
         },
@@ -660,8 +769,8 @@ fn moe_infer<O: Ops>(
                 ops,
                 rows,
                 cfg.d_ff,
-                |x| ops.apply_experts(&p.experts_fc1, x, &disp, &w.experts_fc1),
-                |x| ops.apply_experts(&p.experts_fc2, x, &disp, &w.experts_fc2),
+                |x| ops.apply_experts(p.get(Site::ExpertsFc1), x, &disp, &w.experts_fc1),
+                |x| ops.apply_experts(p.get(Site::ExpertsFc2), x, &disp, &w.experts_fc2),
                 &xe,
             )
         },
@@ -675,7 +784,7 @@ fn moe_infer<O: Ops>(
 fn attn_infer<O: Ops>(
     ops: &O,
     w: &LayerWeights<O>,
-    p: &LayerPlan,
+    p: LayerSites<'_>,
     cfg: &ModelConfig,
     x: &O::T,
     n: usize,
@@ -683,9 +792,9 @@ fn attn_infer<O: Ops>(
 ) -> OpResult<O::T> {
     let d = cfg.d_model;
     let (xn, _) = ops.rmsnorm(x, &w.attn_norm, n, d)?;
-    let qkv = ops.apply(&p.linear_qkv, &xn, n, &w.linear_qkv)?;
+    let qkv = ops.apply(p.get(Site::LinearQkv), &xn, n, &w.linear_qkv)?;
     let att = attend(&qkv)?;
-    let mut out = ops.apply(&p.linear_proj, &att, n, &w.linear_proj)?;
+    let mut out = ops.apply(p.get(Site::LinearProj), &att, n, &w.linear_proj)?;
     ops.add_into(&mut out, x, n * d)?;
     Ok(out)
 }
@@ -706,7 +815,8 @@ fn infer_rows<O: Ops>(
     let d = cfg.d_model;
     let mut x = ops.embedding(toks, rows, &w.wte, &w.wpe, n, d)?;
     let mut ids = Vec::with_capacity(cfg.n_layers);
-    for (l, (lw, p)) in w.layers.iter().zip(&w.plan.layers).enumerate() {
+    for (l, lw) in w.layers.iter().enumerate() {
+        let p = w.plans.layer(l);
         let mid = attn_infer(ops, lw, p, cfg, &x, n, |qkv| attend(l, qkv))?;
         let r = replay.map(|r| r.layers[l].as_slice());
         let (out, layer_ids) = moe_infer(ops, lw, p, cfg, &mid, n, r)?;
@@ -714,7 +824,7 @@ fn infer_rows<O: Ops>(
         x = out;
     }
     let (hn, _) = ops.rmsnorm(&x, &w.final_norm, n, d)?;
-    let logits = ops.apply(&w.plan.output_layer, &hn, n, &w.output_layer)?;
+    let logits = ops.apply(w.plans.output(), &hn, n, &w.output_layer)?;
     let logits = ops.to_host(&logits, n * cfg.vocab)?;
     let ids: Vec<&O::Ids> = ids.iter().collect();
     Ok((logits, routing_to_host(ops, cfg, &ids, n)?))

@@ -1,10 +1,12 @@
 //! Several runs stepped at once on one GPU: [`CudaBackend`]'s `*_batch` calls. The runs of a
-//! batch share the model's shape; those that also share a precision plan run as ONE pass of
-//! `model::pass` over an op set stepping them together ([`GpuOps::set_runs`]): their models
-//! stacked on the device ([`GpuOps::upload_models`]), each run's rows a block of every tensor,
-//! one launch per op for all of them, every GEMM one strided batched GEMM (the routed experts:
-//! runs · E blocks). Runs with another plan form a pass of their own; a batch of one run is the
-//! single-run pass (`ResidentPass`, `ResidentDecoder`, the cached reference upload).
+//! batch share the model's shape and run as ONE pass of `model::pass` over an op set stepping
+//! them together ([`GpuOps::set_runs`]): their models stacked on the device
+//! ([`GpuOps::upload_models`]), each run's rows a block of every tensor, one launch per op for
+//! all of them, every GEMM one strided batched GEMM (the routed experts: runs · E blocks). Runs
+//! of different precision plans share that pass: only a site's quantizers depend on the plan,
+//! and they run once per group of consecutive runs of one plan (`engine::linear::forward_on`);
+//! a batch of one run is the single-run pass (`ResidentPass`, `ResidentDecoder`, the cached
+//! reference upload).
 //!
 //! What a run computes does not depend on its neighbours: every op is per row or per run
 //! (norm gains, embedding tables and weights are the run's own; the expert batch, each
@@ -27,18 +29,13 @@ use crate::engine::backend::{
 };
 use crate::engine::device::{OpError, Ops};
 use crate::engine::layout::Layout;
-use crate::engine::model::pass::{self, Cache, Weights};
+use crate::engine::model::pass::{self, Cache, RunPlans, Weights};
 use crate::engine::model::{Params, PreparedModel, Routing, check_layout_inputs, quant_sites};
 use crate::formats::QuantStats;
 use std::sync::{Arc, OnceLock};
 
 /// A token id the embedding turns into a zero row (`PAD_ROW` in the kernels' prelude).
 const PAD_ROW: u32 = u32::MAX;
-
-/// Member indices grouped by precision plan, groups in order of first appearance.
-fn by_plan(preps: &[&PreparedModel]) -> Vec<Vec<usize>> {
-    groups_of(preps, |a, b| a.plan == b.plan)
-}
 
 /// Indices of `items` grouped by `same` (an equivalence), groups in order of first appearance
 /// and each in item order.
@@ -253,7 +250,7 @@ impl CudaBackend {
         out
     }
 
-    /// [`crate::engine::backend::Backend::forward_logits_batch`]: one pass per plan.
+    /// [`crate::engine::backend::Backend::forward_logits_batch`]: one pass for every run.
     pub(super) fn forward_logits_runs(
         &self,
         items: &[ForwardItem<'_>],
@@ -264,32 +261,27 @@ impl CudaBackend {
                 self.forward_logits(i.prep, i.tokens, i.layout, i.replay)?,
             ]);
         }
-        let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
-        let mut out: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
-        for group in by_plan(&preps) {
-            let its: Vec<&ForwardItem<'_>> = group.iter().map(|&i| &items[i]).collect();
-            check_items(&its)?;
-            let cfg = &its[0].prep.config;
-            let joint = JointRows::new(&its);
-            let logits = self.with_runs(its.len(), |ops| {
-                let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
-                let (key, model) = self.inference_model(ops, &members)?;
-                let rows = joint.upload(ops)?;
-                let toks = ops.ids(&joint.tokens)?;
-                let replay = joint.replay(&its, cfg.top_k, cfg.n_layers);
-                let (logits, _) =
-                    pass::infer_on(ops, &model, &toks, &rows, joint.n(), replay.as_ref())?;
-                self.hold_model(key, model);
-                Ok(logits)
-            })?;
-            for (m, &i) in group.iter().enumerate() {
-                out[i] = joint.take(&logits, m, cfg.vocab);
-            }
-        }
-        Ok(out)
+        let its: Vec<&ForwardItem<'_>> = items.iter().collect();
+        check_items(&its)?;
+        let cfg = &its[0].prep.config;
+        let joint = JointRows::new(&its);
+        let logits = self.with_runs(its.len(), |ops| {
+            let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
+            let (key, model) = self.inference_model(ops, &members)?;
+            let rows = joint.upload(ops)?;
+            let toks = ops.ids(&joint.tokens)?;
+            let replay = joint.replay(&its, cfg.top_k, cfg.n_layers);
+            let (logits, _) =
+                pass::infer_on(ops, &model, &toks, &rows, joint.n(), replay.as_ref())?;
+            self.hold_model(key, model);
+            Ok(logits)
+        })?;
+        Ok((0..its.len())
+            .map(|m| joint.take(&logits, m, cfg.vocab))
+            .collect())
     }
 
-    /// [`crate::engine::backend::Backend::train_forward_batch`]: one pass per plan.
+    /// [`crate::engine::backend::Backend::train_forward_batch`]: one pass for every run.
     pub(super) fn train_forward_runs<'a>(
         &'a self,
         items: &[ForwardItem<'a>],
@@ -299,21 +291,11 @@ impl CudaBackend {
             let pass = self.train_forward(i.prep, i.tokens, i.layout, i.replay)?;
             return Ok(Box::new(LoopBatch(vec![pass])));
         }
-        let preps: Vec<&PreparedModel> = items.iter().map(|i| i.prep).collect();
-        let groups = by_plan(&preps);
-        let mut parts = Vec::with_capacity(groups.len());
-        let mut index = vec![(0, 0); items.len()];
-        for (g, group) in groups.iter().enumerate() {
-            let its: Vec<&ForwardItem<'_>> = group.iter().map(|&i| &items[i]).collect();
-            parts.push(GpuTrainBatch::new(self, &its, counts)?);
-            for (m, &i) in group.iter().enumerate() {
-                index[i] = (g, m);
-            }
-        }
-        Ok(Box::new(Grouped { parts, index }))
+        let its: Vec<&ForwardItem<'_>> = items.iter().collect();
+        Ok(Box::new(GpuTrainBatch::new(self, &its, counts)?))
     }
 
-    /// [`crate::engine::backend::Backend::decoder_batch`]: one decoder per plan.
+    /// [`crate::engine::backend::Backend::decoder_batch`]: one decoder for every run.
     pub(super) fn decoder_runs<'a>(
         &'a self,
         preps: &[&'a PreparedModel],
@@ -325,17 +307,9 @@ impl CudaBackend {
                 self.decoder(p, seqs, positions)?,
             ])));
         }
-        let groups = by_plan(preps);
-        let parts = groups
-            .iter()
-            .map(|g| {
-                let members: Vec<&PreparedModel> = g.iter().map(|&i| preps[i]).collect();
-                GpuBatchDecoder::new(self, &members, seqs, positions)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
         Ok(Box::new(GroupedDecoder {
-            parts,
-            groups,
+            parts: vec![GpuBatchDecoder::new(self, preps, seqs, positions)?],
+            groups: vec![(0..preps.len()).collect()],
             members: preps.len(),
         }))
     }
@@ -435,7 +409,7 @@ pub struct TrainPassTimes {
 }
 
 impl CudaBackend {
-    /// [`TrainPassTimes`] of `items` (one precision plan) over `reps` passes each way, with
+    /// [`TrainPassTimes`] of `items` over `reps` passes each way, with
     /// dL/dlogits `dlogits` (every run's rows, padded as the batch lays them out: see
     /// [`CudaBackend::train_pass_rows`]).
     pub fn train_pass_times(
@@ -446,7 +420,6 @@ impl CudaBackend {
     ) -> Result<TrainPassTimes, OpError> {
         let its: Vec<&ForwardItem> = items.iter().collect();
         check_items(&its)?;
-        // One plan: `upload_models` refuses stacks of several.
         let members: Vec<&PreparedModel> = its.iter().map(|i| i.prep).collect();
         let joint = JointRows::new(&its);
         // Counting each run's activations, as the trainer's first forward of a step does.
@@ -480,11 +453,12 @@ impl CudaBackend {
                 .map_err(|e| OpError::Shape(e.to_string()))?;
             let refs: Vec<&Params> = params.iter().collect();
             let master = ops.upload_params(&refs)?;
-            let (cfg, plan) = (&members[0].config, &members[0].plan);
+            let cfg = &members[0].config;
+            let plans = RunPlans::of(members.iter().map(|m| m.plan.clone()).collect());
             let mut prepared = Vec::new();
             for _ in 0..reps.max(1) {
                 let t0 = std::time::Instant::now();
-                let model = ops.prepare_models(cfg, plan, &master, members.len())?;
+                let model = ops.prepare_models(cfg, &plans, &master, members.len())?;
                 let (_, cache) = forward_members(ops, &model, &its, &joint)?;
                 let grads = pass::backward_on_device(ops, &model, &cache, dlogits)?;
                 ops.stream().synchronize().map_err(CudaError::from)?;
@@ -499,8 +473,7 @@ impl CudaBackend {
         })
     }
 
-    /// The training pass of `items` (one precision plan; their prepared models give only the
-    /// plan) with every run's weights prepared on the GPU from `masters` (uploaded stacked, then
+    /// The training pass of `items` (their prepared models give only the plans) with every run's weights prepared on the GPU from `masters` (uploaded stacked, then
     /// `GpuOps::prepare_models`) instead of uploaded from the host: each run's logits and its
     /// gradients for `dlogits` (laid out as [`CudaBackend::train_pass_rows`] says). With
     /// `masters[i]` the parameters `items[i].prep` was prepared from, these are the batched
@@ -521,10 +494,11 @@ impl CudaBackend {
             )));
         }
         let joint = JointRows::new(&its);
-        let (cfg, plan) = (&its[0].prep.config, &its[0].prep.plan);
+        let cfg = &its[0].prep.config;
+        let plans = RunPlans::of(its.iter().map(|i| i.prep.plan.clone()).collect());
         self.with_runs(its.len(), |ops| {
             let master = ops.upload_params(masters)?;
-            let model = ops.prepare_models(cfg, plan, &master, its.len())?;
+            let model = ops.prepare_models(cfg, &plans, &master, its.len())?;
             let (all, cache) = forward_members(ops, &model, &its, &joint)?;
             let grads = pass::backward_runs(ops, &model, &cache, dlogits)?;
             let logits = (0..its.len())
@@ -542,7 +516,7 @@ impl CudaBackend {
     }
 }
 
-/// The training forward of the runs of one plan, kept for their backward.
+/// The training forward of a batch's runs, kept for their backward.
 struct GpuTrainBatch<'a> {
     backend: &'a CudaBackend,
     ops: Option<GpuOps>,
@@ -658,46 +632,7 @@ impl Drop for GpuTrainBatch<'_> {
     }
 }
 
-/// Plan groups of a batch behind one [`TrainBatch`]: member i is `index[i]` = (group, member).
-struct Grouped<'a> {
-    parts: Vec<GpuTrainBatch<'a>>,
-    index: Vec<(usize, usize)>,
-}
-
-impl TrainBatch for Grouped<'_> {
-    fn members(&self) -> usize {
-        self.index.len()
-    }
-
-    fn logits(&self, m: usize) -> &[f32] {
-        let (g, i) = self.index[m];
-        self.parts[g].logits(i)
-    }
-
-    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
-        let (g, i) = self.index[m];
-        self.parts[g].quant_stats(i)
-    }
-
-    fn backward(&self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Params>> {
-        let mut out: Vec<Option<Params>> = (0..self.index.len()).map(|_| None).collect();
-        for (g, part) in self.parts.iter().enumerate() {
-            let mine: Vec<usize> = (0..self.index.len())
-                .filter(|&m| self.index[m].0 == g)
-                .collect();
-            if mine.iter().all(|&m| dlogits[m].is_none()) {
-                continue;
-            }
-            let d: Vec<Option<&[f32]>> = mine.iter().map(|&m| dlogits[m]).collect();
-            for (m, p) in mine.iter().zip(part.backward(&d)) {
-                out[*m] = p;
-            }
-        }
-        out
-    }
-}
-
-/// The decoders of the runs of one plan: one KV cache holding every run's sequences in turn.
+/// The decoders of a batch's runs: one KV cache holding every run's sequences in turn.
 struct GpuBatchDecoder<'a> {
     backend: &'a CudaBackend,
     ops: Option<GpuOps>,
@@ -810,7 +745,8 @@ impl Drop for GpuBatchDecoder<'_> {
     }
 }
 
-/// Plan groups of a batch's decoders behind one [`BatchDecoder`].
+/// Decoders of groups of a batch's runs (the export stacks they read) behind one
+/// [`BatchDecoder`].
 struct GroupedDecoder<'a> {
     parts: Vec<GpuBatchDecoder<'a>>,
     groups: Vec<Vec<usize>>,

@@ -32,11 +32,11 @@ use super::{CudaDevice, CudaError};
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
 use crate::engine::linear::{self, Blocks, PreparedWeight};
-use crate::engine::model::pass::{LayerWeights, Weights};
+use crate::engine::model::pass::{LayerWeights, RunPlans, Weights};
 use crate::engine::model::{ModelConfig, Params, PreparedModel};
 use crate::engine::ops::RMSNORM_EPS;
 use crate::formats::QuantStats;
-use crate::recipe::{ModelPlan, SitePlan};
+use crate::recipe::{Site, SitePlan};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig, PushKernelArg,
 };
@@ -245,12 +245,9 @@ impl GpuOps {
         let first = *preps
             .first()
             .ok_or_else(|| shape("upload: no models".into()))?;
-        if preps
-            .iter()
-            .any(|p| p.config != first.config || p.plan != first.plan)
-        {
+        if preps.iter().any(|p| p.config != first.config) {
             return Err(shape(
-                "upload: models stepped together need one shape and one precision plan".into(),
+                "upload: models stepped together need one shape".into(),
             ));
         }
         // Every run's tensor `f(prep)` as one group, and every run's weights of a site.
@@ -331,7 +328,7 @@ impl GpuOps {
             .collect();
         Ok(Weights {
             config: first.config.clone(),
-            plan: first.plan.clone(),
+            plans: RunPlans::of(preps.iter().map(|p| p.plan.clone()).collect()),
             wte,
             wpe,
             layers,
@@ -365,23 +362,30 @@ impl GpuOps {
     }
 
     /// The training copy [`GpuOps::upload_models`] would make of `PreparedModel::new(params, plan)`
-    /// for each of `runs` runs, made on the device from their master weights `master`: the
-    /// tensors of `Params::named_tensors`, in that order, each holding every run's copy back to
-    /// back (the stacking of `upload_models`, so the passes read it the same way). The weights
-    /// never cross the bus; the operands are `upload_models`' bit for bit (`tests/cuda_linear.rs`).
+    /// for each of `runs` runs (run r on its plan in `plans`), made on the device from their
+    /// master weights `master`: the tensors of `Params::named_tensors`, in that order, each
+    /// holding every run's copy back to back (the stacking of `upload_models`, so the passes read
+    /// it the same way). The weights never cross the bus; the operands are `upload_models'` bit
+    /// for bit (`tests/cuda_batch.rs`).
     pub fn prepare_models(
         &self,
         cfg: &ModelConfig,
-        plan: &ModelPlan,
+        plans: &RunPlans,
         master: &[CudaSlice<f32>],
         runs: usize,
     ) -> Result<Weights<GpuOps>, CudaError> {
         let shapes = cfg.named_shapes();
-        if master.len() != shapes.len() || plan.layers.len() != cfg.n_layers {
+        let models = plans.models();
+        if master.len() != shapes.len()
+            || models.iter().any(|m| m.layers.len() != cfg.n_layers)
+            || (models.len() != 1 && models.len() != runs)
+        {
             return Err(shape(format!(
-                "prepare: {} master tensors and {} plan layers for a model of {} tensors, {} layers",
+                "prepare: {} master tensors and {} plans of {} layers for {runs} runs of a model \
+                 of {} tensors, {} layers",
                 master.len(),
-                plan.layers.len(),
+                models.len(),
+                models[0].layers.len(),
                 shapes.len(),
                 cfg.n_layers
             )));
@@ -403,8 +407,8 @@ impl GpuOps {
             }
             Ok(out)
         };
-        let weight = |p: &SitePlan, t: &CudaSlice<f32>, stack: usize, out: usize, inp: usize| {
-            let prepared = self.lin.prepare_stacked(p, t, runs * stack, out, inp)?;
+        let weight = |p: &[SitePlan], t: &CudaSlice<f32>, stack: usize, out: usize, inp: usize| {
+            let prepared = self.lin.prepare_runs(p, t, (runs, stack), out, inp)?;
             Ok::<_, CudaError>(DeviceWeight::from_prepared(
                 prepared,
                 runs * stack,
@@ -414,36 +418,34 @@ impl GpuOps {
         };
         let (v, d, e) = (cfg.vocab, cfg.d_model, cfg.n_experts);
         let (f, fs) = (cfg.d_ff, cfg.d_ff_shared);
-        let layers = plan
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(l, p)| {
+        let layers = (0..cfg.n_layers)
+            .map(|l| {
                 // Per layer, in `named_shapes` order: attn norm, qkv, proj, mlp norm, router,
                 // experts fc1, experts fc2, shared fc1, shared fc2.
                 let t = &master[2 + 9 * l..2 + 9 * (l + 1)];
+                let p = |site: Site| plans.site(l, site);
                 Ok(LayerWeights {
                     attn_norm: copy(&t[0], d)?,
-                    linear_qkv: weight(&p.linear_qkv, &t[1], 1, 3 * d, d)?,
-                    linear_proj: weight(&p.linear_proj, &t[2], 1, d, d)?,
+                    linear_qkv: weight(p(Site::LinearQkv), &t[1], 1, 3 * d, d)?,
+                    linear_proj: weight(p(Site::LinearProj), &t[2], 1, d, d)?,
                     mlp_norm: copy(&t[3], d)?,
-                    router: weight(&p.router, &t[4], 1, e, d)?,
-                    experts_fc1: weight(&p.experts_fc1, &t[5], e, 2 * f, d)?,
-                    experts_fc2: weight(&p.experts_fc2, &t[6], e, d, f)?,
-                    shared_fc1: weight(&p.shared_fc1, &t[7], 1, 2 * fs, d)?,
-                    shared_fc2: weight(&p.shared_fc2, &t[8], 1, d, fs)?,
+                    router: weight(p(Site::Router), &t[4], 1, e, d)?,
+                    experts_fc1: weight(p(Site::ExpertsFc1), &t[5], e, 2 * f, d)?,
+                    experts_fc2: weight(p(Site::ExpertsFc2), &t[6], e, d, f)?,
+                    shared_fc1: weight(p(Site::SharedFc1), &t[7], 1, 2 * fs, d)?,
+                    shared_fc2: weight(p(Site::SharedFc2), &t[8], 1, d, fs)?,
                 })
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
         let tail = 2 + 9 * cfg.n_layers;
         Ok(Weights {
             config: cfg.clone(),
-            plan: plan.clone(),
+            plans: plans.clone(),
             wte: copy(&master[0], v * d)?,
             wpe: copy(&master[1], cfg.max_seq * d)?,
             layers,
             final_norm: copy(&master[tail], d)?,
-            output_layer: weight(&plan.output_layer, &master[tail + 1], 1, v, d)?,
+            output_layer: weight(plans.output(), &master[tail + 1], 1, v, d)?,
         })
     }
 
@@ -483,7 +485,7 @@ impl GpuOps {
             .collect::<Result<Vec<_>, CudaError>>()?;
         Ok(Weights {
             config: cfg.clone(),
-            plan: w.plan.clone(),
+            plans: w.plans.gather(keep),
             wte: param(&w.wte, cfg.vocab * d)?,
             wpe: param(&w.wpe, cfg.max_seq * d)?,
             layers,
@@ -495,28 +497,49 @@ impl GpuOps {
     /// [`CudaLinear::forward_counted`] into a fresh count buffer (`n` rows per weight block),
     /// three counts per run. Stepping several runs, the forward runs once for all of them and
     /// each run's activations are counted on their own (a count is a sum over a run's blocks).
+    /// `plans` as this op set's sites take them: one per run, or one for all.
+    fn site_plans<'p>(&self, plans: &'p [SitePlan]) -> OpResult<&'p [SitePlan]> {
+        if plans.len() == 1 || plans.len() == self.runs {
+            Ok(plans)
+        } else {
+            Err(shape(format!(
+                "linear: {} site plans for {} runs",
+                plans.len(),
+                self.runs
+            ))
+            .into())
+        }
+    }
+
     fn linear_counted(
         &self,
-        plan: &SitePlan,
+        plans: &[SitePlan],
         x: &CudaSlice<f32>,
         n: usize,
         w: &DeviceWeight,
     ) -> OpResult<(CudaSlice<f32>, GpuLin)> {
         let s = &self.stream;
+        let plans = self.site_plans(plans)?;
         let mut counts = s
             .alloc_zeros::<u64>(3 * self.runs)
             .map_err(CudaError::from)?;
         if self.runs == 1 {
-            let (y, cache) = self.lin.forward_counted(plan, x, n, w, Some(&mut counts))?;
+            let (y, cache) = self
+                .lin
+                .forward_counted(&plans[0], x, n, w, Some(&mut counts))?;
             return Ok((y, GpuLin { cache, counts }));
         }
-        let (y, cache) = self.lin.forward(plan, x, n, w)?;
-        if self.run_counts && plan.activation_format().is_some() && n > 0 {
+        let (y, cache) = self.lin.forward(plans, x, n, w)?;
+        if self.run_counts && n > 0 {
             let blocks = w.batch() / self.runs;
             let len = blocks * n * w.in_dim();
             let mut xr = self.output(len)?;
             let mut acc = s.alloc_zeros::<u64>(3).map_err(CudaError::from)?;
             for r in 0..self.runs {
+                let plan = &plans[r % plans.len()];
+                if plan.activation_format().is_none() {
+                    continue;
+                }
                 s.memcpy_dtod(&x.slice(r * len..(r + 1) * len), &mut xr)
                     .map_err(CudaError::from)?;
                 s.memset_zeros(&mut acc).map_err(CudaError::from)?;
@@ -913,7 +936,7 @@ impl Ops for GpuOps {
 
     fn linear(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &CudaSlice<f32>,
         n: usize,
         w: &DeviceWeight,
@@ -923,19 +946,21 @@ impl Ops for GpuOps {
 
     fn linear_backward(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         c: &GpuLin,
         w: &DeviceWeight,
         dy: &CudaSlice<f32>,
         dx: Option<&mut CudaSlice<f32>>,
         dw: &mut CudaSlice<f32>,
     ) -> OpResult<()> {
-        Ok(self.lin.backward(plan, &c.cache, w, dy, dx, dw)?)
+        Ok(self
+            .lin
+            .backward(self.site_plans(plan)?, &c.cache, w, dy, dx, dw)?)
     }
 
     fn experts_linear(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &CudaSlice<f32>,
         disp: &GpuDispatch,
         w: &DeviceWeight,
@@ -945,34 +970,37 @@ impl Ops for GpuOps {
 
     fn experts_linear_backward(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         c: &GpuLin,
         w: &DeviceWeight,
         dy: &CudaSlice<f32>,
         dx: &mut CudaSlice<f32>,
         dw: &mut CudaSlice<f32>,
     ) -> OpResult<()> {
-        Ok(self.lin.backward(plan, &c.cache, w, dy, Some(dx), dw)?)
+        Ok(self
+            .lin
+            .backward(self.site_plans(plan)?, &c.cache, w, dy, Some(dx), dw)?)
     }
 
     fn apply(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &CudaSlice<f32>,
         n: usize,
         w: &DeviceWeight,
     ) -> OpResult<CudaSlice<f32>> {
-        Ok(self.lin.apply(plan, x, self.run_rows("linear", n)?, w)?)
+        let rows = self.run_rows("linear", n)?;
+        Ok(self.lin.apply(self.site_plans(plan)?, x, rows, w)?)
     }
 
     fn apply_experts(
         &self,
-        plan: &SitePlan,
+        plan: &[SitePlan],
         x: &CudaSlice<f32>,
         disp: &GpuDispatch,
         w: &DeviceWeight,
     ) -> OpResult<CudaSlice<f32>> {
-        Ok(self.lin.apply(plan, x, disp.cap, w)?)
+        Ok(self.lin.apply(self.site_plans(plan)?, x, disp.cap, w)?)
     }
 
     /// Site-major, each site's runs in order (`model::pass::quant_stats`).

@@ -9,16 +9,17 @@
 //! [`Backend::holds_training`]: crate::engine::backend::Backend::holds_training
 
 use super::CudaBackend;
-use super::batch::{JointRows, counts_per_run, forward_members, groups_of};
+use super::batch::{JointRows, counts_per_run, forward_members};
 use super::device_ops::GpuOps;
 use super::optim::{GpuOptim, StateTensor};
 use super::{CudaDevice, CudaError};
 use crate::engine::backend::{Backend, Counts, HeldBatch, HeldExport, HeldItem, HeldRun};
 use crate::engine::device::OpError;
-use crate::engine::model::pass::{self, Cache, Weights};
+use crate::engine::model::pass::{self, Cache, RunPlans, Weights};
 use crate::engine::model::{ModelConfig, Params, check_layout_inputs};
 use crate::engine::optim::AdamStep;
 use crate::formats::QuantStats;
+use crate::recipe::ModelPlan;
 use cudarc::driver::CudaSlice;
 use std::any::Any;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -198,72 +199,56 @@ impl HeldPool {
 }
 
 impl CudaBackend {
-    /// [`crate::engine::backend::Backend::held_forward_batch`]: one pass per precision plan.
+    /// [`crate::engine::backend::Backend::held_forward_batch`]: one pass for every run.
     pub(super) fn held_forward_runs<'a>(
         &'a self,
         items: &[HeldItem<'_>],
         counts: Counts,
     ) -> Result<Box<dyn HeldBatch + 'a>, OpError> {
-        let groups = groups_of(items, |a, b| a.plan == b.plan);
-        let mut parts = Vec::with_capacity(groups.len());
-        let mut index = vec![(0, 0); items.len()];
-        for (g, group) in groups.iter().enumerate() {
-            let its: Vec<&HeldItem<'_>> = group.iter().map(|&i| &items[i]).collect();
-            parts.push(HeldPart::new(self, &its, counts)?);
-            for (m, &i) in group.iter().enumerate() {
-                index[i] = (g, m);
-            }
-        }
-        Ok(Box::new(HeldParts { parts, index }))
+        let its: Vec<&HeldItem<'_>> = items.iter().collect();
+        Ok(Box::new(HeldPart::new(self, &its, counts)?))
     }
 
-    /// [`crate::engine::backend::Backend::held_export`]: one stack per plan, prepared from the
-    /// held masters (runs not held yet taken on first) and complete when this returns.
+    /// [`crate::engine::backend::Backend::held_export`]: one stack of every run, prepared from
+    /// the held masters (runs not held yet taken on first) and complete when this returns.
     pub(super) fn held_export_runs(
         &self,
         runs: &[HeldRun<'_>],
     ) -> Result<Vec<HeldExport>, OpError> {
-        let groups = groups_of(runs, |a, b| a.plan == b.plan);
-        let mut out: Vec<Option<HeldExport>> = vec![None; runs.len()];
-        for group in groups {
-            let cfg = runs[group[0]].params.config.clone();
-            if group.iter().any(|&i| runs[i].params.config != cfg) {
-                return Err(OpError::Shape(
-                    "held runs exported together need one model shape".into(),
-                ));
-            }
-            let its: Vec<(u64, &Params)> = group
-                .iter()
-                .map(|&i| (runs[i].run, runs[i].params))
-                .collect();
-            let mut ops = self.take_ops()?;
-            ops.set_runs(its.len());
-            let made = self.held.take(&ops, &its).and_then(|g| {
-                let model = ops
-                    .prepare_models(&cfg, runs[group[0]].plan, &g.master, its.len())
-                    .and_then(|m| {
-                        // Complete before any other stream reads it, or an update rewrites
-                        // the masters it is made from.
-                        ops.stream().synchronize()?;
-                        Ok(m)
-                    });
-                self.held.give(g);
-                model
-            });
-            self.give_ops(ops);
-            let model = Arc::new(made?);
-            self.note_held_exports(its.len());
-            let stack: Arc<dyn Any + Send + Sync> = Arc::new(ExportStack {
-                model,
-                runs: its.len(),
-            });
-            for (m, &i) in group.iter().enumerate() {
-                out[i] = Some(HeldExport::new(Arc::clone(&stack), m, cfg.clone()));
-            }
+        let Some(first) = runs.first() else {
+            return Ok(Vec::new());
+        };
+        let cfg = first.params.config.clone();
+        if runs.iter().any(|r| r.params.config != cfg) {
+            return Err(OpError::Shape(
+                "held runs exported together need one model shape".into(),
+            ));
         }
-        Ok(out
-            .into_iter()
-            .map(|e| e.expect("every run in one group"))
+        let its: Vec<(u64, &Params)> = runs.iter().map(|r| (r.run, r.params)).collect();
+        let plans = RunPlans::of(runs.iter().map(|r| r.plan.clone()).collect());
+        let mut ops = self.take_ops()?;
+        ops.set_runs(its.len());
+        let made = self.held.take(&ops, &its).and_then(|g| {
+            let model = ops
+                .prepare_models(&cfg, &plans, &g.master, its.len())
+                .and_then(|m| {
+                    // Complete before any other stream reads it, or an update rewrites the
+                    // masters it is made from.
+                    ops.stream().synchronize()?;
+                    Ok(m)
+                });
+            self.held.give(g);
+            model
+        });
+        self.give_ops(ops);
+        let model = Arc::new(made?);
+        self.note_held_exports(its.len());
+        let stack: Arc<dyn Any + Send + Sync> = Arc::new(ExportStack {
+            model,
+            runs: its.len(),
+        });
+        Ok((0..runs.len())
+            .map(|m| HeldExport::new(Arc::clone(&stack), m, cfg.clone()))
             .collect())
     }
 
@@ -298,7 +283,8 @@ fn exported_stack(its: &[&HeldItem<'_>]) -> Option<Arc<Weights<GpuOps>>> {
             it.export
                 .is_some_and(|e| Arc::ptr_eq(e.stack(), first.stack()) && e.member() == m)
         });
-    (whole && stack.model.plan == *its[0].plan).then(|| Arc::clone(&stack.model))
+    let plans: Vec<&ModelPlan> = its.iter().map(|i| i.plan).collect();
+    (whole && stack.model.plans.is(&plans)).then(|| Arc::clone(&stack.model))
 }
 
 /// Runs' exported weights prepared together ([`HeldExport`]'s stack on a GPU): read by
@@ -308,7 +294,7 @@ pub(super) struct ExportStack {
     pub(super) runs: usize,
 }
 
-/// The held runs of one precision plan in one pass.
+/// The held runs of a batch in one pass.
 struct HeldPart<'a> {
     backend: &'a CudaBackend,
     ops: Option<GpuOps>,
@@ -356,7 +342,8 @@ impl<'a> HeldPart<'a> {
             let model = match exported_stack(its) {
                 Some(m) => m,
                 None => {
-                    Arc::new(ops.prepare_models(&cfg, its[0].plan, &group.master, its.len())?)
+                    let plans = RunPlans::of(its.iter().map(|i| i.plan.clone()).collect());
+                    Arc::new(ops.prepare_models(&cfg, &plans, &group.master, its.len())?)
                 }
             };
             let (logits, cache) = forward_members(ops, &model, its, &joint)?;
@@ -402,6 +389,16 @@ impl<'a> HeldPart<'a> {
             self.backend.device().ordinal(),
             e.into()
         )
+    }
+}
+
+impl HeldBatch for HeldPart<'_> {
+    fn members(&self) -> usize {
+        self.logits.len()
+    }
+
+    fn logits(&self, m: usize) -> &[f32] {
+        &self.logits[m]
     }
 
     fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
@@ -495,70 +492,5 @@ impl Drop for HeldPart<'_> {
             }
             self.backend.give_ops(o);
         }
-    }
-}
-
-/// Plan groups of a held batch behind one [`HeldBatch`]: member i is `index[i]` = (part, member).
-struct HeldParts<'a> {
-    parts: Vec<HeldPart<'a>>,
-    index: Vec<(usize, usize)>,
-}
-
-impl HeldParts<'_> {
-    /// `xs` (one per member) split into each part's members, in their order.
-    fn split<T: Clone>(&self, xs: &[T]) -> Vec<Vec<T>> {
-        let mut out: Vec<Vec<T>> = self.parts.iter().map(|_| Vec::new()).collect();
-        for (i, &(g, _)) in self.index.iter().enumerate() {
-            out[g].push(xs[i].clone());
-        }
-        out
-    }
-
-    /// Each part's results back in member order.
-    fn join<T>(&self, per_part: Vec<Vec<T>>) -> Vec<T> {
-        let mut per_part: Vec<std::vec::IntoIter<T>> =
-            per_part.into_iter().map(|v| v.into_iter()).collect();
-        self.index
-            .iter()
-            .map(|&(g, _)| per_part[g].next().expect("one result per member"))
-            .collect()
-    }
-}
-
-impl HeldBatch for HeldParts<'_> {
-    fn members(&self) -> usize {
-        self.index.len()
-    }
-
-    fn logits(&self, m: usize) -> &[f32] {
-        let (g, k) = self.index[m];
-        &self.parts[g].logits[k]
-    }
-
-    fn quant_stats(&self, m: usize) -> Vec<(String, QuantStats)> {
-        let (g, k) = self.index[m];
-        self.parts[g].quant_stats(k)
-    }
-
-    fn backward(&mut self, dlogits: &[Option<&[f32]>]) -> Vec<Option<Vec<f64>>> {
-        let split = self.split(dlogits);
-        let out = self
-            .parts
-            .iter_mut()
-            .zip(split)
-            .map(|(p, d)| p.backward(&d))
-            .collect();
-        self.join(out)
-    }
-
-    fn update(&mut self, steps: &[Option<Vec<AdamStep>>]) -> Vec<Option<(f64, f64)>> {
-        let split = self.split(steps);
-        let out = self
-            .parts
-            .iter_mut()
-            .zip(split)
-            .map(|(p, k)| p.update(&k))
-            .collect();
-        self.join(out)
     }
 }

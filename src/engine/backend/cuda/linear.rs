@@ -173,6 +173,18 @@ pub struct DevicePrepared {
     pub w_bwd: Option<CudaSlice<f32>>,
 }
 
+/// Site plans for `w`: one, or one per run of a stack that holds each run's weights in turn.
+fn check_plans(plans: &[SitePlan], w: &DeviceWeight) -> Result<(), CudaError> {
+    if plans.is_empty() || !w.batch.is_multiple_of(plans.len()) {
+        return Err(CudaError::Shape(format!(
+            "linear: {} site plans for a stack of {} weights",
+            plans.len(),
+            w.batch
+        )));
+    }
+    Ok(())
+}
+
 /// A stack of `batch` weights of `len` values each under a one-shard per-tensor NVFP4 plan,
 /// viewed as one row of `batch` shards: a shard's amax is then its weight's amax, the tensor
 /// scale of that weight alone, and no 16-value block straddles two rows (the row length is a
@@ -395,6 +407,63 @@ impl CudaLinear {
         Ok(DevicePrepared { w_fwd, w_bwd })
     }
 
+    /// [`Self::prepare_stacked`] of `runs` runs' weights (`stack` each, back to back in `w`),
+    /// run r on `plans[r]` (or every run on `plans[0]`): each group of consecutive runs of one
+    /// plan prepared as its own stack, the groups' operands then laid back to back (the dgrad
+    /// operand of a group without one is its forward operand).
+    pub fn prepare_runs(
+        &self,
+        plans: &[SitePlan],
+        w: &CudaSlice<f32>,
+        (runs, stack): (usize, usize),
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<DevicePrepared, CudaError> {
+        if plans.is_empty() || (plans.len() != 1 && plans.len() != runs) {
+            return Err(CudaError::Shape(format!(
+                "prepare: {} site plans for {runs} runs",
+                plans.len()
+            )));
+        }
+        let groups = linear::plan_groups(plans, runs);
+        if let [g] = &groups[..] {
+            return self.prepare_stacked(g.plan, w, runs * stack, out_dim, in_dim);
+        }
+        let per = stack * out_dim * in_dim;
+        let total = per * runs;
+        if w.len() < total {
+            return Err(CudaError::Shape(format!(
+                "prepare: the weights hold {} values, {runs} runs of {stack} x [{out_dim}, {in_dim}] need {total}",
+                w.len()
+            )));
+        }
+        let s = &self.stream;
+        let parts = groups
+            .iter()
+            .map(|g| {
+                let (at, len) = (g.blocks.start * per, g.blocks.len() * per);
+                let mine = self.copy_range(w, at, len)?;
+                let p =
+                    self.prepare_stacked(g.plan, &mine, g.blocks.len() * stack, out_dim, in_dim)?;
+                Ok((at, len, p))
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let mut w_fwd = self.output(total)?;
+        let mut w_bwd = match parts.iter().any(|(_, _, p)| p.w_bwd.is_some()) {
+            true => Some(self.output(total)?),
+            false => None,
+        };
+        for (at, len, p) in &parts {
+            let range = *at..at + len;
+            s.memcpy_dtod(&p.w_fwd.slice(..*len), &mut w_fwd.slice_mut(range.clone()))?;
+            if let Some(b) = w_bwd.as_mut() {
+                let src = p.w_bwd.as_ref().unwrap_or(&p.w_fwd);
+                s.memcpy_dtod(&src.slice(..*len), &mut b.slice_mut(range))?;
+            }
+        }
+        Ok(DevicePrepared { w_fwd, w_bwd })
+    }
+
     /// The weight's operands as the policy of `engine::linear` reads them.
     fn site<'a>(&self, w: &'a DeviceWeight) -> SiteWeight<'a, CudaSlice<f32>> {
         SiteWeight {
@@ -409,18 +478,25 @@ impl CudaLinear {
     /// `linear::forward` on the device: `y[n, m] = x[n, k] · Wᵀ` with the input quantized per
     /// the site's activation format, and the wgrad operand the backward mode asks for. With a
     /// stacked weight, `x` is `batch` blocks of `n` rows and `y` likewise.
+    ///
+    /// `plans` holds the site's plan in each run whose weights `w` stacks (each run's blocks
+    /// consecutive), or one plan for all: each run's rows are quantized per its own plan and
+    /// every run shares the GEMM.
     pub fn forward(
         &self,
-        plan: &SitePlan,
+        plans: &[SitePlan],
         x: &CudaSlice<f32>,
         n: usize,
         w: &DeviceWeight,
     ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
-        self.forward_counted(plan, x, n, w, None)
+        check_plans(plans, w)?;
+        let mut y = self.output(w.batch * n * w.out_dim)?;
+        let x_bwd = linear::forward_on(self, plans, x, n, &self.site(w), &mut y, None)?;
+        Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
-    /// [`Self::forward`] that adds the activation quantization's counts to `acc` (3 values:
-    /// `LinearCache::stats`).
+    /// [`Self::forward`] of one plan for every block that adds the activation quantization's
+    /// counts to `acc` (3 values: `LinearCache::stats`).
     pub fn forward_counted(
         &self,
         plan: &SitePlan,
@@ -430,7 +506,8 @@ impl CudaLinear {
         acc: Option<&mut CudaSlice<u64>>,
     ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
         let mut y = self.output(w.batch * n * w.out_dim)?;
-        let x_bwd = linear::forward_on(self, plan, x, n, &self.site(w), &mut y, acc)?;
+        let plans = std::slice::from_ref(plan);
+        let x_bwd = linear::forward_on(self, plans, x, n, &self.site(w), &mut y, acc)?;
         Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
@@ -438,13 +515,14 @@ impl CudaLinear {
     /// reference forward): the same quantization and GEMM, the output only.
     pub fn apply(
         &self,
-        plan: &SitePlan,
+        plans: &[SitePlan],
         x: &CudaSlice<f32>,
         n: usize,
         w: &DeviceWeight,
     ) -> Result<CudaSlice<f32>, CudaError> {
+        check_plans(plans, w)?;
         let mut y = self.output(w.batch * n * w.out_dim)?;
-        linear::apply_on(self, plan, x, n, &self.site(w), &mut y)?;
+        linear::apply_on(self, plans, x, n, &self.site(w), &mut y)?;
         Ok(y)
     }
 
@@ -453,7 +531,7 @@ impl CudaLinear {
     /// of a stacked weight.
     pub fn backward(
         &self,
-        plan: &SitePlan,
+        plans: &[SitePlan],
         cache: &DeviceLinearCache,
         w: &DeviceWeight,
         dy: &CudaSlice<f32>,
@@ -473,7 +551,8 @@ impl CudaLinear {
                 w.batch * n
             )));
         }
-        linear::backward_on(self, plan, &cache.x_bwd, n, &self.site(w), dy, dx, dw)
+        check_plans(plans, w)?;
+        linear::backward_on(self, plans, &cache.x_bwd, n, &self.site(w), dy, dx, dw)
     }
 
     /// A buffer of `n` floats for the op it is passed to to write in full
@@ -640,5 +719,37 @@ impl SiteKernels for CudaLinear {
 
     fn fill_zero(&self, c: &mut CudaSlice<f32>) -> Result<(), CudaError> {
         Ok(self.stream.memset_zeros(c)?)
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.output(len)
+    }
+
+    fn copy_range(
+        &self,
+        x: &CudaSlice<f32>,
+        from: usize,
+        len: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.output(len)?;
+        if len > 0 {
+            self.stream
+                .memcpy_dtod(&x.slice(from..from + len), &mut out.slice_mut(..len))?;
+        }
+        Ok(out)
+    }
+
+    fn place(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+        src: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if len > 0 {
+            self.stream
+                .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(at..at + len))?;
+        }
+        Ok(())
     }
 }
