@@ -42,10 +42,10 @@ use std::sync::{Arc, Mutex};
 pub const GPU_NOTE: &str = "note: on a GPU each run's training state (master weights, AdamW \
     moments, gradients) stays on the device, where its weights are prepared, exported, decoded, \
     trained and updated; the loss and the metrics stay on this host's CPU. Two workers step \
-    batches of up to 16 runs each (one launch per op for a batch): on an H200 the nightly \
-    suite's 30 runs ran at 80-84 run-steps/s, against 56-57 in the former pool of 2 processes \
-    of 4 workers stepping one run each (--batch-runs, --jobs, --processes to change; \
-    docs/cuda.md)";
+    batches of up to 16 runs each, of any precision plans (one launch per op for a batch): on \
+    H100s the nightly suite's 30 runs ran at 112-158 run-steps/s (the host sets the pace), \
+    2.4x the former pool of 2 processes of 4 workers stepping one run each measured beside it \
+    (--batch-runs, --jobs, --processes to change; docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
