@@ -256,10 +256,14 @@ impl CudaBackend {
         items: &[ForwardItem<'_>],
     ) -> Result<Vec<Vec<f32>>, OpError> {
         // One run: the single pass, whose uploads are cached across steps.
-        if let [i] = items {
-            return Ok(vec![
-                self.forward_logits(i.prep, i.tokens, i.layout, i.replay)?,
-            ]);
+        match items {
+            [] => return Ok(Vec::new()),
+            [i] => {
+                return Ok(vec![
+                    self.forward_logits(i.prep, i.tokens, i.layout, i.replay)?,
+                ]);
+            }
+            _ => {}
         }
         let its: Vec<&ForwardItem<'_>> = items.iter().collect();
         check_items(&its)?;
@@ -287,9 +291,13 @@ impl CudaBackend {
         items: &[ForwardItem<'a>],
         counts: Counts,
     ) -> Result<Box<dyn TrainBatch + 'a>, OpError> {
-        if let [i] = items {
-            let pass = self.train_forward(i.prep, i.tokens, i.layout, i.replay)?;
-            return Ok(Box::new(LoopBatch(vec![pass])));
+        match items {
+            [] => return Ok(Box::new(LoopBatch(Vec::new()))),
+            [i] => {
+                let pass = self.train_forward(i.prep, i.tokens, i.layout, i.replay)?;
+                return Ok(Box::new(LoopBatch(vec![pass])));
+            }
+            _ => {}
         }
         let its: Vec<&ForwardItem<'_>> = items.iter().collect();
         Ok(Box::new(GpuTrainBatch::new(self, &its, counts)?))
@@ -302,10 +310,14 @@ impl CudaBackend {
         seqs: usize,
         positions: usize,
     ) -> Result<Box<dyn BatchDecoder + 'a>, OpError> {
-        if let [p] = preps {
-            return Ok(Box::new(LoopDecoder(vec![
-                self.decoder(p, seqs, positions)?,
-            ])));
+        match preps {
+            [] => return Ok(Box::new(LoopDecoder(Vec::new()))),
+            [p] => {
+                return Ok(Box::new(LoopDecoder(vec![
+                    self.decoder(p, seqs, positions)?,
+                ])));
+            }
+            _ => {}
         }
         Ok(Box::new(GroupedDecoder {
             parts: vec![GpuBatchDecoder::new(self, preps, seqs, positions)?],

@@ -205,6 +205,9 @@ impl CudaBackend {
         items: &[HeldItem<'_>],
         counts: Counts,
     ) -> Result<Box<dyn HeldBatch + 'a>, OpError> {
+        if items.is_empty() {
+            return Err(OpError::Shape("a held-state pass of no runs".into()));
+        }
         let its: Vec<&HeldItem<'_>> = items.iter().collect();
         Ok(Box::new(HeldPart::new(self, &its, counts)?))
     }
