@@ -49,6 +49,12 @@ impl RunPlans {
     /// Run r on `models[r]`; runs that all share a plan keep one copy.
     pub fn of(mut models: Vec<ModelPlan>) -> RunPlans {
         assert!(!models.is_empty(), "plans of no runs");
+        assert!(
+            models
+                .iter()
+                .all(|m| m.layers.len() == models[0].layers.len()),
+            "plans of runs of different depths"
+        );
         if models.iter().all(|m| *m == models[0]) {
             models.truncate(1);
         }
@@ -907,4 +913,46 @@ pub fn decode<O: Ops>(
     })?;
     ops.kv_advance(kv, count);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs that share a plan keep one; otherwise each run's site plan is its own, in run order,
+    /// and a gathered subset keeps its runs' plans (collapsing again when they agree).
+    #[test]
+    fn run_plans_give_each_run_its_site_plan() {
+        let (a, b) = (
+            ModelPlan::uniform(2, SitePlan::BF16),
+            ModelPlan::uniform(2, SitePlan::FP32),
+        );
+        let same = RunPlans::of(vec![a.clone(), a.clone(), a.clone()]);
+        assert_eq!(same.models().len(), 1);
+        assert_eq!(same.site(1, Site::ExpertsFc1), &[SitePlan::BF16]);
+        assert!(same.is(&[&a, &a]) && !same.is(&[&a, &b]));
+        let mut c = a.clone();
+        c.layers[1].router = SitePlan::FP32;
+        let mixed = RunPlans::of(vec![a.clone(), b.clone(), c.clone()]);
+        assert_eq!(mixed.models().len(), 3);
+        assert_eq!(
+            mixed.site(1, Site::Router),
+            &[SitePlan::BF16, SitePlan::FP32, SitePlan::FP32]
+        );
+        assert_eq!(
+            mixed.site(0, Site::Router),
+            &[SitePlan::BF16, SitePlan::FP32, SitePlan::BF16]
+        );
+        assert_eq!(
+            mixed.output(),
+            &[SitePlan::BF16, SitePlan::FP32, SitePlan::BF16]
+        );
+        assert!(mixed.is(&[&a, &b, &c]) && !mixed.is(&[&a, &b]) && !mixed.is(&[&a, &a, &c]));
+        assert_eq!(
+            mixed.gather(&[2, 1]),
+            RunPlans::of(vec![c.clone(), b.clone()])
+        );
+        assert_eq!(mixed.gather(&[0]).models(), &[a.clone()]);
+        assert_eq!(mixed.gather(&[0, 2]).models().len(), 2);
+    }
 }
