@@ -952,7 +952,7 @@ mod tests {
             mixed.gather(&[2, 1]),
             RunPlans::of(vec![c.clone(), b.clone()])
         );
-        assert_eq!(mixed.gather(&[0]).models(), &[a.clone()]);
+        assert_eq!(mixed.gather(&[0]).models(), std::slice::from_ref(&a));
         assert_eq!(mixed.gather(&[0, 2]).models().len(), 2);
     }
 }
