@@ -494,9 +494,6 @@ impl GpuOps {
         })
     }
 
-    /// [`CudaLinear::forward_counted`] into a fresh count buffer (`n` rows per weight block),
-    /// three counts per run. Stepping several runs, the forward runs once for all of them and
-    /// each run's activations are counted on their own (a count is a sum over a run's blocks).
     /// `plans` as this op set's sites take them: one per run, or one for all.
     fn site_plans<'p>(&self, plans: &'p [SitePlan]) -> OpResult<&'p [SitePlan]> {
         if plans.len() == 1 || plans.len() == self.runs {
@@ -511,6 +508,10 @@ impl GpuOps {
         }
     }
 
+    /// [`CudaLinear::forward`] into a fresh count buffer (`n` rows per weight block), three
+    /// counts per run. Stepping several runs, the forward runs once for all of them and each
+    /// run's activations are counted on their own, under its own plan (a count is a sum over a
+    /// run's blocks).
     fn linear_counted(
         &self,
         plans: &[SitePlan],
