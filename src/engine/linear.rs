@@ -415,16 +415,7 @@ pub fn forward_on<K: SiteKernels>(
     let groups = plan_groups(plans, w.batch);
     if groups.len() > 1 && n > 0 {
         assert!(counts.is_none(), "counts of a forward over several plans");
-        let (operand, kept) = group_operands(k, &groups, x, n, w, true)?;
-        let dims = (n, w.in_dim, w.out_dim);
-        k.gemm(
-            (operand.borrow(), false),
-            (w.fwd, true),
-            y,
-            dims,
-            w.batch,
-            false,
-        )?;
+        let kept = multiply_groups(k, &groups, x, n, w, y, true)?;
         return Ok(kept.expect("asked for"));
     }
     let plan = groups[0].plan;
@@ -440,19 +431,18 @@ pub fn forward_on<K: SiteKernels>(
     }
 }
 
-/// A forward's GEMM operand and, when asked for, its wgrad operand.
-type GroupOperands<K> = (<K as SiteKernels>::Owned, Option<<K as SiteKernels>::Owned>);
-
-/// The GEMM operand of a forward over several plans, each group's rows quantized per its plan,
-/// and (when `keep`) the wgrad operand, each group's as its backward mode asks.
-fn group_operands<K: SiteKernels>(
+/// [`multiply`] over several plans: each group's rows quantized per its plan into one operand,
+/// then one GEMM for every group. Returns (when `keep`) the wgrad operand, each group's as its
+/// backward mode asks.
+fn multiply_groups<K: SiteKernels>(
     k: &K,
     groups: &[PlanGroup<'_>],
     x: &K::Buf,
     n: usize,
     w: &SiteWeight<'_, K::Buf>,
+    y: &mut K::Buf,
     keep: bool,
-) -> Result<GroupOperands<K>, K::Error> {
+) -> Result<Option<K::Owned>, K::Error> {
     let per = n * w.in_dim;
     let len = per * w.batch;
     let mut operand = k.alloc(len)?;
@@ -474,7 +464,16 @@ fn group_operands<K: SiteKernels>(
             k.place(kept.borrow_mut(), at, src, glen)?;
         }
     }
-    Ok((operand, kept))
+    let dims = (n, w.in_dim, w.out_dim);
+    k.gemm(
+        (operand.borrow(), false),
+        (w.fwd, true),
+        y,
+        dims,
+        w.batch,
+        false,
+    )?;
+    Ok(kept)
 }
 
 /// The activation counts [`forward_on`] adds for `x`, without its GEMM: a device stepping
@@ -501,16 +500,7 @@ pub fn apply_on<K: SiteKernels>(
 ) -> Result<(), K::Error> {
     let groups = plan_groups(plans, w.batch);
     if groups.len() > 1 && n > 0 {
-        let (operand, _) = group_operands(k, &groups, x, n, w, false)?;
-        let dims = (n, w.in_dim, w.out_dim);
-        return k.gemm(
-            (operand.borrow(), false),
-            (w.fwd, true),
-            y,
-            dims,
-            w.batch,
-            false,
-        );
+        return multiply_groups(k, &groups, x, n, w, y, false).map(|_| ());
     }
     let shape = Blocks {
         rows: n,
