@@ -288,7 +288,7 @@ impl<'a> Learner<'a> {
     }
 
     fn failed(&self, what: &str, e: impl std::fmt::Display) -> ! {
-        panic!("{}: warm start {what} failed: {e}", self.be().name())
+        failed(self.be(), what, e)
     }
 
     /// Greedy held-out accuracy of the weights as they stand, prepared under `plan`.
@@ -300,11 +300,12 @@ impl<'a> Learner<'a> {
     ) -> Result<f64, model::ModelError> {
         let (be, al) = (self.be(), task.answer_len());
         let (prompts, seed) = (ws.eval_prompts, ws.seed);
+        let on_host = |params: &Params| {
+            let prep = PreparedModel::new(params, plan)?;
+            Ok(super::trainer::evaluate(be, &prep, task, prompts, al, seed))
+        };
         match self {
-            Learner::Host { params, .. } => {
-                let prep = PreparedModel::new(params, plan)?;
-                Ok(super::trainer::evaluate(be, &prep, task, prompts, al, seed))
-            }
+            Learner::Host { params, .. } => on_host(params),
             Learner::Held { run, init, .. } => {
                 let me = HeldRun {
                     run: run.key,
@@ -327,11 +328,7 @@ impl<'a> Learner<'a> {
                             )[0],
                         )
                     }
-                    None => {
-                        let params = self.params()?;
-                        let prep = PreparedModel::new(&params, plan)?;
-                        Ok(super::trainer::evaluate(be, &prep, task, prompts, al, seed))
-                    }
+                    None => on_host(&self.params()?),
                 }
             }
         }
@@ -352,7 +349,7 @@ impl<'a> Learner<'a> {
                 let prep = PreparedModel::new(params, plan)?;
                 let pass = be
                     .train_forward(&prep, inputs, layout, None)
-                    .unwrap_or_else(|e| panic!("{}: warm start forward failed: {e}", be.name()));
+                    .unwrap_or_else(|e| failed(be, "forward", e));
                 let grads = pass.backward(&loss(pass.logits()));
                 // Σ g² over every element in order (the norm this path has always used).
                 let norm = grads
@@ -376,7 +373,7 @@ impl<'a> Learner<'a> {
                 };
                 let mut pass = be
                     .held_forward_batch(&[item], Counts::Skip)
-                    .unwrap_or_else(|e| panic!("{}: warm start forward failed: {e}", be.name()));
+                    .unwrap_or_else(|e| failed(be, "forward", e));
                 let dlogits = loss(pass.logits(0));
                 // The device's per-tensor sums of squares, added in tensor order.
                 let squares = pass
@@ -410,6 +407,11 @@ impl<'a> Learner<'a> {
             Learner::Held { .. } => self.params(),
         }
     }
+}
+
+/// A warm start that cannot go on: the device's failure, as the suite runner reports it.
+fn failed(be: &dyn Backend, what: &str, e: impl std::fmt::Display) -> ! {
+    panic!("{}: warm start {what} failed: {e}", be.name())
 }
 
 /// A run whose state a device holds, let go of when dropped (also when the warm start fails).
