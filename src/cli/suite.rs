@@ -461,8 +461,9 @@ pub(super) fn worker_threads(on_gpu: bool, jobs: usize) -> Option<usize> {
 const BATCHED_WORKERS: usize = 2;
 
 /// Workers when `--jobs` is not given, runs stepped one at a time: one per core on the CPU; on
-/// GPUs four per process, the measured sweet spot on an H200 (the nightly suite in one process: 55 s with one worker, 35 s
-/// with 4, 37 s with 8, 52 s with 16; in 2 processes of 4, 21 s against 30-33 s for 1 of 4).
+/// GPUs four per process, the measured sweet spot on an H200 (the nightly suite in one process:
+/// 55 s with one worker, 35 s with 4, 37 s with 8, 52 s with 16; in 2 processes of 4, 21 s
+/// against 30-33 s for 1 of 4).
 fn default_jobs(on_gpu: bool, processes: usize) -> usize {
     if on_gpu {
         processes * 4

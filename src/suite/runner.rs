@@ -308,9 +308,8 @@ fn shape_of(run: &RunSpec) -> BatchShape {
 /// the other seeds of its configuration, then, of its shape, whole configurations that still fit
 /// (each in queue order). A configuration is split only when no batch holds it whole: a device
 /// quantizes each site once per group of neighbouring runs of one plan, so a split one costs a
-/// group in two batches.
-/// Runs found finished or locked on the way are passed to `record`. Empty when the queue is, or
-/// a stop was asked for before any run was admitted.
+/// group in two batches. Runs found finished or locked on the way are passed to `record`. Empty
+/// when the queue is, or a stop was asked for before any run was admitted.
 fn take_batch<'r>(
     queue: &Mutex<VecDeque<&'r RunSpec>>,
     size: usize,
