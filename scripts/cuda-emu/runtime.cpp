@@ -96,6 +96,33 @@ int device_count() {
     return s ? atoi(s) : 1;
 }
 
+
+// Calls per entry point (and launches per kernel), written at exit to the file that
+// LOCKSTEP_CUDA_EMU_CALLS names: what a change does to the host's driver traffic, counted
+// without a GPU (the counts are the program's; the emulator's timings are not).
+std::mutex tally_mu;
+std::map<std::string, uint64_t> *tallies = new std::map<std::string, uint64_t>;
+bool tallying() {
+    static const bool on = getenv("LOCKSTEP_CUDA_EMU_CALLS") != nullptr;
+    return on;
+}
+void tally(const std::string &name) {
+    if (!tallying()) return;
+    std::lock_guard<std::mutex> g(tally_mu);
+    (*tallies)[name]++;
+}
+struct TallyWriter {
+    ~TallyWriter() {
+        const char *path = getenv("LOCKSTEP_CUDA_EMU_CALLS");
+        if (!path) return;
+        std::lock_guard<std::mutex> g(tally_mu);
+        FILE *f = fopen(path, "w");
+        if (!f) return;
+        for (auto &kv : *tallies) fprintf(f, "%llu %s\n", (unsigned long long)kv.second, kv.first.c_str());
+        fclose(f);
+    }
+} tally_writer;
+
 } // namespace
 
 // =============================================================================================
@@ -176,7 +203,7 @@ EXPORT CUresult cuCtxGetCurrent(EmuCtx **c) { *c = current_ctx; return 0; }
 EXPORT CUresult cuCtxPushCurrent_v2(EmuCtx *c) { current_ctx = c; return 0; }
 EXPORT CUresult cuCtxPopCurrent_v2(EmuCtx **c) { if (c) *c = current_ctx; return 0; }
 EXPORT CUresult cuCtxGetDevice(CUdevice *d) { *d = current_ctx ? current_ctx->device : 0; return 0; }
-EXPORT CUresult cuCtxSynchronize() { return sticky(current_device()); }
+EXPORT CUresult cuCtxSynchronize() { tally("cuCtxSynchronize"); return sticky(current_device()); }
 EXPORT CUresult cuCtxSetFlags(unsigned) { return 0; }
 EXPORT CUresult cuCtxGetStreamPriorityRange(int *lo, int *hi) { *lo = 0; *hi = 0; return 0; }
 EXPORT CUresult cuCtxSetLimit(int, size_t) { return 0; }
@@ -191,15 +218,15 @@ EXPORT CUresult cuMemPoolTrimTo(EmuPool *, size_t) { return 0; }
 EXPORT CUresult cuStreamCreate(EmuStream **s, unsigned) { *s = new EmuStream{current_device()}; return 0; }
 EXPORT CUresult cuStreamCreateWithPriority(EmuStream **s, unsigned, int) { *s = new EmuStream{current_device()}; return 0; }
 EXPORT CUresult cuStreamDestroy_v2(EmuStream *s) { delete s; return 0; }
-EXPORT CUresult cuStreamSynchronize(EmuStream *s) { return sticky(device_of(s)); }
+EXPORT CUresult cuStreamSynchronize(EmuStream *s) { tally("cuStreamSynchronize"); return sticky(device_of(s)); }
 EXPORT CUresult cuStreamQuery(EmuStream *) { return 0; }
-EXPORT CUresult cuStreamWaitEvent(EmuStream *, EmuEvent *, unsigned) { return 0; }
+EXPORT CUresult cuStreamWaitEvent(EmuStream *, EmuEvent *, unsigned) { tally("cuStreamWaitEvent"); return 0; }
 EXPORT CUresult cuStreamIsCapturing(EmuStream *, int *status) { *status = 0; return 0; }
 
 EXPORT CUresult cuEventCreate(EmuEvent **e, unsigned) { *e = new EmuEvent{now_ms()}; return 0; }
-EXPORT CUresult cuEventRecord(EmuEvent *e, EmuStream *) { e->ms = now_ms(); return 0; }
-EXPORT CUresult cuEventRecordWithFlags(EmuEvent *e, EmuStream *, unsigned) { e->ms = now_ms(); return 0; }
-EXPORT CUresult cuEventSynchronize(EmuEvent *) { return 0; }
+EXPORT CUresult cuEventRecord(EmuEvent *e, EmuStream *) { tally("cuEventRecord"); e->ms = now_ms(); return 0; }
+EXPORT CUresult cuEventRecordWithFlags(EmuEvent *e, EmuStream *, unsigned) { tally("cuEventRecordWithFlags"); e->ms = now_ms(); return 0; }
+EXPORT CUresult cuEventSynchronize(EmuEvent *) { tally("cuEventSynchronize"); return 0; }
 EXPORT CUresult cuEventQuery(EmuEvent *) { return 0; }
 EXPORT CUresult cuEventElapsedTime(float *ms, EmuEvent *a, EmuEvent *b) { *ms = (float)(b->ms - a->ms); return 0; }
 EXPORT CUresult cuEventElapsedTime_v2(float *ms, EmuEvent *a, EmuEvent *b) { return cuEventElapsedTime(ms, a, b); }
@@ -227,49 +254,49 @@ static CUresult release(CUdeviceptr p) {
     free((void *)(uintptr_t)p);
     return 0;
 }
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { return alloc(p, bytes); }
-EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, EmuStream *s) { return sticky(device_of(s)) ? sticky(device_of(s)) : alloc(p, bytes); }
-EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return release(p); }
-EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, EmuStream *) { return release(p); }
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { tally("cuMemAlloc_v2"); return alloc(p, bytes); }
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, EmuStream *s) { tally("cuMemAllocAsync"); return sticky(device_of(s)) ? sticky(device_of(s)) : alloc(p, bytes); }
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { tally("cuMemFree_v2"); return release(p); }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, EmuStream *) { tally("cuMemFreeAsync"); return release(p); }
 EXPORT CUresult cuMemAllocHost_v2(void **p, size_t bytes) { *p = malloc(bytes ? bytes : 1); return *p ? 0 : 2; }
 EXPORT CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
 EXPORT CUresult cuMemFreeHost(void *p) { free(p); return 0; }
 EXPORT CUresult cuMemHostRegister_v2(void *, size_t, unsigned) { return 0; }
 EXPORT CUresult cuMemHostUnregister(void *) { return 0; }
 
-EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) {
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { tally("cuMemcpyHtoD_v2");
     if (check_range(d, n, "copy to the device")) return 1;
     memcpy((void *)(uintptr_t)d, h, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, EmuStream *s) { return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyHtoD_v2(d, h, n); }
-EXPORT CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) {
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, EmuStream *s) { tally("cuMemcpyHtoDAsync_v2"); return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyHtoD_v2(d, h, n); }
+EXPORT CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { tally("cuMemcpyDtoH_v2");
     if (check_range(d, n, "copy from the device")) return 1;
     memcpy(h, (void *)(uintptr_t)d, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, EmuStream *s) { return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyDtoH_v2(h, d, n); }
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, EmuStream *s) { tally("cuMemcpyDtoHAsync_v2"); return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyDtoH_v2(h, d, n); }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) {
     if (check_range(d, n, "device copy's target") || check_range(s, n, "device copy's source")) return 1;
     memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, EmuStream *) { return cuMemcpyDtoD_v2(d, s, n); }
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, EmuStream *) { tally("cuMemcpyDtoDAsync_v2"); return cuMemcpyDtoD_v2(d, s, n); }
 EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr d, EmuCtx *, CUdeviceptr s, EmuCtx *, size_t n, EmuStream *) { return cuMemcpyDtoD_v2(d, s, n); }
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
     if (check_range(d, n, "memset")) return 1;
     memset((void *)(uintptr_t)d, v, n);
     return 0;
 }
-EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, EmuStream *) { return cuMemsetD8_v2(d, v, n); }
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, EmuStream *) { tally("cuMemsetD8Async"); return cuMemsetD8_v2(d, v, n); }
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) {
     if (check_range(d, n * 4, "memset")) return 1;
     unsigned *p = (unsigned *)(uintptr_t)d;
     for (size_t i = 0; i < n; i++) p[i] = v;
     return 0;
 }
-EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, EmuStream *) { return cuMemsetD32_v2(d, v, n); }
-EXPORT CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, EmuStream *) {
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, EmuStream *) { tally("cuMemsetD32Async"); return cuMemsetD32_v2(d, v, n); }
+EXPORT CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, EmuStream *) { tally("cuMemsetD16Async");
     if (check_range(d, n * 2, "memset")) return 1;
     unsigned short *p = (unsigned short *)(uintptr_t)d;
     for (size_t i = 0; i < n; i++) p[i] = v;
@@ -322,13 +349,14 @@ EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, Function *, 
 EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *n, Function *, int, size_t, unsigned) { *n = 2; return 0; }
 
 EXPORT CUresult cuLaunchKernel(Function *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                               unsigned bz, unsigned shared, EmuStream *stream, void **params, void **extra) {
+                               unsigned bz, unsigned shared, EmuStream *stream, void **params, void **extra) { tally("cuLaunchKernel");
     int dev = device_of(stream);
     if (sticky(dev)) return sticky(dev);
     if (extra) {
         say("cuLaunchKernel: `extra` parameters are not emulated");
         return 1;
     }
+    tally("kernel " + f->name);
     Launch l{{gx, gy, gz}, {bx, by, bz}, shared, params, {0}};
     double t0 = verbose() ? now_ms() : 0;
     int rc;
@@ -698,13 +726,13 @@ static void sgemm(int ta, int tb, int m, int n, int k, float alpha, const float 
 }
 
 EXPORT int cublasSgemm_v2(Blas *, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
-                          const float *B, int ldb, const float *beta, float *C, int ldc) {
+                          const float *B, int ldb, const float *beta, float *C, int ldc) { tally("cublasSgemm_v2");
     sgemm(ta, tb, m, n, k, *alpha, A, lda, B, ldb, *beta, C, ldc);
     return 0;
 }
 EXPORT int cublasSgemmStridedBatched(Blas *, int ta, int tb, int m, int n, int k, const float *alpha,
                                      const float *A, int lda, long long sa, const float *B, int ldb, long long sb,
-                                     const float *beta, float *C, int ldc, long long sc, int batch) {
+                                     const float *beta, float *C, int ldc, long long sc, int batch) { tally("cublasSgemmStridedBatched");
     for (int b = 0; b < batch; b++)
         sgemm(ta, tb, m, n, k, *alpha, A + b * sa, lda, B + b * sb, ldb, *beta, C + b * sc, ldc);
     return 0;
