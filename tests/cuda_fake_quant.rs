@@ -4,6 +4,7 @@
 //! special values; `round_bf16` matches the CPU on a sweep of FP32 bit patterns; bad shapes are
 //! errors and zero rows are a no-op. Column fake quantization (`fake_quantize_cols`, and with the
 //! rows zero-padded to the block multiple) gives `fake_quantize(.., Axis::Col, ..)`'s values.
+//! Counted in slots (the runs of a batch), each slot's counts are its own rows' alone.
 //!
 //! Each test prints why and returns when no GPU is usable (CPU-only CI). On a GPU machine:
 //! `cargo test --release --test cuda_fake_quant -- --nocapture`.
@@ -253,6 +254,64 @@ fn gpu_fake_quantize_matches_cpu_for_every_format() {
         checked >= 5 * 4 * 23,
         "only {checked} fake quantizations ran"
     );
+}
+
+/// Counts in slots (the runs of a batch, one quantization for all): each slot gets what the CPU
+/// counts for its part of the rows alone, added to what the slot held, the slots beside them are
+/// untouched, and the values are the whole tensor's, for every format (per-token NVFP4 and MXFP8
+/// in one launch, the others part by part). The parts differ in kind (specials, zeros), so a count
+/// in the wrong slot, or one slot's parts counted twice, fails it.
+#[test]
+fn gpu_counts_in_slots_are_each_parts_own() {
+    let Some(fq) = gpu("gpu_counts_in_slots_are_each_parts_own") else {
+        return;
+    };
+    let s = fq.quantizer().stream();
+    let mut checked = 0;
+    for &(per, cols, slots) in &[(37, 256, 3), (2, 96, 4), (128, 128, 2)] {
+        let rows = per * slots;
+        let x: Vec<f32> = (0..slots)
+            .flat_map(|i| input([1, 0, 3, 4][i % 4], per, cols, 90 + i as u64))
+            .collect();
+        for fmt in common::all_formats() {
+            let mut want = vec![0.0f32; rows * cols];
+            if fake_quantize(&x, rows, cols, &fmt, Axis::Row, &mut want).is_err() {
+                continue;
+            }
+            let prior: Vec<u64> = (0..3 * (slots + 2) as u64).map(|v| 1000 + v).collect();
+            let mut expect = prior.clone();
+            for i in 0..slots {
+                let part = &x[i * per * cols..(i + 1) * per * cols];
+                let mut out = vec![0.0f32; per * cols];
+                let st = fake_quantize(part, per, cols, &fmt, Axis::Row, &mut out).unwrap();
+                let at = 3 * (1 + i);
+                expect[at] += st.elements;
+                expect[at + 1] += st.saturated;
+                expect[at + 2] += st.underflowed;
+            }
+            let dx = s.clone_htod(&x).unwrap();
+            let mut dout = s.alloc_zeros::<f32>(rows * cols).unwrap();
+            let mut counts = s.clone_htod(&prior).unwrap();
+            let acc = lockstep::engine::linear::CountSlots {
+                counts: &mut counts,
+                first: 1,
+                slots,
+            };
+            fq.fake_quantize_rows_counted(&dx, rows, cols, &fmt, &mut dout, Some(acc))
+                .unwrap();
+            let got = s.clone_dtoh(&counts).unwrap();
+            let values = s.clone_dtoh(&dout).unwrap();
+            let name = fmt.name();
+            assert_eq!(got, expect, "{name} {slots} slots of {per}x{cols}: counts");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&values) == bits(&want),
+                "{name} {slots} slots of {per}x{cols}: values"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3 * 20, "only {checked} slot countings ran");
 }
 
 /// Column fake quantization (the `Quantized` backward mode's dgrad/wgrad operands), plain and

@@ -224,6 +224,40 @@ pub struct Blocks {
     pub batch: usize,
 }
 
+/// Where a quantization adds its activation counts (elements, saturated, underflowed): its
+/// tensor's blocks in `slots` equal parts, part `i` counted into slot `first + i` of `counts`. A
+/// device stepping several runs gives each run a slot, so the forward's own quantization counts
+/// every run on its own.
+pub struct CountSlots<'a, C: ?Sized> {
+    pub counts: &'a mut C,
+    pub first: usize,
+    pub slots: usize,
+}
+
+/// A forward's activation counts: one slot per run of the site, each run owning `batch / runs`
+/// consecutive blocks.
+pub struct RunCounts<'a, C: ?Sized> {
+    pub counts: &'a mut C,
+    pub runs: usize,
+}
+
+impl<C: ?Sized> RunCounts<'_, C> {
+    /// The slots of the runs that own `blocks` of a site of `batch` blocks.
+    fn slots(&mut self, blocks: &Range<usize>, batch: usize) -> CountSlots<'_, C> {
+        let per_run = batch / self.runs;
+        assert!(
+            per_run > 0 && batch.is_multiple_of(self.runs),
+            "{} runs' counts over a site of {batch} blocks",
+            self.runs
+        );
+        CountSlots {
+            counts: &mut *self.counts,
+            first: blocks.start / per_run,
+            slots: blocks.len() / per_run,
+        }
+    }
+}
+
 /// A site's weight operands as a device stores them: `batch` weights `[out_dim, in_dim]`.
 pub struct SiteWeight<'a, B: ?Sized> {
     /// The forward operand (what the rollout computes with).
@@ -243,7 +277,8 @@ pub trait SiteKernels {
     type Buf: ?Sized;
     /// A tensor the kernels return.
     type Owned: Borrow<Self::Buf> + BorrowMut<Self::Buf>;
-    /// Where the forward's activation quantization adds its saturation/underflow counts.
+    /// Where the forward's activation quantization adds its saturation/underflow counts: a
+    /// slot (three counts) per run ([`CountSlots`]).
     type Counts: ?Sized;
     type Error;
 
@@ -252,14 +287,14 @@ pub trait SiteKernels {
     /// The first `len` values rounded to BF16 (RNE).
     fn round_bf16(&self, x: &Self::Buf, len: usize) -> Result<Self::Owned, Self::Error>;
     /// Fake quantization (quantize, then dequantize) of each of `shape`'s blocks as the CPU
-    /// quantizes one tensor.
+    /// quantizes one tensor; `counts` slots divide the blocks evenly (`Rows` only).
     fn quantize(
         &self,
         kind: SiteQuant,
         x: &Self::Buf,
         shape: Blocks,
         fmt: &QuantFormat,
-        counts: Option<&mut Self::Counts>,
+        counts: Option<CountSlots<'_, Self::Counts>>,
     ) -> Result<Self::Owned, Self::Error>;
     /// Row-major `c[r, cc] = a[r, inner] · b[inner, cc]` (`+=` when `accumulate`) for `batch`
     /// triples back to back; each operand stored as itself or, when its flag says so, as its
@@ -335,7 +370,7 @@ fn quantized_input<K: SiteKernels>(
     plan: &SitePlan,
     x: &K::Buf,
     shape: Blocks,
-    counts: Option<&mut K::Counts>,
+    counts: Option<CountSlots<'_, K::Counts>>,
 ) -> Result<Quantized<K>, K::Error> {
     let Some(fmt) = plan.activation_format() else {
         return Ok((None, None));
@@ -362,7 +397,7 @@ fn multiply<K: SiteKernels>(
     shape: Blocks,
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
-    counts: Option<&mut K::Counts>,
+    counts: Option<CountSlots<'_, K::Counts>>,
 ) -> Result<Quantized<K>, K::Error> {
     let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts)?;
     let input = x_q.as_ref().map_or(x, Borrow::borrow);
@@ -402,7 +437,7 @@ fn wgrad_operand<K: SiteKernels>(
 /// The linear forward on a device: `y[n, m] = x[n, k] · Wᵀ` per block of `w`, with `x`
 /// quantized per the site's activation format. Returns the wgrad operand the backward mode asks
 /// for (`x_bwd`). `plans` holds the site's plan in each run the device steps (a run's blocks are
-/// consecutive), or one plan for all; the activation counts (`counts`) need one plan.
+/// consecutive), or one plan for all; `counts` gets each run's activation counts, under its plan.
 pub fn forward_on<K: SiteKernels>(
     k: &K,
     plans: &[SitePlan],
@@ -410,12 +445,11 @@ pub fn forward_on<K: SiteKernels>(
     n: usize,
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
-    counts: Option<&mut K::Counts>,
+    mut counts: Option<RunCounts<'_, K::Counts>>,
 ) -> Result<K::Owned, K::Error> {
     let groups = plan_groups(plans, w.batch);
     if groups.len() > 1 && n > 0 {
-        assert!(counts.is_none(), "counts of a forward over several plans");
-        let kept = multiply_groups(k, &groups, x, n, w, y, true)?;
+        let kept = multiply_groups(k, &groups, x, n, w, y, true, counts)?;
         return Ok(kept.expect("asked for"));
     }
     let plan = groups[0].plan;
@@ -424,7 +458,8 @@ pub fn forward_on<K: SiteKernels>(
         cols: w.in_dim,
         batch: w.batch,
     };
-    let q = multiply(k, plan, x, shape, w, y, counts)?;
+    let slots = counts.as_mut().map(|c| c.slots(&(0..w.batch), w.batch));
+    let q = multiply(k, plan, x, shape, w, y, slots)?;
     match wgrad_operand(k, plan, q, shape)? {
         Some(kept) => Ok(kept),
         None => k.copy(x, n * w.in_dim * w.batch),
@@ -434,6 +469,7 @@ pub fn forward_on<K: SiteKernels>(
 /// [`multiply`] over several plans: each group's rows quantized per its plan into one operand,
 /// then one GEMM for every group. Returns (when `keep`) the wgrad operand, each group's as its
 /// backward mode asks.
+#[allow(clippy::too_many_arguments)]
 fn multiply_groups<K: SiteKernels>(
     k: &K,
     groups: &[PlanGroup<'_>],
@@ -442,6 +478,7 @@ fn multiply_groups<K: SiteKernels>(
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
     keep: bool,
+    mut counts: Option<RunCounts<'_, K::Counts>>,
 ) -> Result<Option<K::Owned>, K::Error> {
     let per = n * w.in_dim;
     let len = per * w.batch;
@@ -455,7 +492,8 @@ fn multiply_groups<K: SiteKernels>(
             batch: g.blocks.len(),
         };
         let xg = k.copy_range(x, at, glen)?;
-        let q = quantized_input(k, g.plan, xg.borrow(), shape, None)?;
+        let slots = counts.as_mut().map(|c| c.slots(&g.blocks, w.batch));
+        let q = quantized_input(k, g.plan, xg.borrow(), shape, slots)?;
         let op = q.1.as_ref().map_or(xg.borrow(), Borrow::borrow);
         k.place(operand.borrow_mut(), at, op, glen)?;
         if let Some(kept) = kept.as_mut() {
@@ -476,18 +514,6 @@ fn multiply_groups<K: SiteKernels>(
     Ok(kept)
 }
 
-/// The activation counts [`forward_on`] adds for `x`, without its GEMM: a device stepping
-/// several runs in one forward counts each run's rows on their own.
-pub fn count_input<K: SiteKernels>(
-    k: &K,
-    plan: &SitePlan,
-    x: &K::Buf,
-    shape: Blocks,
-    counts: &mut K::Counts,
-) -> Result<(), K::Error> {
-    quantized_input(k, plan, x, shape, Some(counts)).map(|_| ())
-}
-
 /// [`forward_on`] without what a backward needs (an inference pass: decode, the reference
 /// forward): the same quantization and GEMM.
 pub fn apply_on<K: SiteKernels>(
@@ -500,7 +526,7 @@ pub fn apply_on<K: SiteKernels>(
 ) -> Result<(), K::Error> {
     let groups = plan_groups(plans, w.batch);
     if groups.len() > 1 && n > 0 {
-        return multiply_groups(k, &groups, x, n, w, y, false).map(|_| ());
+        return multiply_groups(k, &groups, x, n, w, y, false, None).map(|_| ());
     }
     let shape = Blocks {
         rows: n,
@@ -600,7 +626,7 @@ pub struct HostKernels;
 impl SiteKernels for HostKernels {
     type Buf = [f32];
     type Owned = Vec<f32>;
-    type Counts = QuantStats;
+    type Counts = [QuantStats];
     type Error = std::convert::Infallible;
 
     fn copy(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
@@ -617,7 +643,7 @@ impl SiteKernels for HostKernels {
         x: &[f32],
         Blocks { rows, cols, batch }: Blocks,
         fmt: &QuantFormat,
-        counts: Option<&mut QuantStats>,
+        counts: Option<CountSlots<'_, [QuantStats]>>,
     ) -> Result<Vec<f32>, Self::Error> {
         assert_eq!(batch, 1, "the host quantizes one tensor at a time");
         let x = &x[..rows * cols];
@@ -628,7 +654,8 @@ impl SiteKernels for HostKernels {
                 let stats = fake_quantize(x, rows, cols, fmt, Axis::Row, &mut out)
                     .expect("site shape checked by check_site");
                 if let Some(c) = counts {
-                    *c = c.merge(stats);
+                    assert_eq!(c.slots, 1, "one tensor, one count slot");
+                    c.counts[c.first] = c.counts[c.first].merge(stats);
                 }
                 out
             }
@@ -717,7 +744,11 @@ pub fn forward(
     y: &mut [f32],
 ) -> LinearCache {
     assert_eq!(x.len(), n * w.in_dim);
-    let mut stats = QuantStats::default();
+    let mut stats = [QuantStats::default()];
+    let counts = RunCounts {
+        counts: &mut stats[..],
+        runs: 1,
+    };
     let x_bwd = infallible(forward_on(
         &HostKernels,
         std::slice::from_ref(plan),
@@ -725,9 +756,13 @@ pub fn forward(
         n,
         &w.site(),
         y,
-        Some(&mut stats),
+        Some(counts),
     ));
-    LinearCache { x_bwd, n, stats }
+    LinearCache {
+        x_bwd,
+        n,
+        stats: stats[0],
+    }
 }
 
 /// Backward on the host: `dx = dy · W` (written to `dx` when given) and `dW += dyᵀ · x`
@@ -967,7 +1002,7 @@ mod tests {
     impl SiteKernels for Blocked {
         type Buf = [f32];
         type Owned = Vec<f32>;
-        type Counts = QuantStats;
+        type Counts = [QuantStats];
         type Error = std::convert::Infallible;
 
         fn copy(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
@@ -982,7 +1017,7 @@ mod tests {
             x: &[f32],
             Blocks { rows, cols, batch }: Blocks,
             fmt: &QuantFormat,
-            mut counts: Option<&mut QuantStats>,
+            mut counts: Option<CountSlots<'_, [QuantStats]>>,
         ) -> Result<Vec<f32>, Self::Error> {
             let one = Blocks {
                 rows,
@@ -992,7 +1027,13 @@ mod tests {
             let mut out = Vec::new();
             for b in 0..batch {
                 let blk = &x[b * rows * cols..(b + 1) * rows * cols];
-                let q = HostKernels.quantize(kind, blk, one, fmt, counts.as_deref_mut())?;
+                // Block b counts into its part's slot.
+                let slot = counts.as_mut().map(|c| CountSlots {
+                    counts: &mut *c.counts,
+                    first: c.first + b / (batch / c.slots),
+                    slots: 1,
+                });
+                let q = HostKernels.quantize(kind, blk, one, fmt, slot)?;
                 assert_eq!(q.len(), rows * cols);
                 out.extend(q);
             }
@@ -1041,8 +1082,9 @@ mod tests {
     }
 
     /// Runs of different plans in one stacked site (two blocks a run, like two experts): each
-    /// run's output, kept wgrad operand, dx and dW are bit for bit what a site of its plan alone
-    /// computes over its blocks, whatever the runs beside it. Runs 0 and 1 share a plan, so the
+    /// run's output, kept wgrad operand, dx, dW and activation counts are bit for bit what a site
+    /// of its plan alone computes over its blocks, whatever the runs beside it (a count in the
+    /// wrong run's slot fails it). Runs 0 and 1 share a plan, so the
     /// groups are consecutive runs (4 groups of 5 runs), the FP32 and BF16 groups take the
     /// no-quantizer branches and the `Quantized` one pads its odd token count.
     #[test]
@@ -1087,7 +1129,13 @@ mod tests {
             };
             let xs = &x[blocks.start * xl..blocks.end * xl];
             let mut y = vec![0.0f32; nb * yl];
-            let kept = infallible(forward_on(&Blocked, plans, xs, n, &w, &mut y, None));
+            let runs = nb / per_run;
+            let mut counts = vec![QuantStats::default(); runs];
+            let slots = RunCounts {
+                counts: &mut counts[..],
+                runs,
+            };
+            let kept = infallible(forward_on(&Blocked, plans, xs, n, &w, &mut y, Some(slots)));
             let mut dx = vec![0.0f32; nb * xl];
             let mut dw = dw0[blocks.start * wl..blocks.end * wl].to_vec();
             let dys = &dy[blocks.start * yl..blocks.end * yl];
@@ -1101,13 +1149,20 @@ mod tests {
                 Some(&mut dx),
                 &mut dw,
             ));
-            [y, kept, dx, dw]
+            ([y, kept, dx, dw], counts)
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let joint = run(&plans, 0..batch);
+        let (joint, joint_counts) = run(&plans, 0..batch);
         for (r, p) in plans.iter().enumerate() {
             let blocks = r * per_run..(r + 1) * per_run;
-            let alone = run(std::slice::from_ref(p), blocks.clone());
+            let (alone, alone_counts) = run(std::slice::from_ref(p), blocks.clone());
+            assert_eq!(joint_counts[r], alone_counts[0], "run {r} ({p:?}): counts");
+            let counted = p.activation_format().is_some();
+            assert_eq!(
+                joint_counts[r].elements > 0,
+                counted,
+                "run {r} ({p:?}): counted"
+            );
             for (i, (what, len)) in [("y", yl), ("x_bwd", xl), ("dx", xl), ("dW", wl)]
                 .into_iter()
                 .enumerate()

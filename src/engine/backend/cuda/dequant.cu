@@ -102,8 +102,13 @@ extern "C" __global__ void bf16_round(const float *__restrict__ x, float *__rest
 // bf16_round that also counts as `tensor::fake_quantize_bf16` does (`Bf16Counts::add`): acc[1] +=
 // finite inputs that round to infinity, acc[2] += nonzero inputs that round to zero, acc[0] += n.
 // Integer atomics: the totals do not depend on the order.
+// Count slots: the grid's y index takes the y-th of gridDim.y tensors of n values stored back to
+// back (a run each), counted into acc[3y..3y+3].
 extern "C" __global__ void bf16_round_count(const float *__restrict__ x, float *__restrict__ out,
                                             u64 n, u64 *__restrict__ acc) {
+    x += (u64)blockIdx.y * n;
+    out += (u64)blockIdx.y * n;
+    acc += 3 * (u64)blockIdx.y;
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 sat = 0, under = 0;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -120,14 +125,11 @@ extern "C" __global__ void bf16_round_count(const float *__restrict__ x, float *
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(acc, n);
 }
 
-// acc[0..3] += src[0..3]: a quantizer's counts (elements, saturated, underflowed) added to a
-// running total. One thread.
-extern "C" __global__ void stats_add(u64 *__restrict__ acc, const u64 *__restrict__ src) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        acc[0] += src[0];
-        acc[1] += src[1];
-        acc[2] += src[2];
-    }
+// acc[0..n] += src[0..n]: a quantizer's counts (elements, saturated, underflowed; three per
+// count slot) added to running totals. One thread block.
+extern "C" __global__ void stats_add(u64 *__restrict__ acc, const u64 *__restrict__ src, u64 n) {
+    if (blockIdx.x != 0) return;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) acc[i] += src[i];
 }
 
 // ---- MXFP8: mxfp8::dequantize_block, x' = decode(code) · 2^(b-127) --------------------------------

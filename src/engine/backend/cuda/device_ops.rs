@@ -31,7 +31,7 @@ use super::moe::ExpertBatch;
 use super::{CudaDevice, CudaError};
 use crate::engine::device::{OpError, OpResult, Ops, SiteCounts};
 use crate::engine::layout::Layout;
-use crate::engine::linear::{self, Blocks, PreparedWeight};
+use crate::engine::linear::PreparedWeight;
 use crate::engine::model::pass::{LayerWeights, RunPlans, Weights};
 use crate::engine::model::{ModelConfig, Params, PreparedModel};
 use crate::engine::ops::RMSNORM_EPS;
@@ -509,9 +509,9 @@ impl GpuOps {
     }
 
     /// [`CudaLinear::forward`] into a fresh count buffer (`n` rows per weight block), three
-    /// counts per run. Stepping several runs, the forward runs once for all of them and each
-    /// run's activations are counted on their own, under its own plan (a count is a sum over a
-    /// run's blocks).
+    /// counts per run. Stepping several runs, the forward runs once for all of them and its own
+    /// quantization counts each run's rows into the run's slot, under the run's plan (a count
+    /// is a sum over a run's blocks).
     fn linear_counted(
         &self,
         plans: &[SitePlan],
@@ -524,36 +524,13 @@ impl GpuOps {
         let mut counts = s
             .alloc_zeros::<u64>(3 * self.runs)
             .map_err(CudaError::from)?;
-        if self.runs == 1 {
-            let (y, cache) = self
-                .lin
-                .forward_counted(&plans[0], x, n, w, Some(&mut counts))?;
+        if self.runs > 1 && !self.run_counts {
+            let (y, cache) = self.lin.forward(plans, x, n, w)?;
             return Ok((y, GpuLin { cache, counts }));
         }
-        let (y, cache) = self.lin.forward(plans, x, n, w)?;
-        if self.run_counts && n > 0 {
-            let blocks = w.batch() / self.runs;
-            let len = blocks * n * w.in_dim();
-            let mut xr = self.output(len)?;
-            let mut acc = s.alloc_zeros::<u64>(3).map_err(CudaError::from)?;
-            for r in 0..self.runs {
-                let plan = &plans[r % plans.len()];
-                if plan.activation_format().is_none() {
-                    continue;
-                }
-                s.memcpy_dtod(&x.slice(r * len..(r + 1) * len), &mut xr)
-                    .map_err(CudaError::from)?;
-                s.memset_zeros(&mut acc).map_err(CudaError::from)?;
-                let shape = Blocks {
-                    rows: n,
-                    cols: w.in_dim(),
-                    batch: blocks,
-                };
-                linear::count_input(&self.lin, plan, &xr, shape, &mut acc)?;
-                s.memcpy_dtod(&acc, &mut counts.slice_mut(3 * r..3 * r + 3))
-                    .map_err(CudaError::from)?;
-            }
-        }
+        let (y, cache) = self
+            .lin
+            .forward_counted(plans, x, n, w, (&mut counts, self.runs))?;
         Ok((y, GpuLin { cache, counts }))
     }
 }

@@ -11,7 +11,9 @@
 //! CPU's own special case (`fake_quantize_bf16`). NaN results carry the host's NaN bits (see
 //! `dequant.cu`). All work is queued on the quantizer's stream.
 
+use super::quant::counts_in_slots;
 use super::{CudaError, CudaQuantizer, DeviceQuantized};
+use crate::engine::linear::CountSlots;
 use crate::formats::fp8_block::TILE;
 use crate::formats::mxfp8::{Fp8Elem, MX_BLOCK};
 use crate::formats::nvfp4::NV_BLOCK;
@@ -65,6 +67,14 @@ fn cfg(grid: u32) -> LaunchConfig {
         grid_dim: (grid, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// `grid` blocks for each of `slots` count slots (the grid's y axis).
+fn cfg_slots(grid: u32, slots: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, slots as u32, 1),
+        ..cfg(1)
     }
 }
 
@@ -147,7 +157,9 @@ impl CudaFakeQuantizer {
 
     /// [`Self::fake_quantize_rows`] that also adds the quantization's counts (elements,
     /// saturated, underflowed: the `QuantStats` the CPU's `fake_quantize` returns) to `acc`
-    /// (3 values, on the device; the trainer's per-site quantization metrics) when given.
+    /// when given (on the device; the trainer's per-site quantization metrics). The rows split
+    /// into `acc.slots` equal parts (the runs of a batch), each counted into its own slot, in
+    /// the same launches as one slot where the format allows ([`counts_in_slots`]).
     pub fn fake_quantize_rows_counted(
         &self,
         x: &CudaSlice<f32>,
@@ -155,10 +167,16 @@ impl CudaFakeQuantizer {
         cols: usize,
         fmt: &QuantFormat,
         out: &mut CudaSlice<f32>,
-        acc: Option<&mut CudaSlice<u64>>,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
     ) -> Result<(), CudaError> {
+        let slots = acc.as_ref().map_or(1, |a| a.slots);
         if let Some(a) = &acc {
-            check_len("counts", a.len(), 3)?;
+            check_counts(a.counts.len(), 3 * (a.first + a.slots))?;
+            if slots == 0 || !rows.is_multiple_of(slots) {
+                return Err(CudaError::Shape(format!(
+                    "{rows} rows in {slots} count slots"
+                )));
+            }
         }
         // The column conditions of the CPU (cols > 0, block multiple, shards > 0), whatever rows.
         validate_len(cols, 1, cols, fmt, Axis::Row)?;
@@ -174,17 +192,21 @@ impl CudaFakeQuantizer {
             let Some(acc) = acc else {
                 return self.round_bf16(x, out, n);
             };
-            let n64 = n as u64;
+            let per = (n / slots) as u64;
+            let mut counts = acc.counts.slice_mut(3 * acc.first..3 * (acc.first + slots));
             let mut b = self.q.stream().launch_builder(&self.k.bf16_count);
-            b.arg(x).arg(out).arg(&n64).arg(acc);
-            // SAFETY: grid-stride loop over i < n; `x` and `out` hold at least n floats, `acc`
-            // at least 3 counts (checked).
-            unsafe { b.launch(cfg(blocks(n, self.grid))) }?;
+            b.arg(x).arg(out).arg(&per).arg(&mut counts);
+            // SAFETY: slot y's grid-stride loop covers values y·per + i, i < per, so below n;
+            // `x` and `out` hold at least n floats, `counts` 3 per slot (checked).
+            unsafe { b.launch(cfg_slots(blocks(n / slots, self.grid), slots)) }?;
             return Ok(());
+        }
+        if slots > 1 && !counts_in_slots(fmt, Axis::Row) {
+            return self.count_slot_by_slot(x, (rows, cols), fmt, out, acc.expect("slots > 1"));
         }
         let s = self.q.stream();
         let mut cache = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { q, input } = self.slot(&mut cache, rows, cols, fmt)?;
+        let Scratch { q, input } = self.scratch_for(&mut cache, (rows, cols), fmt, slots)?;
         let src = if x.len() == n {
             x
         } else {
@@ -197,9 +219,13 @@ impl CudaFakeQuantizer {
         };
         self.q.quantize_into(src, q)?;
         if let Some(acc) = acc {
+            let len = 3 * slots;
+            let mut counts = acc.counts.slice_mut(3 * acc.first..3 * acc.first + len);
+            let len64 = len as u64;
             let mut b = s.launch_builder(&self.k.stats_add);
-            b.arg(acc).arg(q.stats());
-            // SAFETY: one thread adds 3 counts; both buffers hold 3 (checked, `alloc`).
+            b.arg(&mut counts).arg(q.stats()).arg(&len64);
+            // SAFETY: one thread block adds `len` counts; `counts` holds them (checked) and the
+            // quantizer's stats 3 per slot (`alloc_slots`).
             unsafe { b.launch(cfg(1)) }?;
         }
         let dnan = self.default_nan;
@@ -283,8 +309,39 @@ impl CudaFakeQuantizer {
         Ok(())
     }
 
-    /// The scratch of (rows, cols, fmt), made most recently used; allocated on a miss, evicting
-    /// the least recently used beyond `SCRATCH_SLOTS` (its buffers are freed in stream order).
+    /// [`Self::fake_quantize_rows_counted`] for a format whose quantizer counts one slot a
+    /// launch (FP8 blocks, per-tensor NVFP4): the values in one call, then each slot's rows
+    /// counted by a call of their own.
+    fn count_slot_by_slot(
+        &self,
+        x: &CudaSlice<f32>,
+        (rows, cols): (usize, usize),
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+        acc: CountSlots<'_, CudaSlice<u64>>,
+    ) -> Result<(), CudaError> {
+        self.fake_quantize_rows_counted(x, rows, cols, fmt, out, None)?;
+        let per = rows / acc.slots * cols;
+        let mut part_out = super::output_buffer(self.q.stream(), per)?;
+        for i in 0..acc.slots {
+            let part = self
+                .q
+                .stream()
+                .clone_dtod(&x.slice(i * per..(i + 1) * per))?;
+            let slot = CountSlots {
+                counts: &mut *acc.counts,
+                first: acc.first + i,
+                slots: 1,
+            };
+            let r = rows / acc.slots;
+            self.fake_quantize_rows_counted(&part, r, cols, fmt, &mut part_out, Some(slot))?;
+        }
+        Ok(())
+    }
+
+    /// The scratch of (rows, cols, fmt, count slots), made most recently used; allocated on a
+    /// miss, evicting the least recently used beyond `SCRATCH_SLOTS` (its buffers are freed in
+    /// stream order).
     /// `out[..rows*cols]` = `fake_quantize(x, rows, cols, fmt, Axis::Col, out)` bit for bit:
     /// blocks along columns, computed as the CPU computes them (row quantization of the
     /// transpose, dequantized, transposed back). `rows` must satisfy the format's block multiple
@@ -378,20 +435,20 @@ impl CudaFakeQuantizer {
         self.q.transpose_into(&tq, cols, rows, out)
     }
 
-    fn slot<'a>(
+    fn scratch_for<'a>(
         &self,
         cache: &'a mut Vec<Scratch>,
-        rows: usize,
-        cols: usize,
+        (rows, cols): (usize, usize),
         fmt: &QuantFormat,
+        slots: usize,
     ) -> Result<&'a mut Scratch, CudaError> {
-        let hit = cache
-            .iter()
-            .position(|s| s.q.rows == rows && s.q.cols == cols && s.q.format == *fmt);
+        let hit = cache.iter().position(|s| {
+            s.q.rows == rows && s.q.cols == cols && s.q.format == *fmt && s.q.slots() == slots
+        });
         let entry = match hit {
             Some(i) => cache.remove(i),
             None => Scratch {
-                q: self.q.alloc(rows, cols, fmt, Axis::Row)?,
+                q: self.q.alloc_slots(rows, cols, fmt, Axis::Row, slots)?,
                 input: None,
             },
         };
@@ -401,6 +458,15 @@ impl CudaFakeQuantizer {
         cache.push(entry);
         Ok(cache.last_mut().expect("pushed above"))
     }
+}
+
+fn check_counts(len: usize, n: usize) -> Result<(), CudaError> {
+    if len < n {
+        return Err(CudaError::Shape(format!(
+            "counts hold {len} values, the count slots need {n}"
+        )));
+    }
+    Ok(())
 }
 
 fn check_len(what: &str, len: usize, n: usize) -> Result<(), CudaError> {

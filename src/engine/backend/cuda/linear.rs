@@ -18,7 +18,8 @@ use super::fake_quant::CudaFakeQuantizer;
 use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::{
-    self, Blocks, DgradOperand, PreparedWeight, SiteKernels, SiteQuant, SiteWeight,
+    self, Blocks, CountSlots, DgradOperand, PreparedWeight, RunCounts, SiteKernels, SiteQuant,
+    SiteWeight,
 };
 use crate::formats::mxfp8::MX_BLOCK;
 use crate::formats::nvfp4::NV_BLOCK;
@@ -495,19 +496,28 @@ impl CudaLinear {
         Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
-    /// [`Self::forward`] of one plan for every block that adds the activation quantization's
-    /// counts to `acc` (3 values: `LinearCache::stats`).
+    /// [`Self::forward`] that adds each run's activation counts to its slot of `acc` (3 values
+    /// a run, `LinearCache::stats`; `runs` runs, each owning `w.batch / runs` blocks), counted
+    /// by the forward's own quantization under each run's plan.
     pub fn forward_counted(
         &self,
-        plan: &SitePlan,
+        plans: &[SitePlan],
         x: &CudaSlice<f32>,
         n: usize,
         w: &DeviceWeight,
-        acc: Option<&mut CudaSlice<u64>>,
+        (acc, runs): (&mut CudaSlice<u64>, usize),
     ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
+        check_plans(plans, w)?;
+        if runs == 0 || !w.batch.is_multiple_of(runs) || acc.len() < 3 * runs {
+            return Err(CudaError::Shape(format!(
+                "linear forward: {runs} runs' counts ({} values) over {} weight blocks",
+                acc.len(),
+                w.batch
+            )));
+        }
         let mut y = self.output(w.batch * n * w.out_dim)?;
-        let plans = std::slice::from_ref(plan);
-        let x_bwd = linear::forward_on(self, plans, x, n, &self.site(w), &mut y, acc)?;
+        let counts = RunCounts { counts: acc, runs };
+        let x_bwd = linear::forward_on(self, plans, x, n, &self.site(w), &mut y, Some(counts))?;
         Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
@@ -570,7 +580,7 @@ impl CudaLinear {
         (rows, cols): (usize, usize),
         fmt: &QuantFormat,
         out: &mut CudaSlice<f32>,
-        acc: Option<&mut CudaSlice<u64>>,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
     ) -> Result<(), CudaError> {
         if rows == 0 {
             return Ok(());
@@ -617,7 +627,7 @@ impl SiteKernels for CudaLinear {
         x: &CudaSlice<f32>,
         Blocks { rows, cols, batch }: Blocks,
         fmt: &QuantFormat,
-        mut acc: Option<&mut CudaSlice<u64>>,
+        mut acc: Option<CountSlots<'_, CudaSlice<u64>>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let len = batch * rows * cols;
         // The padded row path writes through a transpose; zeroed, as it always was.
@@ -636,9 +646,17 @@ impl SiteKernels for CudaLinear {
         if batch == 1 || (!per_tensor && aligned) {
             self.quantize_one(kind, x, (rows * batch, cols), fmt, &mut out, acc)?;
         } else {
+            let mut b = 0;
             self.fq
                 .per_block(x, &mut out, (batch, rows * cols), |blk, q| {
-                    self.quantize_one(kind, blk, (rows, cols), fmt, q, acc.as_deref_mut())
+                    // Block b counts into its run's slot.
+                    let slot = acc.as_mut().map(|a| CountSlots {
+                        counts: &mut *a.counts,
+                        first: a.first + b / (batch / a.slots),
+                        slots: 1,
+                    });
+                    b += 1;
+                    self.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
                 })?;
         }
         Ok(out)

@@ -286,6 +286,11 @@ template <int ELEM, int RULE>
 __device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__restrict__ codes,
                                           u8 *__restrict__ scales, u64 n4, float max_elem,
                                           float rcp_max, int emax, u64 *stats) {
+    // Count slots: gridDim.y tensors of n4 float4s back to back, the y-th counted in stats[3y..].
+    x += (u64)blockIdx.y * n4;
+    codes += (u64)blockIdx.y * n4;
+    scales += (u64)blockIdx.y * n4 / 8;
+    stats += 3 * (u64)blockIdx.y;
     u32 lane = threadIdx.x & 31;
     u64 warp = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     u64 nwarps = ((u64)gridDim.x * blockDim.x) >> 5;
@@ -624,6 +629,16 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
     const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
     u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats) {
     __shared__ u32 s_key[3][NV_CHUNK];
+    // Count slots: gridDim.y tensors of nsegs segments back to back, the y-th counted in
+    // stats[3y..].
+    {
+        u64 blocks = (u64)blockIdx.y * nsegs * L;
+        x += 4 * blocks;
+        codes += blocks;
+        scales += blocks;
+        row_keys += (u64)blockIdx.y * nsegs;
+        stats += 3 * (u64)blockIdx.y;
+    }
     u32 t = threadIdx.x;
     u32 el = 0, sat = 0, under = 0;
     if (L <= NV_CHUNK) {
@@ -739,6 +754,16 @@ extern "C" __global__ void __launch_bounds__(SG_T, 1) nvfp4_token_staged(
     extern __shared__ float4 stage[]; // [SG_STAGES][SG_CHUNK * 4]
     __shared__ u32 s_key[SG_STAGES][SG_CHUNK];
     __shared__ __align__(8) unsigned long long s_bar[SG_STAGES];
+    // Count slots: gridDim.y tensors of nsegs segments back to back, the y-th counted in
+    // stats[3y..].
+    {
+        u64 blocks = (u64)blockIdx.y * nsegs * L;
+        x += 4 * blocks;
+        codes += blocks;
+        scales += blocks;
+        row_keys += (u64)blockIdx.y * nsegs;
+        stats += 3 * (u64)blockIdx.y;
+    }
     u32 t = threadIdx.x;
     u32 el = 0, sat = 0, under = 0;
     u32 spc = SG_CHUNK / L;

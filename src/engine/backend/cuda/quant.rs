@@ -89,8 +89,11 @@ pub struct DeviceQuantized {
     keys: CudaSlice<u32>,
     /// NVFP4: per (row, shard) amax keys.
     row_keys: CudaSlice<u32>,
-    /// elements, saturated, underflowed.
+    /// elements, saturated, underflowed; three per count slot.
     stats: CudaSlice<u64>,
+    /// Count slots: the rows in this many equal parts (runs), each counted on its own
+    /// ([`CudaQuantizer::alloc_slots`]).
+    slots: usize,
     /// Column axis: the transposed input.
     transposed: Option<CudaSlice<f32>>,
     /// FP8 block: number of scale tiles (0 for other formats).
@@ -116,7 +119,13 @@ impl DeviceQuantized {
         &self.scales_u8
     }
 
-    /// The counts of the last `quantize_into`: elements, saturated, underflowed (`QuantStats`).
+    /// The count slots its rows are counted in.
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// The counts of the last `quantize_into`: elements, saturated, underflowed (`QuantStats`),
+    /// three per count slot.
     pub(crate) fn stats(&self) -> &CudaSlice<u64> {
         &self.stats
     }
@@ -151,6 +160,31 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// `grid` thread blocks shared out over `slots` count slots (the grid's y axis; quant.cu's
+/// row kernels take the y-th slot's rows).
+fn cfg_slots(grid: u32, block: u32, slots: usize) -> LaunchConfig {
+    let slots = slots as u32;
+    LaunchConfig {
+        grid_dim: (grid.div_ceil(slots).max(1), slots, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Whether the quantizer counts `fmt` along `axis` in several slots in one launch (row kernels
+/// of MXFP8 and per-token NVFP4: the formats whose blocks and scales never cross a row).
+pub fn counts_in_slots(fmt: &QuantFormat, axis: Axis) -> bool {
+    axis == Axis::Row
+        && matches!(
+            fmt,
+            QuantFormat::Mxfp8 { .. }
+                | QuantFormat::Nvfp4 {
+                    second: SecondScale::PerToken,
+                    ..
+                }
+        )
 }
 
 /// Amax keys (|x| bits, maxed as integers so NaN wins) as FP32 amax values, NaN as the CPU's
@@ -286,7 +320,26 @@ impl CudaQuantizer {
         fmt: &QuantFormat,
         axis: Axis,
     ) -> Result<DeviceQuantized, CudaError> {
+        self.alloc_slots(rows, cols, fmt, axis, 1)
+    }
+
+    /// [`Self::alloc`] whose quantization counts its rows in `slots` equal parts (one per run
+    /// of a batch), each into its own three counts; more than one slot needs
+    /// [`counts_in_slots`].
+    pub fn alloc_slots(
+        &self,
+        rows: usize,
+        cols: usize,
+        fmt: &QuantFormat,
+        axis: Axis,
+        slots: usize,
+    ) -> Result<DeviceQuantized, CudaError> {
         validate_len(rows * cols, rows, cols, fmt, axis)?;
+        if slots == 0 || !rows.is_multiple_of(slots) || (slots > 1 && !counts_in_slots(fmt, axis)) {
+            return Err(CudaError::Shape(format!(
+                "{rows} rows of {fmt:?} along {axis:?} in {slots} count slots"
+            )));
+        }
         let (br, bc) = match axis {
             Axis::Row => (rows, cols),
             Axis::Col => (cols, rows),
@@ -317,7 +370,8 @@ impl CudaQuantizer {
             apply: s.alloc_zeros::<f32>(tiles.max(1))?,
             keys: s.alloc_zeros::<u32>(keys.max(1))?,
             row_keys: s.alloc_zeros::<u32>(row_keys.max(1))?,
-            stats: s.alloc_zeros::<u64>(3)?,
+            stats: s.alloc_zeros::<u64>(3 * slots)?,
+            slots,
             transposed: match (axis, fmt) {
                 (Axis::Row, _) | (Axis::Col, QuantFormat::Mxfp8 { .. }) => None,
                 (Axis::Col, _) => Some(s.alloc_zeros::<f32>(n)?),
@@ -348,8 +402,10 @@ impl CudaQuantizer {
             row_keys,
             stats,
             transposed,
+            slots,
             ..
         } = q;
+        let slots = *slots;
         // Column quantization: MXFP8 reads columns directly; the others transpose first.
         let (src, br, bc) = match transposed {
             None => (x, rows, cols),
@@ -392,13 +448,16 @@ impl CudaQuantizer {
                     // in-range (r, c), scales at c*rows/32 + r/32 (< rows*cols/32).
                     unsafe { b.launch(cfg(tiles, THREADS)) }?;
                 } else {
-                    let n4 = n64 / 4;
+                    // Per count slot (rows divide into slots, `alloc_slots`).
+                    let n4 = n64 / 4 / slots as u64;
                     let mut b = s.launch_builder(&self.k.mxfp8_row[e][r]);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&n4);
                     b.arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
-                    // SAFETY: n is a multiple of 32 (validated): n/4 float4 loads, n/4 u32 code
-                    // stores and n/32 scale stores stay inside `src`, `codes` and `scales_u8`.
-                    unsafe { b.launch(cfg(grid, THREADS)) }?;
+                    // SAFETY: n is a multiple of 32 (validated) and each slot's rows a whole
+                    // number of rows: slot y's n4 float4 loads, u32 code stores and n4/8 scale
+                    // stores start at y·n4 and stay inside `src`, `codes` and `scales_u8`; its
+                    // counts are stats[3y..3y+3] (3·slots, `alloc_slots`).
+                    unsafe { b.launch(cfg_slots(grid, THREADS, slots)) }?;
                 }
             }
             QuantFormat::Nvfp4 { second, shards } => {
@@ -407,7 +466,8 @@ impl CudaQuantizer {
                 let segs = (br * shards).min(u32::MAX as usize) as u32;
                 // 16-element blocks per (row, shard) segment; segment s is blocks [s·L, (s+1)·L).
                 let seg_blocks = (bc / shards / NV_BLOCK) as u32;
-                let nsegs = (br * shards) as u64;
+                // Per-token kernels take the segments of one count slot at a time.
+                let slot_segs = (br * shards / slots) as u64;
                 let nblocks = (n / NV_BLOCK) as u64;
                 if second == SecondScale::PerToken
                     && let Some(f) = self
@@ -418,11 +478,10 @@ impl CudaQuantizer {
                 {
                     let mut b = s.launch_builder(f);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
-                    b.arg(&nsegs).arg(&seg_blocks).arg(&rcp6).arg(stats);
+                    b.arg(&slot_segs).arg(&seg_blocks).arg(&rcp6).arg(stats);
                     let cfg = LaunchConfig {
-                        grid_dim: (self.staged_grid, 1, 1),
-                        block_dim: (STAGED_THREADS, 1, 1),
                         shared_mem_bytes: STAGED_SMEM,
+                        ..cfg_slots(self.staged_grid, STAGED_THREADS, slots)
                     };
                     // SAFETY: as for `nvfp4_token16` below (same arguments, same index ranges);
                     // segments hold at most SG_CHUNK blocks (checked above), so a chunk fits in
@@ -431,12 +490,13 @@ impl CudaQuantizer {
                 } else if second == SecondScale::PerToken {
                     let mut b = s.launch_builder(&self.k.nvfp4_token);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
-                    b.arg(&nsegs).arg(&seg_blocks).arg(&rcp6).arg(stats);
+                    b.arg(&slot_segs).arg(&seg_blocks).arg(&rcp6).arg(stats);
                     // SAFETY: cols is a multiple of 16·shards, so the n/16 blocks are exactly the
-                    // br·shards segments of seg_blocks blocks; each block index b < n/16 reads
-                    // floats 16b..16b+16 of `src` and writes code bytes 8b..8b+8 (n/2 in all) and
-                    // scale byte b (n/16); row_keys has br·shards entries.
-                    unsafe { b.launch(cfg(self.nv_grid, THREADS)) }?;
+                    // br·shards segments of seg_blocks blocks, slot y's the y-th slot_segs of
+                    // them; each block index b < n/16 reads floats 16b..16b+16 of `src` and
+                    // writes code bytes 8b..8b+8 (n/2 in all) and scale byte b (n/16); row_keys
+                    // has br·shards entries; slot y counts into stats[3y..3y+3].
+                    unsafe { b.launch(cfg_slots(self.nv_grid, THREADS, slots)) }?;
                 } else {
                     s.memset_zeros(keys)?;
                     if shards == 1 {
@@ -615,11 +675,15 @@ impl CudaQuantizer {
             codes,
             scales,
             global_amax,
-            stats: QuantStats {
-                elements: stats[0],
-                saturated: stats[1],
-                underflowed: stats[2],
-            },
+            // The whole tensor's counts: every slot's summed.
+            stats: stats
+                .chunks_exact(3)
+                .map(|c| QuantStats {
+                    elements: c[0],
+                    saturated: c[1],
+                    underflowed: c[2],
+                })
+                .fold(QuantStats::default(), QuantStats::merge),
         })
     }
 
