@@ -612,6 +612,20 @@ __device__ __forceinline__ void nv_load16(const float4 *__restrict__ x, u64 b, f
     for (int k = 0; k < 4; k++) v[k] = x[4 * b + k];
 }
 
+// Count slots of the per-token kernels: gridDim.y tensors of nsegs segments back to back (the
+// runs of a batch); a thread block of slot y moves its pointers to the y-th, counted in
+// stats[3y..3y+3].
+__device__ __forceinline__ void nv_token_slot(const float4 *__restrict__ &x, uint2 *__restrict__ &codes,
+                                              u8 *__restrict__ &scales, u32 *__restrict__ &row_keys,
+                                              u64 nsegs, u32 L, u64 *&stats) {
+    u64 blocks = (u64)blockIdx.y * nsegs * L;
+    x += 4 * blocks;
+    codes += blocks;
+    scales += blocks;
+    row_keys += (u64)blockIdx.y * nsegs;
+    stats += 3 * (u64)blockIdx.y;
+}
+
 #define NV_T 256
 #define NV_B 4 // blocks per thread
 #define NV_CHUNK (NV_T * NV_B)
@@ -629,16 +643,7 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
     const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
     u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats) {
     __shared__ u32 s_key[3][NV_CHUNK];
-    // Count slots: gridDim.y tensors of nsegs segments back to back, the y-th counted in
-    // stats[3y..].
-    {
-        u64 blocks = (u64)blockIdx.y * nsegs * L;
-        x += 4 * blocks;
-        codes += blocks;
-        scales += blocks;
-        row_keys += (u64)blockIdx.y * nsegs;
-        stats += 3 * (u64)blockIdx.y;
-    }
+    nv_token_slot(x, codes, scales, row_keys, nsegs, L, stats);
     u32 t = threadIdx.x;
     u32 el = 0, sat = 0, under = 0;
     if (L <= NV_CHUNK) {
@@ -754,16 +759,7 @@ extern "C" __global__ void __launch_bounds__(SG_T, 1) nvfp4_token_staged(
     extern __shared__ float4 stage[]; // [SG_STAGES][SG_CHUNK * 4]
     __shared__ u32 s_key[SG_STAGES][SG_CHUNK];
     __shared__ __align__(8) unsigned long long s_bar[SG_STAGES];
-    // Count slots: gridDim.y tensors of nsegs segments back to back, the y-th counted in
-    // stats[3y..].
-    {
-        u64 blocks = (u64)blockIdx.y * nsegs * L;
-        x += 4 * blocks;
-        codes += blocks;
-        scales += blocks;
-        row_keys += (u64)blockIdx.y * nsegs;
-        stats += 3 * (u64)blockIdx.y;
-    }
+    nv_token_slot(x, codes, scales, row_keys, nsegs, L, stats);
     u32 t = threadIdx.x;
     u32 el = 0, sat = 0, under = 0;
     u32 spc = SG_CHUNK / L;
