@@ -234,6 +234,18 @@ pub struct CountSlots<'a, C: ?Sized> {
     pub slots: usize,
 }
 
+impl<C: ?Sized> CountSlots<'_, C> {
+    /// The one slot that part `i` of `parts` equal parts of the tensor counts into (`parts` a
+    /// multiple of `slots`: a block of a stacked site, quantized on its own).
+    pub fn part(&mut self, i: usize, parts: usize) -> CountSlots<'_, C> {
+        CountSlots {
+            counts: &mut *self.counts,
+            first: self.first + i / (parts / self.slots),
+            slots: 1,
+        }
+    }
+}
+
 /// A forward's activation counts: one slot per run of the site, each run owning `batch / runs`
 /// consecutive blocks.
 pub struct RunCounts<'a, C: ?Sized> {
@@ -1027,12 +1039,7 @@ mod tests {
             let mut out = Vec::new();
             for b in 0..batch {
                 let blk = &x[b * rows * cols..(b + 1) * rows * cols];
-                // Block b counts into its part's slot.
-                let slot = counts.as_mut().map(|c| CountSlots {
-                    counts: &mut *c.counts,
-                    first: c.first + b / (batch / c.slots),
-                    slots: 1,
-                });
+                let slot = counts.as_mut().map(|c| c.part(b, batch));
                 let q = HostKernels.quantize(kind, blk, one, fmt, slot)?;
                 assert_eq!(q.len(), rows * cols);
                 out.extend(q);

@@ -311,32 +311,25 @@ impl CudaFakeQuantizer {
 
     /// [`Self::fake_quantize_rows_counted`] for a format whose quantizer counts one slot a
     /// launch (FP8 blocks, per-tensor NVFP4): the values in one call, then each slot's rows
-    /// counted by a call of their own.
+    /// counted as a tensor of their own ([`Self::per_block`]; their values are dropped, `out`
+    /// holds the whole tensor's).
     fn count_slot_by_slot(
         &self,
         x: &CudaSlice<f32>,
         (rows, cols): (usize, usize),
         fmt: &QuantFormat,
         out: &mut CudaSlice<f32>,
-        acc: CountSlots<'_, CudaSlice<u64>>,
+        mut acc: CountSlots<'_, CudaSlice<u64>>,
     ) -> Result<(), CudaError> {
         self.fake_quantize_rows_counted(x, rows, cols, fmt, out, None)?;
-        let per = rows / acc.slots * cols;
-        let mut part_out = super::output_buffer(self.q.stream(), per)?;
-        for i in 0..acc.slots {
-            let part = self
-                .q
-                .stream()
-                .clone_dtod(&x.slice(i * per..(i + 1) * per))?;
-            let slot = CountSlots {
-                counts: &mut *acc.counts,
-                first: acc.first + i,
-                slots: 1,
-            };
-            let r = rows / acc.slots;
-            self.fake_quantize_rows_counted(&part, r, cols, fmt, &mut part_out, Some(slot))?;
-        }
-        Ok(())
+        let (slots, r) = (acc.slots, rows / acc.slots);
+        let mut dropped = super::output_buffer(self.q.stream(), rows * cols)?;
+        let mut i = 0;
+        self.per_block(x, &mut dropped, (slots, r * cols), |part, o| {
+            let slot = acc.part(i, slots);
+            i += 1;
+            self.fake_quantize_rows_counted(part, r, cols, fmt, o, Some(slot))
+        })
     }
 
     /// The scratch of (rows, cols, fmt, count slots), made most recently used; allocated on a

@@ -649,12 +649,7 @@ impl SiteKernels for CudaLinear {
             let mut b = 0;
             self.fq
                 .per_block(x, &mut out, (batch, rows * cols), |blk, q| {
-                    // Block b counts into its run's slot.
-                    let slot = acc.as_mut().map(|a| CountSlots {
-                        counts: &mut *a.counts,
-                        first: a.first + b / (batch / a.slots),
-                        slots: 1,
-                    });
+                    let slot = acc.as_mut().map(|a| a.part(b, batch));
                     b += 1;
                     self.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
                 })?;
