@@ -89,11 +89,9 @@ pub struct DeviceQuantized {
     keys: CudaSlice<u32>,
     /// NVFP4: per (row, shard) amax keys.
     row_keys: CudaSlice<u32>,
-    /// elements, saturated, underflowed; three per count slot.
+    /// elements, saturated, underflowed; three per count slot (the rows in that many equal
+    /// parts, each counted on its own: [`CudaQuantizer::alloc_slots`]).
     stats: CudaSlice<u64>,
-    /// Count slots: the rows in this many equal parts (runs), each counted on its own
-    /// ([`CudaQuantizer::alloc_slots`]).
-    slots: usize,
     /// Column axis: the transposed input.
     transposed: Option<CudaSlice<f32>>,
     /// FP8 block: number of scale tiles (0 for other formats).
@@ -121,7 +119,7 @@ impl DeviceQuantized {
 
     /// The count slots its rows are counted in.
     pub(crate) fn slots(&self) -> usize {
-        self.slots
+        self.stats.len() / 3
     }
 
     /// The counts of the last `quantize_into`: elements, saturated, underflowed (`QuantStats`),
@@ -371,7 +369,6 @@ impl CudaQuantizer {
             keys: s.alloc_zeros::<u32>(keys.max(1))?,
             row_keys: s.alloc_zeros::<u32>(row_keys.max(1))?,
             stats: s.alloc_zeros::<u64>(3 * slots)?,
-            slots,
             transposed: match (axis, fmt) {
                 (Axis::Row, _) | (Axis::Col, QuantFormat::Mxfp8 { .. }) => None,
                 (Axis::Col, _) => Some(s.alloc_zeros::<f32>(n)?),
@@ -402,10 +399,9 @@ impl CudaQuantizer {
             row_keys,
             stats,
             transposed,
-            slots,
             ..
         } = q;
-        let slots = *slots;
+        let slots = stats.len() / 3;
         // Column quantization: MXFP8 reads columns directly; the others transpose first.
         let (src, br, bc) = match transposed {
             None => (x, rows, cols),
