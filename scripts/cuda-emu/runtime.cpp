@@ -707,16 +707,28 @@ static inline float dot(const float *x, const float *y, int k) {
     return (float)s;
 }
 
+static inline float load(float x) { return x; }
+static inline float load(uint16_t bf16) {
+    uint32_t u = (uint32_t)bf16 << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 // C = alpha op(A) op(B) + beta C, column-major; op(A) is m x k, op(B) k x n; ta/tb: 0 = N,
-// otherwise T. Operands are first copied so that each output is a dot product of two contiguous
-// rows. C is not read when beta is 0 (as cuBLAS: it may hold anything).
-static void sgemm(int ta, int tb, int m, int n, int k, float alpha, const float *A, int lda, const float *B,
+// otherwise T; A and B hold FP32 or BF16 (uint16_t) values, C FP32. Operands are first copied
+// (as FP32) so that each output is a dot product of two contiguous rows. C is not read when beta
+// is 0 (as cuBLAS: it may hold anything).
+template <typename T>
+static void sgemm(int ta, int tb, int m, int n, int k, float alpha, const T *A, int lda, const T *B,
                   int ldb, float beta, float *C, int ldc) {
     std::vector<float> a((size_t)m * k), b((size_t)n * k);
     for (int i = 0; i < m; i++)
-        for (int l = 0; l < k; l++) a[(size_t)i * k + l] = ta ? A[l + (size_t)i * lda] : A[i + (size_t)l * lda];
+        for (int l = 0; l < k; l++)
+            a[(size_t)i * k + l] = load(ta ? A[l + (size_t)i * lda] : A[i + (size_t)l * lda]);
     for (int j = 0; j < n; j++)
-        for (int l = 0; l < k; l++) b[(size_t)j * k + l] = tb ? B[j + (size_t)l * ldb] : B[l + (size_t)j * ldb];
+        for (int l = 0; l < k; l++)
+            b[(size_t)j * k + l] = load(tb ? B[j + (size_t)l * ldb] : B[l + (size_t)j * ldb]);
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             float s = dot(&a[(size_t)i * k], &b[(size_t)j * k], k);
@@ -735,5 +747,27 @@ EXPORT int cublasSgemmStridedBatched(Blas *, int ta, int tb, int m, int n, int k
                                      const float *beta, float *C, int ldc, long long sc, int batch) { tally("cublasSgemmStridedBatched");
     for (int b = 0; b < batch; b++)
         sgemm(ta, tb, m, n, k, *alpha, A + b * sa, lda, B + b * sb, ldb, *beta, C + b * sc, ldc);
+    return 0;
+}
+
+// cublasGemmStridedBatchedEx for what the engine asks of it: A and B FP32 (CUDA_R_32F, 0) or
+// BF16 (CUDA_R_16BF, 14) alike, C FP32, FP32 compute (CUBLAS_COMPUTE_32F, 68). Summed as the
+// SGEMM above: a BF16 GEMM of operands that hold BF16 values gives the SGEMM's bits.
+EXPORT int cublasGemmStridedBatchedEx(Blas *, int ta, int tb, int m, int n, int k, const void *alpha,
+                                      const void *A, int at, int lda, long long sa, const void *B, int bt,
+                                      int ldb, long long sb, const void *beta, void *C, int ct, int ldc,
+                                      long long sc, int batch, int compute, int) {
+    tally("cublasGemmStridedBatchedEx");
+    if (at != bt || (at != 0 && at != 14) || ct != 0 || compute != 68) return 7; // INVALID_VALUE
+    float al = *(const float *)alpha, be = *(const float *)beta;
+    float *c = (float *)C;
+    for (int b = 0; b < batch; b++) {
+        if (at == 14)
+            sgemm(ta, tb, m, n, k, al, (const uint16_t *)A + b * sa, lda, (const uint16_t *)B + b * sb, ldb, be,
+                  c + b * sc, ldc);
+        else
+            sgemm(ta, tb, m, n, k, al, (const float *)A + b * sa, lda, (const float *)B + b * sb, ldb, be,
+                  c + b * sc, ldc);
+    }
     return 0;
 }

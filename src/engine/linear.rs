@@ -202,6 +202,74 @@ pub fn dgrad_operand(plan: &SitePlan) -> DgradOperand {
     }
 }
 
+/// What a GEMM's operands hold. Where both hold only BF16 values their products are exact in
+/// FP32, so a device may multiply them on BF16 tensor cores accumulating in FP32: the result
+/// differs from an FP32 GEMM's only in how the sums are ordered and rounded, as one FP32 GEMM
+/// differs from another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Operands {
+    /// Any FP32 values.
+    Fp32,
+    /// Only BF16 values, in both operands ([`QuantFormat::decodes_to_bf16`]).
+    Bf16,
+}
+
+impl Operands {
+    fn of(both_bf16: bool) -> Operands {
+        if both_bf16 {
+            Operands::Bf16
+        } else {
+            Operands::Fp32
+        }
+    }
+
+    /// The operands of a GEMM over several plan groups: BF16 only where every group's are.
+    fn all(groups: &[PlanGroup<'_>], each: impl Fn(&SitePlan) -> Operands) -> Operands {
+        Operands::of(groups.iter().all(|g| each(g.plan) == Operands::Bf16))
+    }
+}
+
+/// Whether a format's values (`None`: FP32, unrounded) are all BF16 values.
+fn bf16_values(fmt: Option<QuantFormat>) -> bool {
+    fmt.is_some_and(|f| f.decodes_to_bf16())
+}
+
+/// The forward GEMM's operands under `plan`: the quantized input and the forward weight.
+pub fn forward_operands(plan: &SitePlan) -> Operands {
+    Operands::of(bf16_values(plan.activation_format()) && bf16_values(plan.weight_format()))
+}
+
+/// dy as the backward's GEMMs read it: BF16-rounded, and quantized in the `Quantized` mode of a
+/// site that is not BF16 (see `dy_operands`).
+fn dy_is_bf16(plan: &SitePlan) -> bool {
+    let quantized = plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized;
+    plan.activation_format()
+        .is_some_and(|f| !quantized || f.decodes_to_bf16())
+}
+
+/// The dgrad GEMM's operands under `plan`: dy and the dgrad weight ([`dgrad_operand`]).
+pub fn dgrad_operands(plan: &SitePlan) -> Operands {
+    let w = plan
+        .weight_format()
+        .is_some_and(|f| match dgrad_operand(plan) {
+            DgradOperand::HighPrecision | DgradOperand::DequantizedBf16 => true,
+            DgradOperand::ColumnQuantized => f.decodes_to_bf16(),
+        });
+    Operands::of(dy_is_bf16(plan) && w)
+}
+
+/// The wgrad GEMM's operands under `plan`: dy and the kept input (`wgrad_operand`).
+pub fn wgrad_operands(plan: &SitePlan) -> Operands {
+    let x = plan.activation_format().is_some_and(|f| {
+        plan.precision == Precision::Bf16
+            || match plan.backward {
+                BackwardMode::HighPrecision | BackwardMode::Dequantized => true,
+                BackwardMode::Quantized => f.decodes_to_bf16(),
+            }
+    });
+    Operands::of(dy_is_bf16(plan) && x)
+}
+
 /// One of the site's quantizations (every one through the one quantizer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SiteQuant {
@@ -310,7 +378,7 @@ pub trait SiteKernels {
     ) -> Result<Self::Owned, Self::Error>;
     /// Row-major `c[r, cc] = a[r, inner] · b[inner, cc]` (`+=` when `accumulate`) for `batch`
     /// triples back to back; each operand stored as itself or, when its flag says so, as its
-    /// transpose.
+    /// transpose; `operands` says what values they hold.
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
@@ -320,6 +388,7 @@ pub trait SiteKernels {
         dims: (usize, usize, usize),
         batch: usize,
         accumulate: bool,
+        operands: Operands,
     ) -> Result<(), Self::Error>;
     /// Set every value to zero.
     fn fill_zero(&self, c: &mut Self::Buf) -> Result<(), Self::Error>;
@@ -414,7 +483,16 @@ fn multiply<K: SiteKernels>(
     let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts)?;
     let input = x_q.as_ref().map_or(x, Borrow::borrow);
     let dims = (shape.rows, w.in_dim, w.out_dim);
-    k.gemm((input, false), (w.fwd, true), y, dims, w.batch, false)?;
+    let operands = forward_operands(plan);
+    k.gemm(
+        (input, false),
+        (w.fwd, true),
+        y,
+        dims,
+        w.batch,
+        false,
+        operands,
+    )?;
     Ok((x_hp, x_q))
 }
 
@@ -522,6 +600,7 @@ fn multiply_groups<K: SiteKernels>(
         dims,
         w.batch,
         false,
+        Operands::all(groups, forward_operands),
     )?;
     Ok(kept)
 }
@@ -627,9 +706,27 @@ pub fn backward_on<K: SiteKernels>(
     let dy_d = own_d.as_ref().map_or(dy, Borrow::borrow);
     let dy_w = own_w.as_ref().map_or(dy_d, Borrow::borrow);
     if let Some(dx) = dx {
-        k.gemm((dy_d, false), (w.bwd, false), dx, (n, m, kd), batch, false)?;
+        let operands = Operands::all(&groups, dgrad_operands);
+        k.gemm(
+            (dy_d, false),
+            (w.bwd, false),
+            dx,
+            (n, m, kd),
+            batch,
+            false,
+            operands,
+        )?;
     }
-    k.gemm((dy_w, true), (x_bwd, false), dw, (m, n, kd), batch, true)
+    let operands = Operands::all(&groups, wgrad_operands);
+    k.gemm(
+        (dy_w, true),
+        (x_bwd, false),
+        dw,
+        (m, n, kd),
+        batch,
+        true,
+        operands,
+    )
 }
 
 /// The host's kernels: `crate::formats` and the CPU GEMM, each tensor a single block.
@@ -684,7 +781,9 @@ impl SiteKernels for HostKernels {
         (r, inner, cc): (usize, usize, usize),
         batch: usize,
         accumulate: bool,
+        _: Operands,
     ) -> Result<(), Self::Error> {
+        // FP32 whatever the operands hold: the reference every device is held against.
         assert_eq!(batch, 1, "the host multiplies one pair at a time");
         fn stored(m: &[f32], rows: usize, cols: usize, t: bool) -> MatRef<'_> {
             if t {
@@ -1008,8 +1107,12 @@ mod tests {
     }
 
     /// The host's kernels over stacked blocks: each block quantized and multiplied alone, as a
-    /// device stepping several runs does it.
-    struct Blocked;
+    /// device stepping several runs does it. Its GEMMs check that operands said to hold BF16
+    /// values do, and note what each was told (in call order).
+    #[derive(Default)]
+    struct Blocked {
+        gemms: std::cell::RefCell<Vec<Operands>>,
+    }
 
     impl SiteKernels for Blocked {
         type Buf = [f32];
@@ -1054,8 +1157,23 @@ mod tests {
             (r, inner, cc): (usize, usize, usize),
             batch: usize,
             accumulate: bool,
+            operands: Operands,
         ) -> Result<(), Self::Error> {
             let (la, lb, lc) = (r * inner, inner * cc, r * cc);
+            if operands == Operands::Bf16 {
+                // What a device's BF16 tensor-core GEMM relies on (see `decodes_to_bf16` for
+                // the values below 2^-126).
+                for (which, v) in [("a", &a[..batch * la]), ("b", &b[..batch * lb])] {
+                    let off = v.iter().find(|v| {
+                        round_bf16(**v).to_bits() != v.to_bits() && v.abs() >= f32::MIN_POSITIVE
+                    });
+                    assert!(
+                        off.is_none(),
+                        "operand {which} holds {off:?}, not a BF16 value"
+                    );
+                }
+            }
+            self.gemms.borrow_mut().push(operands);
             for i in 0..batch {
                 HostKernels.gemm(
                     (&a[i * la..(i + 1) * la], a_t),
@@ -1064,6 +1182,7 @@ mod tests {
                     (r, inner, cc),
                     1,
                     accumulate,
+                    operands,
                 )?;
             }
             Ok(())
@@ -1142,12 +1261,13 @@ mod tests {
                 counts: &mut counts[..],
                 runs,
             };
-            let kept = infallible(forward_on(&Blocked, plans, xs, n, &w, &mut y, Some(slots)));
+            let k = Blocked::default();
+            let kept = infallible(forward_on(&k, plans, xs, n, &w, &mut y, Some(slots)));
             let mut dx = vec![0.0f32; nb * xl];
             let mut dw = dw0[blocks.start * wl..blocks.end * wl].to_vec();
             let dys = &dy[blocks.start * yl..blocks.end * yl];
             infallible(backward_on(
-                &Blocked,
+                &k,
                 plans,
                 &kept,
                 n,
@@ -1177,6 +1297,60 @@ mod tests {
                 let got = &joint[i][blocks.start * len..blocks.end * len];
                 assert_eq!(bits(got), bits(&alone[i]), "run {r} ({p:?}): {what}");
             }
+        }
+    }
+
+    /// Which GEMMs may run on BF16 tensor cores, by precision and backward mode: the forward,
+    /// dgrad and wgrad GEMMs of a two-block site are told `Operands::Bf16` exactly where the
+    /// table says, and `Blocked` checks that every operand so labelled holds only BF16 values
+    /// (the weights and activations are not BF16 values before rounding).
+    #[test]
+    fn gemms_are_told_their_operands_hold_bf16_values_exactly_where_they_do() {
+        use BackwardMode::{Dequantized, HighPrecision, Quantized};
+        use Operands::{Bf16, Fp32};
+        let (n, k, m, batch) = (5, 64, 32, 2);
+        let table = [
+            (Precision::Fp32, HighPrecision, [Fp32, Fp32, Fp32]),
+            (Precision::Bf16, HighPrecision, [Bf16, Bf16, Bf16]),
+            (Precision::Bf16, Quantized, [Bf16, Bf16, Bf16]),
+            (Precision::Mxfp8, HighPrecision, [Bf16, Bf16, Bf16]),
+            (Precision::Mxfp8, Dequantized, [Bf16, Bf16, Bf16]),
+            (Precision::Mxfp8, Quantized, [Bf16, Bf16, Bf16]),
+            (Precision::Nvfp4, HighPrecision, [Fp32, Bf16, Bf16]),
+            (Precision::Nvfp4, Dequantized, [Fp32, Bf16, Bf16]),
+            (Precision::Nvfp4, Quantized, [Fp32, Fp32, Fp32]),
+            (Precision::Fp8Block, HighPrecision, [Fp32, Bf16, Bf16]),
+            (Precision::Fp8Block, Dequantized, [Fp32, Bf16, Bf16]),
+            (Precision::Fp8Block, Quantized, [Fp32, Fp32, Fp32]),
+        ];
+        let x = data(batch * n * k, 0.5);
+        let dy = data(batch * n * m, 1.5);
+        for (p, b, want) in table {
+            let sp = if p == Precision::Fp32 {
+                SitePlan::FP32
+            } else {
+                plan(p, b)
+            };
+            let ws: Vec<PreparedWeight> = (0..batch)
+                .map(|i| prepare_weight(&sp, &data(m * k, 3.0 + i as f32), m, k))
+                .collect();
+            let fwd: Vec<f32> = ws.iter().flat_map(|w| w.w_fwd().to_vec()).collect();
+            let bwd: Vec<f32> = ws.iter().flat_map(|w| w.w_bwd().to_vec()).collect();
+            let w = SiteWeight {
+                fwd: &fwd[..],
+                bwd: &bwd[..],
+                out_dim: m,
+                in_dim: k,
+                batch,
+            };
+            let kernels = Blocked::default();
+            let plans = std::slice::from_ref(&sp);
+            let mut y = vec![0.0f32; batch * n * m];
+            let kept = infallible(forward_on(&kernels, plans, &x, n, &w, &mut y, None));
+            let (mut dx, mut dw) = (vec![0.0f32; x.len()], vec![0.0f32; fwd.len()]);
+            let back = backward_on(&kernels, plans, &kept, n, &w, &dy, Some(&mut dx), &mut dw);
+            infallible(back);
+            assert_eq!(kernels.gemms.borrow()[..], want, "{p:?} {b:?}");
         }
     }
 }

@@ -93,6 +93,15 @@ impl QuantFormat {
         }
     }
 
+    /// Whether every dequantized value is a BF16 value: BF16 rounding, and MXFP8, whose FP8
+    /// element (at most 4 significant bits) times a power-of-two E8M0 scale needs no more than
+    /// BF16's 8, in the same exponent range (but below 2^-126, where BF16 keeps fewer subnormal
+    /// bits than FP32: there a value differs from its BF16 by less than 2^-133). NVFP4's FP32
+    /// second-level scale and FP8 block's FP32 scales leave up to 24 significant bits.
+    pub fn decodes_to_bf16(&self) -> bool {
+        matches!(self, QuantFormat::Bf16 | QuantFormat::Mxfp8 { .. })
+    }
+
     /// Elements per block along the blocked dimension that the shape must divide (1 when any
     /// length works: BF16, and FP8 block tiles, whose last tile may be partial as in DeepSeek-V3).
     pub fn required_multiple(&self) -> usize {
@@ -1884,6 +1893,75 @@ mod tests {
                 prop_assert!(((*x as f64) - (*y as f64)).abs() <= 0.5 * step * scale * (1.0 + 1e-9), "{x} -> {y}");
             }
             prop_assert_eq!(q.stats.saturated, 0);
+        }
+    }
+
+    /// `decodes_to_bf16` is what a device relies on to multiply on BF16 tensor cores: every
+    /// dequantized value of a format that claims it is a BF16 value (but below 2^-126, within
+    /// 2^-133 of one), over every bit class in three arrangements and a random tensor, row- and
+    /// column-wise; the
+    /// formats that do not claim it do produce values outside BF16 (so the claim is not
+    /// withheld from a format by mistake unnoticed).
+    #[test]
+    fn formats_that_decode_to_bf16_values_do_and_the_others_need_fp32() {
+        use crate::formats::bf16::round_bf16;
+        let formats = [
+            QuantFormat::Bf16,
+            QuantFormat::MXFP8,
+            QuantFormat::Mxfp8 {
+                elem: Fp8Elem::E5M2,
+                rule: MxScaleRule::OcpFloor,
+            },
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerToken,
+                shards: 1,
+            },
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                shards: 1,
+            },
+            QuantFormat::Fp8Block {
+                tile: Fp8Tile::Act1x128,
+                variant: Fp8BlockVariant::Te,
+            },
+        ];
+        let cols = 128;
+        // Beside the bit classes (whose Inf and NaN make a per-tensor scale degenerate), values
+        // of a trained model's range.
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut data = every_bit_class();
+        data.push(
+            (0..64 * cols)
+                .map(|_| rng.random_range(-3.0f32..3.0))
+                .collect(),
+        );
+        for fmt in formats {
+            let mut outside = 0usize;
+            for x in &data {
+                let rows = x.len() / cols;
+                for axis in [Axis::Row, Axis::Col] {
+                    let mut out = vec![0.0f32; x.len()];
+                    fake_quantize(x, rows, cols, &fmt, axis, &mut out).unwrap();
+                    for &v in out.iter().filter(|v| v.is_finite()) {
+                        let b = round_bf16(v);
+                        if b.to_bits() == v.to_bits() {
+                            continue;
+                        }
+                        outside += 1;
+                        if fmt.decodes_to_bf16() {
+                            assert!(
+                                v.abs() < f32::MIN_POSITIVE && (v - b).abs() < 2f32.powi(-133),
+                                "{}: {v:e} ({:#010x}) is not a BF16 value",
+                                fmt.name(),
+                                v.to_bits()
+                            );
+                        }
+                    }
+                }
+            }
+            if !fmt.decodes_to_bf16() {
+                assert!(outside > 0, "{}: every value fits BF16", fmt.name());
+            }
         }
     }
 }

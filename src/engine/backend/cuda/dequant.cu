@@ -99,6 +99,19 @@ extern "C" __global__ void bf16_round(const float *__restrict__ x, float *__rest
         out[i] = bitsf((u32)bf16_rne(x[i]) << 16);
 }
 
+// The BF16 bits of two tensors' values (bf16_rne) in one launch: a BF16 tensor-core GEMM's
+// operands, from FP32 tensors that hold BF16 values (then exactly their bits).
+extern "C" __global__ void bf16_pack2(const float *__restrict__ a, u16 *__restrict__ pa, u64 na,
+                                      const float *__restrict__ b, u16 *__restrict__ pb, u64 nb) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < na + nb; i += stride) {
+        if (i < na)
+            pa[i] = bf16_rne(a[i]);
+        else
+            pb[i - na] = bf16_rne(b[i - na]);
+    }
+}
+
 // bf16_round that also counts as `tensor::fake_quantize_bf16` does (`Bf16Counts::add`): acc[1] +=
 // finite inputs that round to infinity, acc[2] += nonzero inputs that round to zero, acc[0] += n.
 // Integer atomics: the totals do not depend on the order.

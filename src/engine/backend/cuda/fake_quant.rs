@@ -33,6 +33,8 @@ struct Kernels {
     /// `bf16_round` counting saturation and underflow, and the add of a quantizer's counts.
     bf16_count: CudaFunction,
     stats_add: CudaFunction,
+    /// Two FP32 tensors' BF16 bits (a tensor-core GEMM's operands).
+    bf16_pack2: CudaFunction,
     /// Indexed by element: E4M3, E5M2.
     mxfp8: [CudaFunction; 2],
     nvfp4: CudaFunction,
@@ -92,6 +94,7 @@ impl CudaFakeQuantizer {
         let k = Kernels {
             bf16: f("bf16_round")?,
             bf16_count: f("bf16_round_count")?,
+            bf16_pack2: f("bf16_pack2")?,
             stats_add: f("stats_add")?,
             mxfp8: [f("mxfp8_dq_e4m3")?, f("mxfp8_dq_e5m2")?],
             nvfp4: f("nvfp4_dq")?,
@@ -133,6 +136,37 @@ impl CudaFakeQuantizer {
         b.arg(x).arg(out).arg(&n64);
         // SAFETY: grid-stride loop over i < n; `x` and `out` hold at least n floats (checked).
         unsafe { b.launch(cfg(blocks(n, self.grid))) }?;
+        Ok(())
+    }
+
+    /// The BF16 bits of `a[..na]` and `b[..nb]` (RNE, as [`CudaFakeQuantizer::round_bf16`]) into
+    /// `pa` and `pb`, in one launch: exactly their bits where they hold BF16 values.
+    pub fn bf16_pack2(
+        &self,
+        (a, na, pa): (&CudaSlice<f32>, usize, &mut CudaSlice<u16>),
+        (b, nb, pb): (&CudaSlice<f32>, usize, &mut CudaSlice<u16>),
+    ) -> Result<(), CudaError> {
+        for (what, len, n) in [
+            ("a", a.len(), na),
+            ("b", b.len(), nb),
+            ("BF16 a", pa.len(), na),
+            ("BF16 b", pb.len(), nb),
+        ] {
+            if len < n {
+                return Err(CudaError::Shape(format!(
+                    "{what} holds {len} values, BF16 packing needs {n}"
+                )));
+            }
+        }
+        if na + nb == 0 {
+            return Ok(());
+        }
+        let (na64, nb64) = (na as u64, nb as u64);
+        let mut l = self.q.stream().launch_builder(&self.k.bf16_pack2);
+        l.arg(a).arg(pa).arg(&na64).arg(b).arg(pb).arg(&nb64);
+        // SAFETY: grid-stride loop over i < na + nb: a and pa are touched below na, b and pb
+        // below nb (each holds at least that many, checked).
+        unsafe { l.launch(cfg(blocks(na + nb, self.grid))) }?;
         Ok(())
     }
 

@@ -2,8 +2,10 @@
 //! backward's operand, [`DeviceLinearCache`]) and `engine::linear::backward` over device tensors,
 //! for a resident trainer. Every quantization is the CPU's, bit for bit
 //! ([`CudaFakeQuantizer`]: rows, columns, and both with the block dimension zero-padded), so the
-//! kept operand `x_bwd` equals the CPU's exactly; the GEMMs are cuBLAS FP32
-//! (`CUBLAS_PEDANTIC_MATH`, no TF32), so outputs and gradients agree to summation order.
+//! kept operand `x_bwd` equals the CPU's exactly. The GEMMs sum in FP32, so outputs and
+//! gradients agree to summation order: cuBLAS FP32 (`CUBLAS_PEDANTIC_MATH`, no TF32), or, where
+//! both operands hold only BF16 values (`linear::Operands::Bf16`: BF16 and MXFP8 operands), BF16
+//! tensor cores accumulating in FP32, whose products are exact ([`GEMM_VAR`] turns them off).
 //!
 //! A site can also hold a batch of weights of one shape (the routed experts, stacked
 //! `[E, out, in]`): each expert's rows are one block of the input, every GEMM is one strided
@@ -18,16 +20,18 @@ use super::fake_quant::CudaFakeQuantizer;
 use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::{
-    self, Blocks, CountSlots, DgradOperand, PreparedWeight, RunCounts, SiteKernels, SiteQuant,
-    SiteWeight,
+    self, Blocks, CountSlots, DgradOperand, Operands, PreparedWeight, RunCounts, SiteKernels,
+    SiteQuant, SiteWeight,
 };
 use crate::formats::mxfp8::MX_BLOCK;
 use crate::formats::nvfp4::NV_BLOCK;
 use crate::formats::{QuantFormat, SecondScale};
 use crate::recipe::{Precision, SitePlan};
-use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 /// A prepared weight on the device: the forward operand and the dgrad operand
@@ -222,12 +226,30 @@ pub struct DeviceLinearCache {
     pub n: usize,
 }
 
-/// The linear layer's kernels (the fake quantizer), cuBLAS handle and stream on one GPU.
+/// The linear layer's kernels (the fake quantizer), cuBLAS handles and stream on one GPU.
 pub struct CudaLinear {
     stream: Arc<CudaStream>,
     fq: CudaFakeQuantizer,
     blas: CudaBlas,
+    /// GEMMs of BF16 operands on tensor cores; `None` where [`GEMM_VAR`] asks for FP32 only.
+    tensor: Option<CudaBlas>,
     staging: Staging,
+}
+
+/// `LOCKSTEP_GEMM=fp32` multiplies every GEMM in FP32, BF16 operands too (to compare against the
+/// default, `bf16`: tensor cores where both operands hold only BF16 values).
+pub const GEMM_VAR: &str = "LOCKSTEP_GEMM";
+
+/// Whether [`GEMM_VAR`] lets BF16 operands go to tensor cores.
+fn tensor_cores_allowed() -> Result<bool, CudaError> {
+    match std::env::var(GEMM_VAR).as_deref() {
+        Err(_) | Ok("bf16") => Ok(true),
+        Ok("fp32") => Ok(false),
+        Ok(v) => Err(CudaError::Setting(format!(
+            "{GEMM_VAR}=`{v}`: use bf16 (tensor cores where both operands hold BF16 values, the \
+             default) or fp32 (every GEMM in FP32)"
+        ))),
+    }
 }
 
 impl CudaLinear {
@@ -235,11 +257,17 @@ impl CudaLinear {
         let q = Arc::new(CudaQuantizer::new(dev)?);
         let stream = q.stream().clone();
         let blas = super::backend::pedantic_blas(&stream)?;
+        let tensor = if tensor_cores_allowed()? {
+            Some(super::backend::tensor_core_blas(&stream)?)
+        } else {
+            None
+        };
         Ok(CudaLinear {
             fq: CudaFakeQuantizer::new(q)?,
             staging: Staging::new(&stream),
             stream,
             blas,
+            tensor,
         })
     }
 
@@ -597,6 +625,63 @@ impl CudaLinear {
 
 /// The device's kernels under the linear layer's precision policy (`engine::linear`): the
 /// fake quantizer and cuBLAS on this layer's stream.
+impl CudaLinear {
+    /// `cfg`'s GEMM (cuBLAS's column-major operands `a` then `b`, each with the values it covers
+    /// in all) on tensor cores: both operands as BF16 (exactly their values: the caller's
+    /// `Operands::Bf16`), products exact, sums and `c` in FP32.
+    fn gemm_bf16(
+        &self,
+        tensor: &CudaBlas,
+        cfg: StridedBatchedConfig<f32>,
+        (a, na): (&CudaSlice<f32>, usize),
+        (b, nb): (&CudaSlice<f32>, usize),
+        c: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        // SAFETY: device memory, written in full by `bf16_pack2` before the GEMM reads it.
+        let (mut pa, mut pb) =
+            unsafe { (self.stream.alloc::<u16>(na)?, self.stream.alloc::<u16>(nb)?) };
+        self.fq.bf16_pack2((a, na, &mut pa), (b, nb, &mut pb))?;
+        let g = cfg.gemm;
+        let (alpha, beta) = (g.alpha, g.beta);
+        let (pa_ptr, _ra) = pa.device_ptr(&self.stream);
+        let (pb_ptr, _rb) = pb.device_ptr(&self.stream);
+        let (c_ptr, _rc) = c.device_ptr_mut(&self.stream);
+        let bf16 = cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: `gemm`'s checks hold for these operands: each of the `batch_size` triples
+        // lies inside pa, pb (na, nb values: what the FP32 operands cover) and c at the
+        // strides given, with the FP32 GEMM's leading dimensions; alpha and beta are host
+        // floats living across the call, as CUBLAS_COMPUTE_32F reads them.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *tensor.handle(),
+                g.transa,
+                g.transb,
+                g.m,
+                g.n,
+                g.k,
+                (&alpha) as *const f32 as *const _,
+                pa_ptr as *const _,
+                bf16,
+                g.lda,
+                cfg.stride_a,
+                pb_ptr as *const _,
+                bf16,
+                g.ldb,
+                cfg.stride_b,
+                (&beta) as *const f32 as *const _,
+                c_ptr as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                g.ldc,
+                cfg.stride_c,
+                cfg.batch_size,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+}
+
 impl SiteKernels for CudaLinear {
     type Buf = CudaSlice<f32>;
     type Owned = CudaSlice<f32>;
@@ -666,6 +751,7 @@ impl SiteKernels for CudaLinear {
         (r, inner, cc): (usize, usize, usize),
         batch: usize,
         accumulate: bool,
+        operands: Operands,
     ) -> Result<(), CudaError> {
         if r == 0 || cc == 0 || batch == 0 {
             return Ok(());
@@ -709,6 +795,22 @@ impl SiteKernels for CudaLinear {
                 self.stream.memset_zeros(c)?;
             }
             return Ok(());
+        }
+        if let (Operands::Bf16, Some(tensor)) = (operands, &self.tensor) {
+            let cfg = StridedBatchedConfig {
+                gemm,
+                batch_size: dim(batch)?,
+                stride_a: b_len as i64,
+                stride_b: a_len as i64,
+                stride_c: c_len as i64,
+            };
+            return self.gemm_bf16(
+                tensor,
+                cfg,
+                (b_buf, batch * b_len),
+                (a_buf, batch * a_len),
+                c,
+            );
         }
         if batch == 1 {
             // SAFETY: checked above: a holds r·inner, b inner·cc and c r·cc floats, and each
