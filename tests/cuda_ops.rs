@@ -461,6 +461,71 @@ fn expert_batch_holds_the_busiest_expert_and_drops_no_slot() {
     assert!(counted < n / 4, "{counted}");
 }
 
+/// The expert batch's routing (`moe::ExpertBatch::route`) against one walk over each run's
+/// slots in order: every slot's batch row and every batch row's token, bit for bit. So each
+/// expert's rows hold its tokens in token order (what a column quantization along tokens reads,
+/// as the CPU's `expert_slots` lists them), then padding; an id out of range gets no row. Runs
+/// of 1 and 3, a run's slots over several of the kernel's 1,024-slot chunks, 8 and 40 experts.
+#[test]
+fn routing_keeps_each_experts_tokens_in_token_order() {
+    use lockstep::engine::backend::cuda::moe::{ExpertBatch, NO_ROW};
+    if common::gpu_ops("routing_keeps_each_experts_tokens_in_token_order").is_none() {
+        return;
+    }
+    let dev = lockstep::engine::backend::cuda::CudaDevice::open(0).unwrap();
+    let batch = ExpertBatch::new(&dev).unwrap();
+    let stream = dev.context().default_stream();
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for (runs, tokens, e) in [(1, 1500, 8), (3, 700, 8), (3, 1100, 40)] {
+        let n = runs * tokens;
+        // Two choices a token (distinct), one in 97 out of range.
+        let ids: Vec<u32> = (0..n)
+            .flat_map(|_| {
+                let a = rng.random_range(0..e as u32);
+                let b = (a + rng.random_range(1..e as u32)) % e as u32;
+                let b = if rng.random_range(0..97) == 0 {
+                    e as u32 + 3
+                } else {
+                    b
+                };
+                [a, b]
+            })
+            .collect();
+        // One walk over each run's slots: the reference.
+        let per_run = tokens * K;
+        let mut count = vec![0usize; runs * e];
+        let mut want_slot = vec![NO_ROW; n * K];
+        let mut placed = Vec::new();
+        for (s, &id) in ids.iter().enumerate() {
+            let q = s / per_run;
+            if (id as usize) < e {
+                let qx = q * e + id as usize;
+                placed.push((qx, count[qx], (s / K) as u32, s));
+                count[qx] += 1;
+            }
+        }
+        let busiest = *count.iter().max().unwrap();
+        for cap in [busiest, busiest + 5] {
+            let mut want_src = vec![NO_ROW; runs * e * cap];
+            for &(qx, r, token, s) in &placed {
+                want_slot[s] = (qx * cap + r) as u32;
+                want_src[qx * cap + r] = token;
+            }
+            let d_ids = stream.clone_htod(&ids).unwrap();
+            let got = batch.route(&stream, &d_ids, (n, K, e), cap, runs).unwrap();
+            let slot_row = stream.clone_dtoh(&got.slot_row).unwrap();
+            let src_row = stream.clone_dtoh(&got.src_row).unwrap();
+            let what = format!("{runs} runs of {tokens} tokens, {e} experts, capacity {cap}");
+            assert_eq!(slot_row[..n * K], want_slot[..], "{what}: slot rows");
+            assert_eq!(
+                src_row[..runs * e * cap],
+                want_src[..],
+                "{what}: batch rows' tokens"
+            );
+        }
+    }
+}
+
 #[test]
 fn short_buffers_and_bad_shapes_are_shape_errors() {
     let Some(g) = common::gpu_ops("short_buffers_and_bad_shapes_are_shape_errors") else {

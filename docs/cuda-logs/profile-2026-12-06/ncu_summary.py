@@ -6,7 +6,7 @@ def main(path):
     text = open(path, encoding="utf-8", errors="replace").read()
     start = text.find('"ID"')
     rows = csv.DictReader(io.StringIO(text[start:]))
-    scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+    scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
     total = collections.Counter()
     count = collections.Counter()
     for r in rows:

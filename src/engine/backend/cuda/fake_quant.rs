@@ -139,19 +139,22 @@ impl CudaFakeQuantizer {
         Ok(())
     }
 
-    /// The BF16 bits of `a[..na]` and `b[..nb]` (RNE, as [`CudaFakeQuantizer::round_bf16`]) into
-    /// `pa` and `pb`, in one launch: exactly their bits where they hold BF16 values.
+    /// The BF16 bits of `a[..na]` and, when given, `b[..nb]` (RNE, as
+    /// [`CudaFakeQuantizer::round_bf16`]) into `pa` and `pb`, in one launch: exactly their bits
+    /// where they hold BF16 values.
     pub fn bf16_pack2(
         &self,
         (a, na, pa): (&CudaSlice<f32>, usize, &mut CudaSlice<u16>),
-        (b, nb, pb): (&CudaSlice<f32>, usize, &mut CudaSlice<u16>),
+        b: Option<(&CudaSlice<f32>, usize, &mut CudaSlice<u16>)>,
     ) -> Result<(), CudaError> {
-        for (what, len, n) in [
+        let nb = b.as_ref().map_or(0, |b| b.1);
+        let lens = [
             ("a", a.len(), na),
-            ("b", b.len(), nb),
             ("BF16 a", pa.len(), na),
-            ("BF16 b", pb.len(), nb),
-        ] {
+            ("b", b.as_ref().map_or(0, |b| b.0.len()), nb),
+            ("BF16 b", b.as_ref().map_or(0, |b| b.2.len()), nb),
+        ];
+        for (what, len, n) in lens {
             if len < n {
                 return Err(CudaError::Shape(format!(
                     "{what} holds {len} values, BF16 packing needs {n}"
@@ -163,7 +166,11 @@ impl CudaFakeQuantizer {
         }
         let (na64, nb64) = (na as u64, nb as u64);
         let mut l = self.q.stream().launch_builder(&self.k.bf16_pack2);
-        l.arg(a).arg(pa).arg(&na64).arg(b).arg(pb).arg(&nb64);
+        match b {
+            Some((b, _, pb)) => l.arg(a).arg(pa).arg(&na64).arg(b).arg(pb).arg(&nb64),
+            // No second tensor: the first's buffers stand in, never touched (nb = 0).
+            None => l.arg(a).arg(&*pa).arg(&na64).arg(a).arg(&*pa).arg(&nb64),
+        };
         // SAFETY: grid-stride loop over i < na + nb: a and pa are touched below na, b and pb
         // below nb (each holds at least that many, checked).
         unsafe { l.launch(cfg(blocks(na + nb, self.grid))) }?;

@@ -32,7 +32,7 @@ use cudarc::cublas::sys::{
 };
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// A prepared weight on the device: the forward operand and the dgrad operand
 /// ([`PreparedWeight::w_fwd`], [`PreparedWeight::w_bwd`]), `[out_dim, in_dim]` each, or `batch`
@@ -48,6 +48,9 @@ pub struct DeviceWeight {
     out_dim: usize,
     in_dim: usize,
     batch: usize,
+    /// The BF16 bits of `w_fwd` and `w_bwd`, made by the first tensor-core GEMM that reads
+    /// them (`Operands::Bf16`), so each is packed once in the weight's life, not per GEMM.
+    bf16: [OnceLock<CudaSlice<u16>>; 2],
 }
 
 impl DeviceWeight {
@@ -88,6 +91,7 @@ impl DeviceWeight {
             out_dim,
             in_dim,
             batch: ws.len(),
+            bf16: Default::default(),
         }
     }
 
@@ -102,6 +106,7 @@ impl DeviceWeight {
             out_dim,
             in_dim,
             batch: ws.len(),
+            bf16: Default::default(),
         }
     }
 
@@ -115,6 +120,7 @@ impl DeviceWeight {
             out_dim,
             in_dim,
             batch,
+            bf16: Default::default(),
         }
     }
 
@@ -136,6 +142,7 @@ impl DeviceWeight {
             out_dim: self.out_dim,
             in_dim: self.in_dim,
             batch: per_run * keep.len(),
+            bf16: Default::default(),
         })
     }
 
@@ -494,6 +501,11 @@ impl CudaLinear {
     }
 
     /// The weight's operands as the policy of `engine::linear` reads them.
+    /// The kernels for a pass through `w` (which keep its BF16 copies).
+    fn on<'w>(&'w self, w: &'w DeviceWeight) -> OnWeight<'w> {
+        OnWeight { lin: self, w }
+    }
+
     fn site<'a>(&self, w: &'a DeviceWeight) -> SiteWeight<'a, CudaSlice<f32>> {
         SiteWeight {
             fwd: &w.w_fwd,
@@ -520,7 +532,7 @@ impl CudaLinear {
     ) -> Result<(CudaSlice<f32>, DeviceLinearCache), CudaError> {
         check_plans(plans, w)?;
         let mut y = self.output(w.batch * n * w.out_dim)?;
-        let x_bwd = linear::forward_on(self, plans, x, n, &self.site(w), &mut y, None)?;
+        let x_bwd = linear::forward_on(&self.on(w), plans, x, n, &self.site(w), &mut y, None)?;
         Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
@@ -545,7 +557,15 @@ impl CudaLinear {
         }
         let mut y = self.output(w.batch * n * w.out_dim)?;
         let counts = RunCounts { counts: acc, runs };
-        let x_bwd = linear::forward_on(self, plans, x, n, &self.site(w), &mut y, Some(counts))?;
+        let x_bwd = linear::forward_on(
+            &self.on(w),
+            plans,
+            x,
+            n,
+            &self.site(w),
+            &mut y,
+            Some(counts),
+        )?;
         Ok((y, DeviceLinearCache { x_bwd, n }))
     }
 
@@ -560,7 +580,7 @@ impl CudaLinear {
     ) -> Result<CudaSlice<f32>, CudaError> {
         check_plans(plans, w)?;
         let mut y = self.output(w.batch * n * w.out_dim)?;
-        linear::apply_on(self, plans, x, n, &self.site(w), &mut y)?;
+        linear::apply_on(&self.on(w), plans, x, n, &self.site(w), &mut y)?;
         Ok(y)
     }
 
@@ -590,7 +610,16 @@ impl CudaLinear {
             )));
         }
         check_plans(plans, w)?;
-        linear::backward_on(self, plans, &cache.x_bwd, n, &self.site(w), dy, dx, dw)
+        linear::backward_on(
+            &self.on(w),
+            plans,
+            &cache.x_bwd,
+            n,
+            &self.site(w),
+            dy,
+            dx,
+            dw,
+        )
     }
 
     /// A buffer of `n` floats for the op it is passed to to write in full
@@ -626,6 +655,96 @@ impl CudaLinear {
 /// The device's kernels under the linear layer's precision policy (`engine::linear`): the
 /// fake quantizer and cuBLAS on this layer's stream.
 impl CudaLinear {
+    /// `SiteKernels::gemm`, where `b` may come with the place its BF16 copy is kept (a weight:
+    /// see [`DeviceWeight`]). cuBLAS is column-major, where a row-major buffer reads as its
+    /// transpose: `cᵀ = bᵀ · aᵀ`.
+    fn gemm_keeping(
+        &self,
+        (a_buf, a_t): (&CudaSlice<f32>, bool),
+        (b_buf, b_t, kept): (&CudaSlice<f32>, bool, Option<&OnceLock<CudaSlice<u16>>>),
+        c: &mut CudaSlice<f32>,
+        (r, inner, cc): (usize, usize, usize),
+        (batch, accumulate, operands): (usize, bool, Operands),
+    ) -> Result<(), CudaError> {
+        if r == 0 || cc == 0 || batch == 0 {
+            return Ok(());
+        }
+        let dim = |v: usize| {
+            i32::try_from(v).map_err(|_| {
+                CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit"))
+            })
+        };
+        let (a_len, b_len, c_len) = (r * inner, inner * cc, r * cc);
+        if a_buf.len() < batch * a_len || b_buf.len() < batch * b_len || c.len() < batch * c_len {
+            return Err(CudaError::Shape(format!(
+                "linear gemm: buffers of {}, {}, {} floats for {batch} x [{r}, {inner}] x [{inner}, {cc}]",
+                a_buf.len(),
+                b_buf.len(),
+                c.len()
+            )));
+        }
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let gemm = GemmConfig {
+            // First cuBLAS operand: b's buffer, (cc x inner) column-major when stored as b.
+            transa: op(b_t),
+            transb: op(a_t),
+            m: dim(cc)?,
+            n: dim(r)?,
+            k: dim(inner)?,
+            alpha: 1.0f32,
+            lda: dim(if b_t { inner } else { cc })?,
+            ldb: dim(if a_t { r } else { inner })?,
+            beta: if accumulate { 1.0f32 } else { 0.0 },
+            ldc: dim(cc)?,
+        };
+        if inner == 0 {
+            if !accumulate {
+                self.stream.memset_zeros(c)?;
+            }
+            return Ok(());
+        }
+        if let (Operands::Bf16, Some(tensor)) = (operands, &self.tensor) {
+            let cfg = StridedBatchedConfig {
+                gemm,
+                batch_size: dim(batch)?,
+                stride_a: b_len as i64,
+                stride_b: a_len as i64,
+                stride_c: c_len as i64,
+            };
+            return self.gemm_bf16(
+                tensor,
+                cfg,
+                (b_buf, batch * b_len, kept),
+                (a_buf, batch * a_len),
+                c,
+            );
+        }
+        if batch == 1 {
+            // SAFETY: checked above: a holds r·inner, b inner·cc and c r·cc floats, and each
+            // leading dimension is the row length of that row-major buffer as stored, so cuBLAS
+            // stays inside.
+            unsafe { self.blas.gemm(gemm, b_buf, a_buf, c) }?;
+        } else {
+            let cfg = StridedBatchedConfig {
+                gemm,
+                batch_size: dim(batch)?,
+                stride_a: b_len as i64,
+                stride_b: a_len as i64,
+                stride_c: c_len as i64,
+            };
+            // SAFETY: as above for each of the `batch` triples, which lie back to back at the
+            // strides given (checked: each buffer holds batch times its operand).
+            unsafe { self.blas.gemm_strided_batched(cfg, b_buf, a_buf, c) }?;
+        }
+        Ok(())
+    }
+
     /// `cfg`'s GEMM (cuBLAS's column-major operands `a` then `b`, each with the values it covers
     /// in all) on tensor cores: both operands as BF16 (exactly their values: the caller's
     /// `Operands::Bf16`), products exact, sums and `c` in FP32.
@@ -633,14 +752,33 @@ impl CudaLinear {
         &self,
         tensor: &CudaBlas,
         cfg: StridedBatchedConfig<f32>,
-        (a, na): (&CudaSlice<f32>, usize),
+        (a, na, kept): (&CudaSlice<f32>, usize, Option<&OnceLock<CudaSlice<u16>>>),
         (b, nb): (&CudaSlice<f32>, usize),
         c: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         // SAFETY: device memory, written in full by `bf16_pack2` before the GEMM reads it.
-        let (mut pa, mut pb) =
-            unsafe { (self.stream.alloc::<u16>(na)?, self.stream.alloc::<u16>(nb)?) };
-        self.fq.bf16_pack2((a, na, &mut pa), (b, nb, &mut pb))?;
+        let mut pb = unsafe { self.stream.alloc::<u16>(nb)? };
+        let fresh_a = match kept.and_then(OnceLock::get) {
+            Some(pa) if pa.len() >= na => {
+                self.fq.bf16_pack2((b, nb, &mut pb), None)?;
+                None
+            }
+            _ => {
+                // SAFETY: as pb.
+                let mut pa = unsafe { self.stream.alloc::<u16>(na)? };
+                self.fq
+                    .bf16_pack2((a, na, &mut pa), Some((b, nb, &mut pb)))?;
+                match kept {
+                    // A weight's first packing, kept with it (a weight is not changed in place).
+                    Some(cell) => cell.set(pa).err(),
+                    None => Some(pa),
+                }
+            }
+        };
+        let pa = match (&fresh_a, kept.and_then(OnceLock::get)) {
+            (Some(pa), _) | (None, Some(pa)) => pa,
+            (None, None) => unreachable!("packed above or kept"),
+        };
         let g = cfg.gemm;
         let (alpha, beta) = (g.alpha, g.beta);
         let (pa_ptr, _ra) = pa.device_ptr(&self.stream);
@@ -742,94 +880,18 @@ impl SiteKernels for CudaLinear {
         Ok(out)
     }
 
-    /// cuBLAS is column-major, where a row-major buffer reads as its transpose: `cᵀ = bᵀ · aᵀ`.
     fn gemm(
         &self,
-        (a_buf, a_t): (&CudaSlice<f32>, bool),
-        (b_buf, b_t): (&CudaSlice<f32>, bool),
+        a: (&CudaSlice<f32>, bool),
+        b: (&CudaSlice<f32>, bool),
         c: &mut CudaSlice<f32>,
-        (r, inner, cc): (usize, usize, usize),
+        dims: (usize, usize, usize),
         batch: usize,
         accumulate: bool,
         operands: Operands,
     ) -> Result<(), CudaError> {
-        if r == 0 || cc == 0 || batch == 0 {
-            return Ok(());
-        }
-        let dim = |v: usize| {
-            i32::try_from(v).map_err(|_| {
-                CudaError::Shape(format!("gemm dimension {v} exceeds cuBLAS's 32-bit limit"))
-            })
-        };
-        let (a_len, b_len, c_len) = (r * inner, inner * cc, r * cc);
-        if a_buf.len() < batch * a_len || b_buf.len() < batch * b_len || c.len() < batch * c_len {
-            return Err(CudaError::Shape(format!(
-                "linear gemm: buffers of {}, {}, {} floats for {batch} x [{r}, {inner}] x [{inner}, {cc}]",
-                a_buf.len(),
-                b_buf.len(),
-                c.len()
-            )));
-        }
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let gemm = GemmConfig {
-            // First cuBLAS operand: b's buffer, (cc x inner) column-major when stored as b.
-            transa: op(b_t),
-            transb: op(a_t),
-            m: dim(cc)?,
-            n: dim(r)?,
-            k: dim(inner)?,
-            alpha: 1.0f32,
-            lda: dim(if b_t { inner } else { cc })?,
-            ldb: dim(if a_t { r } else { inner })?,
-            beta: if accumulate { 1.0f32 } else { 0.0 },
-            ldc: dim(cc)?,
-        };
-        if inner == 0 {
-            if !accumulate {
-                self.stream.memset_zeros(c)?;
-            }
-            return Ok(());
-        }
-        if let (Operands::Bf16, Some(tensor)) = (operands, &self.tensor) {
-            let cfg = StridedBatchedConfig {
-                gemm,
-                batch_size: dim(batch)?,
-                stride_a: b_len as i64,
-                stride_b: a_len as i64,
-                stride_c: c_len as i64,
-            };
-            return self.gemm_bf16(
-                tensor,
-                cfg,
-                (b_buf, batch * b_len),
-                (a_buf, batch * a_len),
-                c,
-            );
-        }
-        if batch == 1 {
-            // SAFETY: checked above: a holds r·inner, b inner·cc and c r·cc floats, and each
-            // leading dimension is the row length of that row-major buffer as stored, so cuBLAS
-            // stays inside.
-            unsafe { self.blas.gemm(gemm, b_buf, a_buf, c) }?;
-        } else {
-            let cfg = StridedBatchedConfig {
-                gemm,
-                batch_size: dim(batch)?,
-                stride_a: b_len as i64,
-                stride_b: a_len as i64,
-                stride_c: c_len as i64,
-            };
-            // SAFETY: as above for each of the `batch` triples, which lie back to back at the
-            // strides given (checked: each buffer holds batch times its operand).
-            unsafe { self.blas.gemm_strided_batched(cfg, b_buf, a_buf, c) }?;
-        }
-        Ok(())
+        let kernels = (batch, accumulate, operands);
+        self.gemm_keeping(a, (b.0, b.1, None), c, dims, kernels)
     }
 
     fn fill_zero(&self, c: &mut CudaSlice<f32>) -> Result<(), CudaError> {
@@ -866,5 +928,93 @@ impl SiteKernels for CudaLinear {
                 .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(at..at + len))?;
         }
         Ok(())
+    }
+}
+
+/// The layer's kernels over one site's weights: its GEMMs keep each weight's BF16 copy with the
+/// weight ([`DeviceWeight`]'s `bf16`), where `CudaLinear`'s own would pack it for every GEMM.
+struct OnWeight<'w> {
+    lin: &'w CudaLinear,
+    w: &'w DeviceWeight,
+}
+
+impl OnWeight<'_> {
+    /// Where `buf`'s BF16 copy is kept, if it is one of the site's weights.
+    fn kept(&self, buf: &CudaSlice<f32>) -> Option<&OnceLock<CudaSlice<u16>>> {
+        if std::ptr::eq(buf, &self.w.w_fwd) {
+            Some(&self.w.bf16[0])
+        } else if self.w.w_bwd.as_ref().is_some_and(|b| std::ptr::eq(buf, b)) {
+            Some(&self.w.bf16[1])
+        } else {
+            None
+        }
+    }
+}
+
+impl SiteKernels for OnWeight<'_> {
+    type Buf = CudaSlice<f32>;
+    type Owned = CudaSlice<f32>;
+    type Counts = CudaSlice<u64>;
+    type Error = CudaError;
+
+    fn copy(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.lin.copy(x, len)
+    }
+
+    fn round_bf16(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.lin.round_bf16(x, len)
+    }
+
+    fn quantize(
+        &self,
+        kind: SiteQuant,
+        x: &CudaSlice<f32>,
+        shape: Blocks,
+        fmt: &QuantFormat,
+        counts: Option<CountSlots<'_, CudaSlice<u64>>>,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        self.lin.quantize(kind, x, shape, fmt, counts)
+    }
+
+    fn gemm(
+        &self,
+        a: (&CudaSlice<f32>, bool),
+        (b, b_t): (&CudaSlice<f32>, bool),
+        c: &mut CudaSlice<f32>,
+        dims: (usize, usize, usize),
+        batch: usize,
+        accumulate: bool,
+        operands: Operands,
+    ) -> Result<(), CudaError> {
+        let kernels = (batch, accumulate, operands);
+        self.lin
+            .gemm_keeping(a, (b, b_t, self.kept(b)), c, dims, kernels)
+    }
+
+    fn fill_zero(&self, c: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        self.lin.fill_zero(c)
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
+        self.lin.alloc(len)
+    }
+
+    fn copy_range(
+        &self,
+        x: &CudaSlice<f32>,
+        from: usize,
+        len: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        self.lin.copy_range(x, from, len)
+    }
+
+    fn place(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+        src: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        self.lin.place(dst, at, src, len)
     }
 }

@@ -13,6 +13,13 @@ use std::sync::Arc;
 
 const SRC: &str = include_str!("moe.cu");
 
+/// `moe.cu`'s ROUTE_THREADS: a block of `route_slots` (one per run) ranks this many slots at once.
+const ROUTE_THREADS: u32 = 1024;
+
+/// `moe.cu`'s ROUTE_MAX_EXPERTS: the most experts a run may have for `route_slots`, whose
+/// shared counters have room for that many.
+const ROUTE_MAX_EXPERTS: usize = 256;
+
 /// A slot's or a batch row's entry when it has none (`moe.cu`'s 0xFFFFFFFF).
 pub const NO_ROW: u32 = u32::MAX;
 
@@ -107,15 +114,25 @@ impl ExpertBatch {
         let mut src_row = unsafe { stream.alloc::<u32>((experts * cap).max(1))? };
         let (nk32, k32, e32) = (dim(op, "slots", n * k)?, dim(op, "k", k)?, dim(op, "e", e)?);
         let (cap32, runs32) = (dim(op, "cap", cap)?, dim(op, "runs", runs)?);
-        let experts32 = dim(op, "experts", experts)?;
+        dim(op, "experts", experts)?;
         dim(op, "expert rows", experts * cap)?;
+        if e > ROUTE_MAX_EXPERTS {
+            return Err(CudaError::Shape(format!(
+                "{op}: {e} experts a run; the device routes at most {ROUTE_MAX_EXPERTS}"
+            )));
+        }
         let mut b = stream.launch_builder(&self.route_slots);
         b.arg(ids).arg(&mut slot_row).arg(&mut src_row);
         b.arg(&nk32).arg(&k32).arg(&e32).arg(&cap32).arg(&runs32);
-        // SAFETY: thread q·e + ex < e·runs reads ids in run q's slot range (within n·k) and
-        // writes slot_row[s] there and src_row[(q·e + ex)·cap + r] for r < cap; both buffers
-        // hold those many entries.
-        unsafe { b.launch(LaunchConfig::for_num_elems(experts32)) }?;
+        let cfg = LaunchConfig {
+            grid_dim: (runs32, 1, 1),
+            block_dim: (ROUTE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: block q < runs reads ids in run q's slot range (within n·k) and writes
+        // slot_row[s] there and src_row[(q·e + ex)·cap + r] for ex < e, r < cap; both buffers
+        // hold those many entries. Its shared counters hold ROUTE_MAX_EXPERTS experts (checked).
+        unsafe { b.launch(cfg) }?;
         Ok(Slots {
             slot_row,
             src_row,
