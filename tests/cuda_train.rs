@@ -42,14 +42,18 @@ fn resident_pass_matches_the_cpu_forward_and_backward() {
     // 2.8e-5; fp8-block 4.3e-3, 4.7e-2, 5.7e-6. A quantized site's worst tensor is a small one
     // (a norm gain, an expert's fc1) where a code moved across a rounding boundary. fp8-block's
     // norm bound is 3x the 6.3e-5 of the CUDA emulator (scripts/cuda-emu), whose GEMMs sum
-    // exactly: another summation order moves it that far.
+    // exactly: another summation order moves it that far. With BF16 tensor cores (the default
+    // since 2026-12-06, `linear::Operands`) an H100 measured bf16 2.2e-3, 5.1e-3, 1.4e-6; mxfp8
+    // 7.7e-3, 5.6e-2, 4.0e-5; nvfp4-dq 1.8e-2, 5.8e-2, 2.8e-5; per-tensor 2.2e-2, 0.16, 2.0e-4:
+    // one tensor's amax moved by the other accumulation rescales that whole tensor's codes, so
+    // per-tensor NVFP4's norm bound is 2x that.
     let cases = [
         (ModelConfig::tiny(), "fp32", 2e-6f32, 5e-6f32, 1e-7f64),
         (ModelConfig::small(), "fp32", 2e-6, 5e-6, 1e-7),
         (ModelConfig::small(), "bf16", 5e-3, 1e-2, 1e-5),
         (ModelConfig::small(), "mxfp8", 1e-2, 0.15, 3e-4),
         (ModelConfig::small(), "nvfp4-dq", 4e-2, 0.15, 1e-4),
-        (ModelConfig::small(), "nvfp4-dq-per-tensor", 4e-2, 0.2, 1e-4),
+        (ModelConfig::small(), "nvfp4-dq-per-tensor", 4e-2, 0.2, 4e-4),
         (ModelConfig::small(), "fp8-block", 2e-2, 0.15, 2e-4),
     ];
     let mut failures = Vec::new();

@@ -28,7 +28,10 @@ extern "C" __global__ void rmsnorm_backward_dx(float *__restrict__ dx, const flo
 }
 
 // ops::rmsnorm_backward, gain part: dg[c] += dout[r, c]*x[r, c]*rstd[r] over rows in order. A
-// thread per (run, column): run q's rows are q*run_rows.., its gains dg[q*d..].
+// thread per (run, column): run q's rows are q*run_rows.., its gains dg[q*d..]. The terms of
+// DG_ROWS rows are loaded and formed together, then added in row order: the loads overlap
+// instead of each waiting on the previous add, and the sum is the same chain.
+#define DG_ROWS 8
 extern "C" __global__ void rmsnorm_backward_dg(float *__restrict__ dg, const float *__restrict__ dout,
                                                const float *__restrict__ x,
                                                const float *__restrict__ rstd, u32 n, u32 d,
@@ -36,9 +39,16 @@ extern "C" __global__ void rmsnorm_backward_dg(float *__restrict__ dg, const flo
     u64 runs = n / run_rows;
     for (u64 qc = gtid(); qc < runs * d; qc += gstride()) {
         u64 q = qc / d, c = qc % d;
+        u64 r = q * run_rows, end = (q + 1) * run_rows;
         float acc = dg[qc];
-        for (u64 r = q * run_rows; r < (q + 1) * run_rows; r++)
-            acc = acc + dout[r * d + c] * x[r * d + c] * rstd[r];
+        for (; r + DG_ROWS <= end; r += DG_ROWS) {
+            float t[DG_ROWS];
+#pragma unroll
+            for (u32 j = 0; j < DG_ROWS; j++) t[j] = dout[(r + j) * d + c] * x[(r + j) * d + c] * rstd[r + j];
+#pragma unroll
+            for (u32 j = 0; j < DG_ROWS; j++) acc = acc + t[j];
+        }
+        for (; r < end; r++) acc = acc + dout[r * d + c] * x[r * d + c] * rstd[r];
         dg[qc] = acc;
     }
 }
