@@ -622,6 +622,21 @@ impl CudaLinear {
         )
     }
 
+    /// Values `from..from + len` of `x`, as a buffer of their own.
+    fn copy_range(
+        &self,
+        x: &CudaSlice<f32>,
+        from: usize,
+        len: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.output(len)?;
+        if len > 0 {
+            self.stream
+                .memcpy_dtod(&x.slice(from..from + len), &mut out.slice_mut(..len))?;
+        }
+        Ok(out)
+    }
+
     /// A buffer of `n` floats for the op it is passed to to write in full
     /// ([`super::output_buffer`]).
     fn output(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
@@ -820,119 +835,9 @@ impl CudaLinear {
     }
 }
 
-impl SiteKernels for CudaLinear {
-    type Buf = CudaSlice<f32>;
-    type Owned = CudaSlice<f32>;
-    type Counts = CudaSlice<u64>;
-    type Error = CudaError;
-
-    fn copy(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        let mut out = self.output(len)?;
-        if len > 0 {
-            self.stream
-                .memcpy_dtod(&x.slice(..len), &mut out.slice_mut(..len))?;
-        }
-        Ok(out)
-    }
-
-    fn round_bf16(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        let mut out = self.output(len)?;
-        self.fq.round_bf16(x, &mut out, len)?;
-        Ok(out)
-    }
-
-    /// Blocks are quantized together where that is the same thing (row-local formats; columns
-    /// when `rows` divides into blocks), one by one otherwise (a per-tensor NVFP4 scale, a
-    /// column block that would straddle two experts).
-    fn quantize(
-        &self,
-        kind: SiteQuant,
-        x: &CudaSlice<f32>,
-        Blocks { rows, cols, batch }: Blocks,
-        fmt: &QuantFormat,
-        mut acc: Option<CountSlots<'_, CudaSlice<u64>>>,
-    ) -> Result<CudaSlice<f32>, CudaError> {
-        let len = batch * rows * cols;
-        // The padded row path writes through a transpose; zeroed, as it always was.
-        let mut out = match kind {
-            SiteQuant::RowsPadded => self.stream.alloc_zeros(len.max(1))?,
-            _ => self.output(len)?,
-        };
-        let per_tensor = matches!(
-            fmt,
-            QuantFormat::Nvfp4 {
-                second: SecondScale::PerTensor,
-                ..
-            }
-        );
-        let aligned = kind != SiteQuant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
-        if batch == 1 || (!per_tensor && aligned) {
-            self.quantize_one(kind, x, (rows * batch, cols), fmt, &mut out, acc)?;
-        } else {
-            let mut b = 0;
-            self.fq
-                .per_block(x, &mut out, (batch, rows * cols), |blk, q| {
-                    let slot = acc.as_mut().map(|a| a.part(b, batch));
-                    b += 1;
-                    self.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
-                })?;
-        }
-        Ok(out)
-    }
-
-    fn gemm(
-        &self,
-        a: (&CudaSlice<f32>, bool),
-        b: (&CudaSlice<f32>, bool),
-        c: &mut CudaSlice<f32>,
-        dims: (usize, usize, usize),
-        batch: usize,
-        accumulate: bool,
-        operands: Operands,
-    ) -> Result<(), CudaError> {
-        let kernels = (batch, accumulate, operands);
-        self.gemm_keeping(a, (b.0, b.1, None), c, dims, kernels)
-    }
-
-    fn fill_zero(&self, c: &mut CudaSlice<f32>) -> Result<(), CudaError> {
-        Ok(self.stream.memset_zeros(c)?)
-    }
-
-    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        self.output(len)
-    }
-
-    fn copy_range(
-        &self,
-        x: &CudaSlice<f32>,
-        from: usize,
-        len: usize,
-    ) -> Result<CudaSlice<f32>, CudaError> {
-        let mut out = self.output(len)?;
-        if len > 0 {
-            self.stream
-                .memcpy_dtod(&x.slice(from..from + len), &mut out.slice_mut(..len))?;
-        }
-        Ok(out)
-    }
-
-    fn place(
-        &self,
-        dst: &mut CudaSlice<f32>,
-        at: usize,
-        src: &CudaSlice<f32>,
-        len: usize,
-    ) -> Result<(), CudaError> {
-        if len > 0 {
-            self.stream
-                .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(at..at + len))?;
-        }
-        Ok(())
-    }
-}
-
-/// The layer's kernels over one site's weights: its GEMMs keep each weight's BF16 copy with the
-/// weight ([`DeviceWeight`]'s `bf16`), where `CudaLinear`'s own would pack it for every GEMM.
+/// The linear layer's kernels (`SiteKernels`) for a pass through one site's weights: its
+/// GEMMs read each weight's BF16 copy kept with the weight ([`DeviceWeight`]'s `bf16`, packed by
+/// the first tensor-core GEMM that reads it) rather than packing it again.
 struct OnWeight<'w> {
     lin: &'w CudaLinear,
     w: &'w DeviceWeight,
@@ -958,22 +863,60 @@ impl SiteKernels for OnWeight<'_> {
     type Error = CudaError;
 
     fn copy(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        self.lin.copy(x, len)
+        let mut out = self.lin.output(len)?;
+        if len > 0 {
+            self.lin
+                .stream
+                .memcpy_dtod(&x.slice(..len), &mut out.slice_mut(..len))?;
+        }
+        Ok(out)
     }
 
     fn round_bf16(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        self.lin.round_bf16(x, len)
+        let mut out = self.lin.output(len)?;
+        self.lin.fq.round_bf16(x, &mut out, len)?;
+        Ok(out)
     }
 
+    /// Blocks are quantized together where that is the same thing (row-local formats; columns
+    /// when `rows` divides into blocks), one by one otherwise (a per-tensor NVFP4 scale, a
+    /// column block that would straddle two experts).
     fn quantize(
         &self,
         kind: SiteQuant,
         x: &CudaSlice<f32>,
-        shape: Blocks,
+        Blocks { rows, cols, batch }: Blocks,
         fmt: &QuantFormat,
-        counts: Option<CountSlots<'_, CudaSlice<u64>>>,
+        mut acc: Option<CountSlots<'_, CudaSlice<u64>>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        self.lin.quantize(kind, x, shape, fmt, counts)
+        let len = batch * rows * cols;
+        // The padded row path writes through a transpose; zeroed, as it always was.
+        let mut out = match kind {
+            SiteQuant::RowsPadded => self.lin.stream.alloc_zeros(len.max(1))?,
+            _ => self.lin.output(len)?,
+        };
+        let per_tensor = matches!(
+            fmt,
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                ..
+            }
+        );
+        let aligned = kind != SiteQuant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
+        if batch == 1 || (!per_tensor && aligned) {
+            self.lin
+                .quantize_one(kind, x, (rows * batch, cols), fmt, &mut out, acc)?;
+        } else {
+            let mut b = 0;
+            self.lin
+                .fq
+                .per_block(x, &mut out, (batch, rows * cols), |blk, q| {
+                    let slot = acc.as_mut().map(|a| a.part(b, batch));
+                    b += 1;
+                    self.lin.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
+                })?;
+        }
+        Ok(out)
     }
 
     fn gemm(
@@ -992,11 +935,11 @@ impl SiteKernels for OnWeight<'_> {
     }
 
     fn fill_zero(&self, c: &mut CudaSlice<f32>) -> Result<(), CudaError> {
-        self.lin.fill_zero(c)
+        Ok(self.lin.stream.memset_zeros(c)?)
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        self.lin.alloc(len)
+        self.lin.output(len)
     }
 
     fn copy_range(
@@ -1015,6 +958,11 @@ impl SiteKernels for OnWeight<'_> {
         src: &CudaSlice<f32>,
         len: usize,
     ) -> Result<(), CudaError> {
-        self.lin.place(dst, at, src, len)
+        if len > 0 {
+            self.lin
+                .stream
+                .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(at..at + len))?;
+        }
+        Ok(())
     }
 }
