@@ -110,28 +110,25 @@ fn parse_held_state(v: &str) -> Result<usize, CudaError> {
 /// TF32 or other reduced-precision path, whatever `NVIDIA_TF32_OVERRIDE` says. Every FP32 cuBLAS
 /// handle of the engine is made here.
 pub(crate) fn pedantic_blas(stream: &Arc<CudaStream>) -> Result<CudaBlas, CudaError> {
-    let blas = CudaBlas::new(stream.clone())?;
-    // SAFETY: the handle is valid (just created) and owned by the caller from here on; setting
-    // its math mode is a plain configuration call with no memory access.
-    let st = unsafe {
-        cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_PEDANTIC_MATH)
-    };
-    st.result()?;
-    Ok(blas)
+    blas_in(stream, cublasMath_t::CUBLAS_PEDANTIC_MATH)
 }
 
 /// A cuBLAS handle on `stream` for GEMMs of BF16 operands (`linear::Operands::Bf16`): tensor
 /// cores with FP32 accumulation (`CUBLAS_COMPUTE_32F`, asked for call by call) and, where cuBLAS
 /// splits a sum, FP32 partial sums (`CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION`).
 pub(crate) fn tensor_core_blas(stream: &Arc<CudaStream>) -> Result<CudaBlas, CudaError> {
+    blas_in(
+        stream,
+        cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+    )
+}
+
+/// A cuBLAS handle on `stream` in math mode `mode`.
+fn blas_in(stream: &Arc<CudaStream>, mode: cublasMath_t) -> Result<CudaBlas, CudaError> {
     let blas = CudaBlas::new(stream.clone())?;
-    // SAFETY: as in `pedantic_blas`.
-    let st = unsafe {
-        cudarc::cublas::sys::cublasSetMathMode(
-            *blas.handle(),
-            cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
-        )
-    };
+    // SAFETY: the handle is valid (just created) and owned by the caller from here on; setting
+    // its math mode is a plain configuration call with no memory access.
+    let st = unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) };
     st.result()?;
     Ok(blas)
 }

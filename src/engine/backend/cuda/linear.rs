@@ -724,21 +724,16 @@ impl CudaLinear {
             }
             return Ok(());
         }
+        let cfg = StridedBatchedConfig {
+            gemm,
+            batch_size: dim(batch)?,
+            stride_a: b_len as i64,
+            stride_b: a_len as i64,
+            stride_c: c_len as i64,
+        };
         if let (Operands::Bf16, Some(tensor)) = (operands, &self.tensor) {
-            let cfg = StridedBatchedConfig {
-                gemm,
-                batch_size: dim(batch)?,
-                stride_a: b_len as i64,
-                stride_b: a_len as i64,
-                stride_c: c_len as i64,
-            };
-            return self.gemm_bf16(
-                tensor,
-                cfg,
-                (b_buf, batch * b_len, kept),
-                (a_buf, batch * a_len),
-                c,
-            );
+            let (a, b) = ((b_buf, batch * b_len, kept), (a_buf, batch * a_len));
+            return self.gemm_bf16(tensor, cfg, a, b, c);
         }
         if batch == 1 {
             // SAFETY: checked above: a holds r·inner, b inner·cc and c r·cc floats, and each
@@ -746,13 +741,6 @@ impl CudaLinear {
             // stays inside.
             unsafe { self.blas.gemm(gemm, b_buf, a_buf, c) }?;
         } else {
-            let cfg = StridedBatchedConfig {
-                gemm,
-                batch_size: dim(batch)?,
-                stride_a: b_len as i64,
-                stride_b: a_len as i64,
-                stride_c: c_len as i64,
-            };
             // SAFETY: as above for each of the `batch` triples, which lie back to back at the
             // strides given (checked: each buffer holds batch times its operand).
             unsafe { self.blas.gemm_strided_batched(cfg, b_buf, a_buf, c) }?;
@@ -773,26 +761,26 @@ impl CudaLinear {
     ) -> Result<(), CudaError> {
         // SAFETY: device memory, written in full by `bf16_pack2` before the GEMM reads it.
         let mut pb = unsafe { self.stream.alloc::<u16>(nb)? };
-        let fresh_a = match kept.and_then(OnceLock::get) {
-            Some(pa) if pa.len() >= na => {
+        let mut fresh = None;
+        let pa = match kept.and_then(OnceLock::get).filter(|pa| pa.len() >= na) {
+            Some(pa) => {
                 self.fq.bf16_pack2((b, nb, &mut pb), None)?;
-                None
+                pa
             }
-            _ => {
+            None => {
                 // SAFETY: as pb.
                 let mut pa = unsafe { self.stream.alloc::<u16>(na)? };
                 self.fq
                     .bf16_pack2((a, na, &mut pa), Some((b, nb, &mut pb)))?;
+                // A weight's first packing is kept with it (a weight is not changed in place).
                 match kept {
-                    // A weight's first packing, kept with it (a weight is not changed in place).
-                    Some(cell) => cell.set(pa).err(),
-                    None => Some(pa),
+                    Some(cell) => match cell.set(pa) {
+                        Ok(()) => cell.get().expect("just set"),
+                        Err(pa) => fresh.insert(pa),
+                    },
+                    None => fresh.insert(pa),
                 }
             }
-        };
-        let pa = match (&fresh_a, kept.and_then(OnceLock::get)) {
-            (Some(pa), _) | (None, Some(pa)) => pa,
-            (None, None) => unreachable!("packed above or kept"),
         };
         let g = cfg.gemm;
         let (alpha, beta) = (g.alpha, g.beta);
@@ -863,13 +851,7 @@ impl SiteKernels for OnWeight<'_> {
     type Error = CudaError;
 
     fn copy(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
-        let mut out = self.lin.output(len)?;
-        if len > 0 {
-            self.lin
-                .stream
-                .memcpy_dtod(&x.slice(..len), &mut out.slice_mut(..len))?;
-        }
-        Ok(out)
+        self.lin.copy_range(x, 0, len)
     }
 
     fn round_bf16(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<f32>, CudaError> {
