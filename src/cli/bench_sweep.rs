@@ -5,8 +5,8 @@
 //! store, timed from start to exit. Prints wall time, run-steps per second, the ratio to the first
 //! layout, the GEMM arithmetic per second (`perf/gemm_flops` over the wall time) with the share of
 //! the device's FP32 peak it is, and whether every layout's runs hold the first one's metrics bit
-//! for bit (a batched layout on a GPU against one of another batch size: not compared, the GEMMs
-//! of other batch compositions sum in another order).
+//! for bit. On a GPU only runs stepped with the same neighbours in both layouts are compared (the
+//! `batch` their manifests list): GEMMs over other batch compositions sum in another order.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -163,7 +163,7 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
         "{:<12} {:>9} {:>14} {:>9} {:>13}  metrics",
         "layout", "wall", "run-steps/s", "vs first", "GEMM GFLOP/s"
     );
-    let mut first: Option<(f64, PathBuf, usize)> = None;
+    let mut first: Option<(f64, PathBuf)> = None;
     let mut all_ok = true;
     let mut best_gflops: f64 = 0.0;
     for (i, l) in layouts.iter().enumerate() {
@@ -172,18 +172,15 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
         let secs = time_run(&args.suite, &store, &args.device, *l, devices.len(), &cache)?;
         let same = match &first {
             None => "reference".to_string(),
-            Some((_, _, batch)) if on_gpu && *batch != l.batch => {
-                "not compared (batched on a GPU: another GEMM order)".to_string()
-            }
-            Some((_, reference, _)) => match same_metrics(&runs, &s.name, reference, &store) {
-                Ok(()) => "identical".to_string(),
+            Some((_, reference)) => match same_metrics(&runs, &s.name, reference, &store, on_gpu) {
+                Ok(c) => c.to_string(),
                 Err(why) => {
                     all_ok = false;
                     format!("DIFFER: {why}")
                 }
             },
         };
-        let ratio = first.as_ref().map_or(1.0, |(f, _, _)| f / secs);
+        let ratio = first.as_ref().map_or(1.0, |(f, _)| f / secs);
         let gflops = gemm_flops(&runs, &s.name, &store)? / secs / 1e9;
         println!(
             "{:<12} {:>8.1}s {:>14.1} {:>8.2}x {:>13.1}  {same}",
@@ -194,7 +191,7 @@ pub fn sweep(args: &SweepArgs) -> Result<bool> {
             gflops
         );
         best_gflops = best_gflops.max(gflops);
-        first.get_or_insert((secs, store, l.batch));
+        first.get_or_insert((secs, store));
     }
     match peak {
         Some(p) => println!(
@@ -327,27 +324,146 @@ fn time_run(
 }
 
 /// Every run's step records in `b` hold `a`'s values bit for bit (wall-clock `perf/` aside).
-fn same_metrics(runs: &[RunSpec], suite: &str, a: &Path, b: &Path) -> Result<(), String> {
-    let read = |store: &Path, id: &str| -> Result<Vec<StepRecord>, String> {
-        lockstep::store::RunDir::open(&store.join(suite).join(id))
-            .read_scalars()
-            .map_err(|e| e.to_string())
-    };
-    for r in runs {
-        let (x, y) = (read(a, &r.run_id)?, read(b, &r.run_id)?);
-        let differ = |(p, q): (&StepRecord, &StepRecord)| {
-            p.deterministic_scalars() != q.deterministic_scalars()
-        };
-        if x.len() != y.len() || x.iter().zip(&y).any(differ) {
-            return Err(format!("{} seed {}", r.config, r.seed));
+/// How many runs of a layout were compared with the first layout's, and how many were not
+/// (stepped with other neighbours on a GPU).
+#[derive(Debug, PartialEq)]
+struct Compared {
+    same: usize,
+    other_neighbours: usize,
+}
+
+impl std::fmt::Display for Compared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.same, self.other_neighbours) {
+            (_, 0) => write!(f, "identical"),
+            (0, _) => write!(
+                f,
+                "not compared (batched on a GPU with other neighbours: another GEMM order)"
+            ),
+            (s, o) => write!(
+                f,
+                "identical ({s} runs; {o} batched with other neighbours not compared)"
+            ),
         }
     }
-    Ok(())
+}
+
+/// Whether every run of `runs` holds the same deterministic metrics in stores `a` and `b`; on a
+/// GPU (`by_neighbours`) only runs stepped with the same neighbours in both are compared. The
+/// error names the first run that differs, and where.
+fn same_metrics(
+    runs: &[RunSpec],
+    suite: &str,
+    a: &Path,
+    b: &Path,
+    by_neighbours: bool,
+) -> Result<Compared, String> {
+    let dir = |store: &Path, id: &str| lockstep::store::RunDir::open(&store.join(suite).join(id));
+    let read = |store: &Path, id: &str| dir(store, id).read_scalars().map_err(|e| e.to_string());
+    let neighbours = |store: &Path, id: &str| -> Result<Vec<String>, String> {
+        let m = dir(store, id).read_manifest().map_err(|e| e.to_string())?;
+        Ok(batch_of(&m))
+    };
+    let mut c = Compared {
+        same: 0,
+        other_neighbours: 0,
+    };
+    for r in runs {
+        if by_neighbours && neighbours(a, &r.run_id)? != neighbours(b, &r.run_id)? {
+            c.other_neighbours += 1;
+            continue;
+        }
+        let (x, y) = (read(a, &r.run_id)?, read(b, &r.run_id)?);
+        if let Some(at) = first_difference(&x, &y) {
+            return Err(format!("{} seed {}: {at}", r.config, r.seed));
+        }
+        c.same += 1;
+    }
+    Ok(c)
+}
+
+/// The runs a run was stepped with (itself included), as its manifest lists them; a run stepped
+/// alone lists none.
+fn batch_of(m: &lockstep::store::Manifest) -> Vec<String> {
+    match m.extra.get(lockstep::suite::builtin::BATCH_KEY) {
+        Some(serde_json::Value::Array(ids)) => ids
+            .iter()
+            .map(|v| v.as_str().unwrap_or_default().to_string())
+            .collect(),
+        _ => vec![m.run_id.clone()],
+    }
+}
+
+/// Where two runs' deterministic metrics first part: the step and the metric, or the step count.
+fn first_difference(x: &[StepRecord], y: &[StepRecord]) -> Option<String> {
+    if x.len() != y.len() {
+        return Some(format!("{} steps against {}", y.len(), x.len()));
+    }
+    x.iter().zip(y).enumerate().find_map(|(step, (p, q))| {
+        let (p, q) = (p.deterministic_scalars(), q.deterministic_scalars());
+        if p == q {
+            return None;
+        }
+        let names: std::collections::BTreeSet<&String> = p.keys().chain(q.keys()).collect();
+        let name = names.into_iter().find(|k| p.get(*k) != q.get(*k))?;
+        let value =
+            |m: &std::collections::BTreeMap<String, u64>| m.get(name).map(|b| f64::from_bits(*b));
+        Some(format!(
+            "step {step}, {name} {:?} against {:?}",
+            value(&q),
+            value(&p)
+        ))
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_difference_is_named_by_step_and_metric_and_runs_of_other_neighbours_are_counted() {
+        let rec = |step: usize, reward: f64, time: f64| {
+            let mut r = StepRecord {
+                step,
+                ..Default::default()
+            };
+            r.set("rollout/raw_reward", reward);
+            r.set("perf/step_time", time);
+            r
+        };
+        let a = [rec(0, 0.5, 1.0), rec(1, 0.25, 1.0)];
+        // Times differ run to run and are not compared.
+        assert_eq!(
+            first_difference(&a, &[rec(0, 0.5, 2.0), rec(1, 0.25, 3.0)]),
+            None
+        );
+        assert_eq!(
+            first_difference(&a, &[rec(0, 0.5, 1.0), rec(1, 0.375, 1.0)]).unwrap(),
+            "step 1, rollout/raw_reward Some(0.375) against Some(0.25)"
+        );
+        assert_eq!(first_difference(&a, &a[..1]).unwrap(), "1 steps against 2");
+        let c = |same, other_neighbours| {
+            Compared {
+                same,
+                other_neighbours,
+            }
+            .to_string()
+        };
+        assert_eq!(c(30, 0), "identical");
+        assert!(c(0, 30).starts_with("not compared"), "{}", c(0, 30));
+        assert!(
+            c(24, 6).starts_with("identical (24 runs; 6 "),
+            "{}",
+            c(24, 6)
+        );
+
+        let mut m =
+            lockstep::store::Manifest::start("r1", "builtin", serde_json::json!({}), 0, 1, "cpu");
+        assert_eq!(batch_of(&m), ["r1"], "a run alone is its own batch");
+        m.extra
+            .insert("batch".into(), serde_json::json!(["r0", "r1"]));
+        assert_eq!(batch_of(&m), ["r0", "r1"]);
+    }
 
     #[test]
     fn layouts_parse_and_bad_ones_say_the_form() {

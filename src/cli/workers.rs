@@ -14,7 +14,7 @@ use anyhow::{Context, Result, bail};
 use lockstep::engine::metrics::StepRecord;
 use lockstep::store::RunStatus;
 use lockstep::suite::runner::{
-    Progress, RunnerOptions, Summary, is_finished, run_suite, suite_dir,
+    Progress, RunnerOptions, Summary, batches_of, is_finished, run_suite, suite_dir,
 };
 use lockstep::suite::{RunSpec, SuiteSpec};
 use serde::{Deserialize, Serialize};
@@ -204,15 +204,16 @@ pub struct Split {
     pub jobs: usize,
 }
 
-/// The runs each process gets: `runs` dealt round robin over `processes` shares, `together`
-/// consecutive runs at a time (a device's processes are spread over the list, so consecutive
-/// deals go to different devices). Runs a worker may step together are dealt together: the
-/// plan lists a configuration's seeds one after the other. Shares that get no run are dropped.
+/// The runs each process gets: `runs` dealt round robin over `processes` shares, a batch of up
+/// to `together` runs at a time (a device's processes are spread over the list, so consecutive
+/// deals go to different devices). Shares that get no run are dropped.
 fn deal(runs: &[RunSpec], processes: usize, together: usize) -> Vec<Vec<RunSpec>> {
     let n = processes.max(1);
     let mut shares = vec![Vec::new(); n];
-    for (i, chunk) in runs.chunks(together.max(1)).enumerate() {
-        shares[i % n].extend_from_slice(chunk);
+    // The batches one process of several workers would take: each run's neighbours (on a GPU,
+    // its numbers) do not depend on the layout.
+    for (i, batch) in batches_of(runs, together).into_iter().enumerate() {
+        shares[i % n].extend(batch.into_iter().cloned());
     }
     shares.retain(|s| !s.is_empty());
     shares
@@ -467,6 +468,35 @@ mod tests {
         let shares = deal(&r, 2, 2);
         assert_eq!(seeds(&shares[0]), [0, 1, 4]);
         assert_eq!(seeds(&shares[1]), [2, 3]);
+    }
+
+    #[test]
+    fn batches_are_dealt_whole_configurations_split_only_where_none_fits() {
+        let text = "name = \"p\"\nseeds = [0, 1, 2]\n[workload]\nsteps = 2\n\
+                    [[configs]]\nname = \"a\"\nrecipe = \"bf16\"\n\
+                    [[configs]]\nname = \"b\"\nrecipe = \"mxfp8\"\n\
+                    [[configs]]\nname = \"c\"\nrecipe = \"nvfp4-dq\"\n";
+        let r = expand(&parse(text, Path::new("p.toml")).unwrap()).unwrap();
+        let names = |size: usize| -> Vec<String> {
+            batches_of(&r, size)
+                .iter()
+                .map(|b| {
+                    b.iter()
+                        .map(|r| format!("{}{}", r.config, r.seed))
+                        .collect()
+                })
+                .collect()
+        };
+        // Three seeds a configuration: batches of 7 hold two whole ones, not a third's first seed.
+        assert_eq!(names(7), ["a0a1a2b0b1b2", "c0c1c2"]);
+        assert_eq!(names(3), ["a0a1a2", "b0b1b2", "c0c1c2"]);
+        assert_eq!(names(4), ["a0a1a2", "b0b1b2", "c0c1c2"]);
+        // A configuration no batch holds whole is split, and fills what room is left.
+        assert_eq!(names(2), ["a0a1", "a2b0", "b1b2", "c0c1", "c2"]);
+        assert_eq!(names(1).len(), 9);
+        // Dealt to two processes at 6: each gets one batch the size a worker would take.
+        let shares = deal(&r, 2, 6);
+        assert_eq!((shares[0].len(), shares[1].len()), (6, 3));
     }
 
     #[test]

@@ -153,6 +153,7 @@ pub fn run_batch_until(
             Err(e) => on_end(index, Err(e)),
         }
     }
+    note_batch(&mut live);
     loop {
         let (done, stepping): (Vec<Live>, Vec<Live>) = live
             .into_iter()
@@ -195,6 +196,27 @@ pub fn run_batch_until(
                 return;
             }
         }
+    }
+}
+
+/// The key under which a run's manifest lists the runs it started stepping with (itself
+/// included), when there were others: on a GPU a run's numbers are bit for bit the same only
+/// for the same neighbours, so whoever compares two runs needs them.
+pub const BATCH_KEY: &str = "batch";
+
+/// Record in each manifest of a batch of several runs the runs it started with.
+fn note_batch(live: &mut [Live<'_>]) {
+    if live.len() < 2 {
+        return;
+    }
+    let ids: Vec<serde_json::Value> = live
+        .iter()
+        .map(|l| serde_json::Value::from(l.manifest.run_id.as_str()))
+        .collect();
+    for l in live.iter_mut() {
+        l.manifest
+            .extra
+            .insert(BATCH_KEY.into(), serde_json::Value::Array(ids.clone()));
     }
 }
 

@@ -308,7 +308,9 @@ fn shape_of(run: &RunSpec) -> BatchShape {
 /// the other seeds of its configuration, then, of its shape, whole configurations that still fit
 /// (each in queue order). A configuration is split only when no batch holds it whole: a device
 /// quantizes each site once per group of neighbouring runs of one plan, so a split one costs a
-/// group in two batches. Runs found finished or locked on the way are passed to `record`. Empty
+/// group in two batches. The queue stays locked until the batch is made, so workers taking
+/// batches at once never interleave: a batch's runs, and so on a GPU their numbers, are the same
+/// whatever the timing. Runs found finished or locked on the way are passed to `record`. Empty
 /// when the queue is, or a stop was asked for before any run was admitted.
 fn take_batch<'r>(
     queue: &Mutex<VecDeque<&'r RunSpec>>,
@@ -320,13 +322,14 @@ fn take_batch<'r>(
 ) -> Vec<Admitted<'r>> {
     let mut batch: Vec<Admitted> = Vec::new();
     let mut last: Option<&RunSpec> = None;
+    let Ok(mut queue) = queue.lock() else {
+        return batch;
+    };
     while batch.len() < size.max(1) && super::interrupt::requested().is_none() {
         let room = size.max(1) - batch.len();
-        let next = queue
-            .lock()
-            .ok()
-            .and_then(|mut q| pop_fitting(&mut q, last, (room, size.max(1))));
-        let Some(run) = next else { break };
+        let Some(run) = pop_fitting(&mut queue, last, (room, size.max(1))) else {
+            break;
+        };
         last = Some(run);
         match admit(run, root, opts, progress) {
             Ok(a) => batch.push(a),
@@ -336,6 +339,29 @@ fn take_batch<'r>(
         }
     }
     batch
+}
+
+/// `runs` cut into the batches of up to `size` that workers take off a queue of them
+/// ([`take_batch`], every run unfinished).
+pub fn batches_of(runs: &[RunSpec], size: usize) -> Vec<Vec<&RunSpec>> {
+    let size = size.max(1);
+    let mut queue: VecDeque<&RunSpec> = runs.iter().collect();
+    let mut out = Vec::new();
+    while !queue.is_empty() {
+        let mut batch: Vec<&RunSpec> = Vec::new();
+        while let Some(r) = pop_fitting(
+            &mut queue,
+            batch.last().copied(),
+            (size - batch.len(), size),
+        ) {
+            batch.push(r);
+            if batch.len() == size {
+                break;
+            }
+        }
+        out.push(batch);
+    }
+    out
 }
 
 /// The next run of a batch of `size` whose latest run is `last`, with `room` places left: the
@@ -914,33 +940,71 @@ mod tests {
         assert_eq!(run_content(&dir), before);
     }
 
+    #[test]
+    fn workers_taking_batches_at_once_each_take_whole_configurations() {
+        let d = tempfile::tempdir().unwrap();
+        let text = "name = \"w\"\nseeds = [0, 1, 2]\n[workload]\nsteps = 1\nprompts_per_step = 2\n\
+                    eval_every = 0\n[workload.warm_start]\nmax_steps = 20\neval_prompts = 8\n\
+                    [[configs]]\nname = \"a\"\nrecipe = \"bf16\"\n\
+                    [[configs]]\nname = \"b\"\nrecipe = \"mxfp8\"\n\
+                    [[configs]]\nname = \"c\"\nrecipe = \"nvfp4-dq\"\n";
+        let suite = crate::suite::spec::parse(text, Path::new("w.toml")).unwrap();
+        let runs = crate::suite::plan::expand(&suite).unwrap();
+        let opts = |jobs: usize| RunnerOptions {
+            store: d.path().join("store"),
+            jobs,
+            force: false,
+            cache: d.path().join("cache"),
+            threads_per_worker: None,
+            batch_runs: Some(3),
+        };
+        // Seed 1 of every configuration finished first: a worker taking a batch meets it, and
+        // while it reports the skip (slowly here) the other worker reaches for the queue.
+        let middle: Vec<RunSpec> = runs.iter().filter(|r| r.seed == 1).cloned().collect();
+        run_suite(&[&CpuBackend], &suite, &middle, &opts(1), &|_| {}).unwrap();
+        let slow_skip = |p: Progress<'_>| {
+            if matches!(p, Progress::Skipped { .. }) {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        };
+        let sum = run_suite(&[&CpuBackend], &suite, &runs, &opts(2), &slow_skip).unwrap();
+        assert_eq!((sum.ok, sum.skipped), (6, 3), "{sum:?}");
+        for r in runs.iter().filter(|r| r.seed != 1) {
+            let m = RunDir::open(&opts(2).store.join("w").join(&r.run_id))
+                .read_manifest()
+                .unwrap();
+            let mates: Vec<&str> = runs
+                .iter()
+                .filter(|o| o.config == r.config && o.seed != 1)
+                .map(|o| o.run_id.as_str())
+                .collect();
+            assert_eq!(
+                m.extra[crate::suite::builtin::BATCH_KEY],
+                serde_json::json!(mates),
+                "{} seed {}",
+                r.config,
+                r.seed
+            );
+        }
+    }
+
     /// The configurations of each batch `pop_fitting` makes of `suite`'s runs, batches of `size`.
     /// Only the runs `keep` keeps are queued.
     fn batches(text: &str, size: usize, keep: impl Fn(&RunSpec) -> bool) -> Vec<Vec<String>> {
         let suite = crate::suite::spec::parse(text, Path::new("b.toml")).unwrap();
-        let runs = crate::suite::plan::expand(&suite).unwrap();
-        let mut queue: VecDeque<&RunSpec> = runs.iter().filter(|r| keep(r)).collect();
-        let mut out = Vec::new();
-        while !queue.is_empty() {
-            let mut batch: Vec<&RunSpec> = Vec::new();
-            while batch.len() < size {
-                match pop_fitting(
-                    &mut queue,
-                    batch.last().copied(),
-                    (size - batch.len(), size),
-                ) {
-                    Some(r) => batch.push(r),
-                    None => break,
-                }
-            }
-            out.push(
-                batch
-                    .iter()
+        let runs: Vec<RunSpec> = crate::suite::plan::expand(&suite)
+            .unwrap()
+            .into_iter()
+            .filter(|r| keep(r))
+            .collect();
+        batches_of(&runs, size)
+            .iter()
+            .map(|b| {
+                b.iter()
                     .map(|r| format!("{}{}", r.config, r.seed))
-                    .collect(),
-            );
-        }
-        out
+                    .collect()
+            })
+            .collect()
     }
 
     #[test]
