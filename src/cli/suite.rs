@@ -5,7 +5,10 @@ use clap::{Args, Subcommand};
 use lockstep::engine::backend::DeviceError;
 use lockstep::store::RunDir;
 use lockstep::suite::builtin::default_cache;
-use lockstep::suite::runner::{Progress, RunnerOptions, run_suite, safe_component, suite_dir};
+use lockstep::suite::runner::{
+    Progress, RunnerOptions, default_batch_runs, run_memory_bytes, run_suite, safe_component,
+    suite_dir,
+};
 use lockstep::suite::{expand, load};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -236,11 +239,13 @@ pub fn run_local(
         .collect();
     // Without --batch-runs, what the devices suit: known here without opening them, so the
     // parent deals worker processes whole batches.
-    let batch_runs = args
+    let device_batch = infos.iter().map(|i| i.batch_runs).min();
+    let batched = args
         .batch_runs
         .map(usize::from)
-        .or_else(|| infos.iter().map(|i| i.batch_runs).min());
-    let batched = batch_runs.is_some_and(|n| n > 1) && s.engine == "builtin";
+        .or(device_batch)
+        .is_some_and(|n| n > 1)
+        && s.engine == "builtin";
     let processes = worker_processes(args.processes, on_gpu && !batched, &exclusive)?;
     let jobs = args.jobs.unwrap_or_else(|| {
         if on_gpu && batched {
@@ -251,6 +256,23 @@ pub fn run_local(
     });
     // No more processes than workers: `--jobs 1` runs in this process.
     let processes = processes.min(jobs / devices.len().max(1)).max(1);
+    let batch_runs = args.batch_runs.map(usize::from).or_else(|| {
+        let base = device_batch?;
+        if !batched {
+            return Some(base);
+        }
+        // Sized by the suite and by the device with the least memory free.
+        let free = infos.iter().filter_map(|i| i.free_memory).min();
+        let per_run = runs.iter().map(run_memory_bytes).max().unwrap_or(0);
+        let workers = jobs.div_ceil(devices.len().max(1));
+        let runs_each = runs.len().div_ceil(devices.len().max(1));
+        Some(default_batch_runs(
+            base,
+            runs_each,
+            workers,
+            free.map(|f| (f, per_run)),
+        ))
+    });
     let opts = RunnerOptions {
         store: args.store.clone(),
         jobs,

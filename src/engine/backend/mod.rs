@@ -120,6 +120,8 @@ pub struct DeviceInfo {
     pub one_process_only: bool,
     /// [`Backend::batch_runs`].
     pub batch_runs: usize,
+    /// Device memory free when it was described, in bytes (`None` on the CPU).
+    pub free_memory: Option<u64>,
 }
 
 /// [`DeviceInfo`] of `device`; the same errors as [`open`] for a device that cannot be opened.
@@ -130,6 +132,7 @@ pub fn describe(device: Device) -> Result<DeviceInfo, DeviceError> {
             hardware: None,
             one_process_only: false,
             batch_runs: 1,
+            free_memory: None,
         }),
         Device::Cuda(i) => cuda::CudaDevice::open(i)
             .map(|d| DeviceInfo {
@@ -137,6 +140,7 @@ pub fn describe(device: Device) -> Result<DeviceInfo, DeviceError> {
                 hardware: Some(d.hardware()),
                 one_process_only: d.exclusive_process(),
                 batch_runs: cuda::backend::BATCH_RUNS,
+                free_memory: d.free_memory(),
             })
             .map_err(|err| DeviceError::Cuda { device, err }),
     }

@@ -41,11 +41,12 @@ use std::sync::{Arc, Mutex};
 /// `--device cuda` for more of a speed-up than it is (measured in docs/cuda.md).
 pub const GPU_NOTE: &str = "note: on a GPU each run's training state (master weights, AdamW \
     moments, gradients) stays on the device, where its weights are prepared, exported, decoded, \
-    trained and updated; the loss and the metrics stay on this host's CPU. Two workers step \
-    batches of up to 16 runs each, of any precision plans (one launch per op for a batch): on \
-    H100s the nightly suite's 30 runs ran at 112-158 run-steps/s (the host sets the pace), \
-    2.4x the former pool of 2 processes of 4 workers stepping one run each measured beside it \
-    (--batch-runs, --jobs, --processes to change; docs/cuda.md)";
+    trained and updated; the loss and the metrics stay on this host's CPU. By default two \
+    workers a GPU step batches of 16 to 32 runs each (by the suite's size and the free memory), \
+    of any precision plans (one launch per op for a batch): on H100s the nightly suite's 30 runs \
+    ran at 113-158 run-steps/s (the host sets the pace), 2.4x the former pool of one-run \
+    workers, and 6 configurations x 32 seeds x 100 steps in 55.8 s (--batch-runs, --jobs, \
+    --processes to change; docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
 #[derive(Debug, thiserror::Error)]
@@ -263,6 +264,12 @@ impl CudaDevice {
             .ok()?;
         let khz = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).ok()?;
         Some(f64::from(sms) * f64::from(khz) * 1e3 * lanes * 2.0)
+    }
+
+    /// Bytes of device memory free now (other processes' use taken out); `None` if the driver
+    /// does not say.
+    pub fn free_memory(&self) -> Option<u64> {
+        self.ctx.mem_get_info().ok().map(|(free, _)| free as u64)
     }
 
     /// `NVIDIA H200, GPU-…, PCI 0000:18:00.0`: what a manifest records to name the card.
