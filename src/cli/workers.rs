@@ -471,32 +471,21 @@ mod tests {
     }
 
     #[test]
-    fn batches_are_dealt_whole_configurations_split_only_where_none_fits() {
+    fn processes_are_dealt_the_batches_a_worker_would_take() {
         let text = "name = \"p\"\nseeds = [0, 1, 2]\n[workload]\nsteps = 2\n\
                     [[configs]]\nname = \"a\"\nrecipe = \"bf16\"\n\
                     [[configs]]\nname = \"b\"\nrecipe = \"mxfp8\"\n\
                     [[configs]]\nname = \"c\"\nrecipe = \"nvfp4-dq\"\n";
         let r = expand(&parse(text, Path::new("p.toml")).unwrap()).unwrap();
-        let names = |size: usize| -> Vec<String> {
-            batches_of(&r, size)
-                .iter()
-                .map(|b| {
-                    b.iter()
-                        .map(|r| format!("{}{}", r.config, r.seed))
-                        .collect()
-                })
-                .collect()
-        };
-        // Three seeds a configuration: batches of 7 hold two whole ones, not a third's first seed.
-        assert_eq!(names(7), ["a0a1a2b0b1b2", "c0c1c2"]);
-        assert_eq!(names(3), ["a0a1a2", "b0b1b2", "c0c1c2"]);
-        assert_eq!(names(4), ["a0a1a2", "b0b1b2", "c0c1c2"]);
-        // A configuration no batch holds whole is split, and fills what room is left.
-        assert_eq!(names(2), ["a0a1", "a2b0", "b1b2", "c0c1", "c2"]);
-        assert_eq!(names(1).len(), 9);
-        // Dealt to two processes at 6: each gets one batch the size a worker would take.
+        let configs = |s: &[RunSpec]| s.iter().map(|r| r.config.clone()).collect::<Vec<_>>();
+        // Batches of 6 take two whole configurations, then the third: one each.
         let shares = deal(&r, 2, 6);
-        assert_eq!((shares[0].len(), shares[1].len()), (6, 3));
+        assert_eq!(configs(&shares[0]), ["a", "a", "a", "b", "b", "b"]);
+        assert_eq!(configs(&shares[1]), ["c", "c", "c"]);
+        // Batches of 4 hold one configuration each (4 consecutive runs at a time would cut them).
+        let shares = deal(&r, 2, 4);
+        assert_eq!(configs(&shares[0]), ["a", "a", "a", "c", "c", "c"]);
+        assert_eq!(configs(&shares[1]), ["b", "b", "b"]);
     }
 
     #[test]
