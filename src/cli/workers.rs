@@ -243,7 +243,7 @@ pub fn run(
     let slots: Vec<&String> = (0..split.per_device)
         .flat_map(|_| split.devices.iter())
         .collect();
-    // Without --batch-runs the device's batch size is not known here (the workers open it).
+    // The batch size the parent chose for every worker (`cli::suite`), so shares are whole batches.
     let shares = deal(&todo, slots.len(), opts.batch_runs.unwrap_or(1));
     let jobs_each = (split.jobs / shares.len().max(1)).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
