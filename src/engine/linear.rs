@@ -401,14 +401,21 @@ pub trait SiteKernels {
         from: usize,
         len: usize,
     ) -> Result<Self::Owned, Self::Error>;
-    /// The first `len` values of `src` written into `dst` from `at` on.
+    /// Values `from..from + len` of `src = (buf, from)` written into `dst` from `at` on.
     fn place(
         &self,
         dst: &mut Self::Buf,
         at: usize,
-        src: &Self::Buf,
+        src: (&Self::Buf, usize),
         len: usize,
     ) -> Result<(), Self::Error>;
+    /// Whether [`SiteKernels::gemm`] rounds operands it is told hold BF16 values
+    /// ([`Operands::Bf16`]) to BF16 itself, as a tensor-core GEMM that reads them as BF16 does.
+    /// Then a pass that keeps nothing for a backward ([`apply_on`]) gives a BF16 site's input
+    /// to the GEMM unrounded: rounding twice is rounding once, so the product is the same.
+    fn gemm_rounds_to_bf16(&self) -> bool {
+        false
+    }
 }
 
 /// The runs of one site plan among the runs a device steps at once: blocks `blocks` of each of
@@ -572,10 +579,15 @@ fn multiply_groups<K: SiteKernels>(
 ) -> Result<Option<K::Owned>, K::Error> {
     let per = n * w.in_dim;
     let len = per * w.batch;
+    let operands = Operands::all(groups, forward_operands);
     let mut operand = k.alloc(len)?;
     let mut kept = if keep { Some(k.alloc(len)?) } else { None };
     for g in groups {
         let (at, glen) = (g.blocks.start * per, g.blocks.len() * per);
+        if !keep && rounded_by_gemm(k, g.plan, operands) {
+            k.place(operand.borrow_mut(), at, (x, at), glen)?;
+            continue;
+        }
         let shape = Blocks {
             rows: n,
             cols: w.in_dim,
@@ -585,11 +597,11 @@ fn multiply_groups<K: SiteKernels>(
         let slots = counts.as_mut().map(|c| c.slots(&g.blocks, w.batch));
         let q = quantized_input(k, g.plan, xg.borrow(), shape, slots)?;
         let op = q.1.as_ref().map_or(xg.borrow(), Borrow::borrow);
-        k.place(operand.borrow_mut(), at, op, glen)?;
+        k.place(operand.borrow_mut(), at, (op, 0), glen)?;
         if let Some(kept) = kept.as_mut() {
             let own = wgrad_operand(k, g.plan, q, shape)?;
             let src = own.as_ref().map_or(xg.borrow(), Borrow::borrow);
-            k.place(kept.borrow_mut(), at, src, glen)?;
+            k.place(kept.borrow_mut(), at, (src, 0), glen)?;
         }
     }
     let dims = (n, w.in_dim, w.out_dim);
@@ -600,9 +612,17 @@ fn multiply_groups<K: SiteKernels>(
         dims,
         w.batch,
         false,
-        Operands::all(groups, forward_operands),
+        operands,
     )?;
     Ok(kept)
+}
+
+/// Whether a pass that keeps nothing for a backward may give `plan`'s BF16 input to a GEMM of
+/// `operands` unrounded, the GEMM rounding it ([`SiteKernels::gemm_rounds_to_bf16`]).
+fn rounded_by_gemm<K: SiteKernels>(k: &K, plan: &SitePlan, operands: Operands) -> bool {
+    operands == Operands::Bf16
+        && matches!(plan.activation_format(), Some(QuantFormat::Bf16))
+        && k.gemm_rounds_to_bf16()
 }
 
 /// [`forward_on`] without what a backward needs (an inference pass: decode, the reference
@@ -616,6 +636,12 @@ pub fn apply_on<K: SiteKernels>(
     y: &mut K::Buf,
 ) -> Result<(), K::Error> {
     let groups = plan_groups(plans, w.batch);
+    let operands = Operands::all(&groups, forward_operands);
+    if groups.iter().all(|g| rounded_by_gemm(k, g.plan, operands)) {
+        // Every run's input goes to the GEMM as it is.
+        let dims = (n, w.in_dim, w.out_dim);
+        return k.gemm((x, false), (w.fwd, true), y, dims, w.batch, false, operands);
+    }
     if groups.len() > 1 && n > 0 {
         return multiply_groups(k, &groups, x, n, w, y, false, None).map(|_| ());
     }
@@ -697,8 +723,8 @@ pub fn backward_on<K: SiteKernels>(
                 let (d, wq) = dy_operands(k, g.plan, dyg.borrow(), shape)?;
                 let d = d.as_ref().map_or(dyg.borrow(), Borrow::borrow);
                 let wq = wq.as_ref().map_or(d, Borrow::borrow);
-                k.place(d_all.borrow_mut(), at, d, glen)?;
-                k.place(w_all.borrow_mut(), at, wq, glen)?;
+                k.place(d_all.borrow_mut(), at, (d, 0), glen)?;
+                k.place(w_all.borrow_mut(), at, (wq, 0), glen)?;
             }
             (Some(d_all), Some(w_all))
         }
@@ -818,10 +844,10 @@ impl SiteKernels for HostKernels {
         &self,
         dst: &mut [f32],
         at: usize,
-        src: &[f32],
+        (src, from): (&[f32], usize),
         len: usize,
     ) -> Result<(), Self::Error> {
-        dst[at..at + len].copy_from_slice(&src[..len]);
+        dst[at..at + len].copy_from_slice(&src[from..from + len]);
         Ok(())
     }
 }
@@ -1200,7 +1226,7 @@ mod tests {
             &self,
             dst: &mut [f32],
             at: usize,
-            src: &[f32],
+            src: (&[f32], usize),
             len: usize,
         ) -> Result<(), Self::Error> {
             HostKernels.place(dst, at, src, len)
@@ -1297,6 +1323,136 @@ mod tests {
                 let got = &joint[i][blocks.start * len..blocks.end * len];
                 assert_eq!(bits(got), bits(&alone[i]), "run {r} ({p:?}): {what}");
             }
+        }
+    }
+
+    /// `Blocked` with a GEMM that rounds what it is told holds BF16 values, as a tensor-core
+    /// GEMM does; counts the BF16 roundings made before it (`round_bf16`, BF16 quantization).
+    #[derive(Default)]
+    struct RoundingGemm {
+        inner: Blocked,
+        roundings: std::cell::Cell<usize>,
+    }
+
+    impl SiteKernels for RoundingGemm {
+        type Buf = [f32];
+        type Owned = Vec<f32>;
+        type Counts = [QuantStats];
+        type Error = std::convert::Infallible;
+
+        fn copy(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
+            self.inner.copy(x, len)
+        }
+        fn round_bf16(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
+            self.roundings.set(self.roundings.get() + 1);
+            self.inner.round_bf16(x, len)
+        }
+        fn quantize(
+            &self,
+            kind: SiteQuant,
+            x: &[f32],
+            shape: Blocks,
+            fmt: &QuantFormat,
+            counts: Option<CountSlots<'_, [QuantStats]>>,
+        ) -> Result<Vec<f32>, Self::Error> {
+            if *fmt == QuantFormat::Bf16 {
+                self.roundings.set(self.roundings.get() + 1);
+            }
+            self.inner.quantize(kind, x, shape, fmt, counts)
+        }
+        fn gemm(
+            &self,
+            (a, a_t): (&[f32], bool),
+            (b, b_t): (&[f32], bool),
+            c: &mut [f32],
+            dims: (usize, usize, usize),
+            batch: usize,
+            accumulate: bool,
+            operands: Operands,
+        ) -> Result<(), Self::Error> {
+            let (ra, rb);
+            let (a, b) = if operands == Operands::Bf16 {
+                (ra, rb) = (bf16_vec(a), bf16_vec(b));
+                (&ra[..], &rb[..])
+            } else {
+                (a, b)
+            };
+            let ops = (a_t, b_t, operands);
+            self.inner
+                .gemm((a, ops.0), (b, ops.1), c, dims, batch, accumulate, ops.2)
+        }
+        fn fill_zero(&self, c: &mut [f32]) -> Result<(), Self::Error> {
+            self.inner.fill_zero(c)
+        }
+        fn alloc(&self, len: usize) -> Result<Vec<f32>, Self::Error> {
+            self.inner.alloc(len)
+        }
+        fn copy_range(&self, x: &[f32], from: usize, len: usize) -> Result<Vec<f32>, Self::Error> {
+            self.inner.copy_range(x, from, len)
+        }
+        fn place(
+            &self,
+            dst: &mut [f32],
+            at: usize,
+            src: (&[f32], usize),
+            len: usize,
+        ) -> Result<(), Self::Error> {
+            self.inner.place(dst, at, src, len)
+        }
+        fn gemm_rounds_to_bf16(&self) -> bool {
+            true
+        }
+    }
+
+    /// An inference pass on a device whose GEMM rounds BF16 operands itself gives BF16 sites'
+    /// inputs to the GEMM unrounded, and computes the same bits as rounding them first: alone,
+    /// BF16 groups of two backward modes, beside an MXFP8 group (whose input is still rounded
+    /// and quantized), and beside an NVFP4 group (FP32 operands: every input rounded first).
+    #[test]
+    fn an_inference_pass_leaves_bf16_rounding_to_a_gemm_that_rounds() {
+        let (n, k, m, per_run) = (5, 64, 32, 2);
+        let bf16 = plan(Precision::Bf16, BackwardMode::HighPrecision);
+        let bf16_dq = plan(Precision::Bf16, BackwardMode::Dequantized);
+        let mxfp8 = plan(Precision::Mxfp8, BackwardMode::Dequantized);
+        let nvfp4 = plan(Precision::Nvfp4, BackwardMode::Dequantized);
+        // Plans of the runs, and the BF16 roundings made before the GEMM.
+        let cases: [(&[SitePlan], usize); 4] = [
+            (&[bf16], 0),
+            (&[bf16, bf16_dq, bf16], 0),
+            (&[bf16, mxfp8, bf16_dq], 1),
+            (&[bf16, nvfp4, bf16_dq], 3),
+        ];
+        for (plans, roundings) in cases {
+            let batch = plans.len() * per_run;
+            let x = data(batch * n * k, 0.5);
+            let w: Vec<f32> = (0..batch)
+                .flat_map(|b| {
+                    let p = &plans[b / per_run];
+                    prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
+                        .w_fwd()
+                        .to_vec()
+                })
+                .collect();
+            let site = SiteWeight {
+                fwd: &w[..],
+                bwd: &w[..],
+                out_dim: m,
+                in_dim: k,
+                batch,
+            };
+            let apply = |kernels: &dyn Fn(&mut Vec<f32>)| {
+                let mut y = vec![0.0f32; batch * n * m];
+                kernels(&mut y);
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let rounding = RoundingGemm::default();
+            let fast = apply(&|y| infallible(apply_on(&rounding, plans, &x, n, &site, y)));
+            let each =
+                apply(&|y| infallible(apply_on(&Blocked::default(), plans, &x, n, &site, y)));
+            let case: Vec<_> = plans.iter().map(|p| (p.precision, p.backward)).collect();
+            let differ = fast.iter().zip(&each).position(|(a, b)| a != b);
+            assert_eq!(differ, None, "{case:?}: first output that differs");
+            assert_eq!(rounding.roundings.get(), roundings, "{case:?}: roundings");
         }
     }
 

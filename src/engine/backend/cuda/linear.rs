@@ -937,14 +937,20 @@ impl SiteKernels for OnWeight<'_> {
         &self,
         dst: &mut CudaSlice<f32>,
         at: usize,
-        src: &CudaSlice<f32>,
+        (src, from): (&CudaSlice<f32>, usize),
         len: usize,
     ) -> Result<(), CudaError> {
         if len > 0 {
-            self.lin
-                .stream
-                .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(at..at + len))?;
+            self.lin.stream.memcpy_dtod(
+                &src.slice(from..from + len),
+                &mut dst.slice_mut(at..at + len),
+            )?;
         }
         Ok(())
+    }
+
+    /// A tensor-core GEMM packs both operands to BF16 (`bf16_pack2`, round to nearest even).
+    fn gemm_rounds_to_bf16(&self) -> bool {
+        self.lin.tensor.is_some()
     }
 }
