@@ -394,13 +394,15 @@ pub trait SiteKernels {
     fn fill_zero(&self, c: &mut Self::Buf) -> Result<(), Self::Error>;
     /// A tensor of `len` values for ops to write in full.
     fn alloc(&self, len: usize) -> Result<Self::Owned, Self::Error>;
-    /// Values `from..from + len` of `x`, as a tensor of their own.
-    fn copy_range(
+    /// `f` of values `from..from + len` of `x` as a tensor of their own, while `f` runs: a
+    /// view of them (no copy) where the device can make one.
+    fn with_range<R>(
         &self,
         x: &Self::Buf,
         from: usize,
         len: usize,
-    ) -> Result<Self::Owned, Self::Error>;
+        f: impl FnOnce(&Self::Buf) -> Result<R, Self::Error>,
+    ) -> Result<R, Self::Error>;
     /// Values `from..from + len` of `src = (buf, from)` written into `dst` from `at` on.
     fn place(
         &self,
@@ -593,16 +595,18 @@ fn multiply_groups<K: SiteKernels>(
             cols: w.in_dim,
             batch: g.blocks.len(),
         };
-        let xg = k.copy_range(x, at, glen)?;
         let slots = counts.as_mut().map(|c| c.slots(&g.blocks, w.batch));
-        let q = quantized_input(k, g.plan, xg.borrow(), shape, slots)?;
-        let op = q.1.as_ref().map_or(xg.borrow(), Borrow::borrow);
-        k.place(operand.borrow_mut(), at, (op, 0), glen)?;
-        if let Some(kept) = kept.as_mut() {
-            let own = wgrad_operand(k, g.plan, q, shape)?;
-            let src = own.as_ref().map_or(xg.borrow(), Borrow::borrow);
-            k.place(kept.borrow_mut(), at, (src, 0), glen)?;
-        }
+        k.with_range(x, at, glen, |xg| {
+            let q = quantized_input(k, g.plan, xg, shape, slots)?;
+            let op = q.1.as_ref().map_or(xg, Borrow::borrow);
+            k.place(operand.borrow_mut(), at, (op, 0), glen)?;
+            if let Some(kept) = kept.as_mut() {
+                let own = wgrad_operand(k, g.plan, q, shape)?;
+                let src = own.as_ref().map_or(xg, Borrow::borrow);
+                k.place(kept.borrow_mut(), at, (src, 0), glen)?;
+            }
+            Ok(())
+        })?;
     }
     let dims = (n, w.in_dim, w.out_dim);
     k.gemm(
@@ -719,12 +723,13 @@ pub fn backward_on<K: SiteKernels>(
                     cols: m,
                     batch: g.blocks.len(),
                 };
-                let dyg = k.copy_range(dy, at, glen)?;
-                let (d, wq) = dy_operands(k, g.plan, dyg.borrow(), shape)?;
-                let d = d.as_ref().map_or(dyg.borrow(), Borrow::borrow);
-                let wq = wq.as_ref().map_or(d, Borrow::borrow);
-                k.place(d_all.borrow_mut(), at, (d, 0), glen)?;
-                k.place(w_all.borrow_mut(), at, (wq, 0), glen)?;
+                k.with_range(dy, at, glen, |dyg| {
+                    let (d, wq) = dy_operands(k, g.plan, dyg, shape)?;
+                    let d = d.as_ref().map_or(dyg, Borrow::borrow);
+                    let wq = wq.as_ref().map_or(d, Borrow::borrow);
+                    k.place(d_all.borrow_mut(), at, (d, 0), glen)?;
+                    k.place(w_all.borrow_mut(), at, (wq, 0), glen)
+                })?;
             }
             (Some(d_all), Some(w_all))
         }
@@ -836,8 +841,14 @@ impl SiteKernels for HostKernels {
         Ok(vec![0.0; len])
     }
 
-    fn copy_range(&self, x: &[f32], from: usize, len: usize) -> Result<Vec<f32>, Self::Error> {
-        Ok(x[from..from + len].to_vec())
+    fn with_range<R>(
+        &self,
+        x: &[f32],
+        from: usize,
+        len: usize,
+        f: impl FnOnce(&[f32]) -> Result<R, Self::Error>,
+    ) -> Result<R, Self::Error> {
+        f(&x[from..from + len])
     }
 
     fn place(
@@ -1219,8 +1230,14 @@ mod tests {
         fn alloc(&self, len: usize) -> Result<Vec<f32>, Self::Error> {
             HostKernels.alloc(len)
         }
-        fn copy_range(&self, x: &[f32], from: usize, len: usize) -> Result<Vec<f32>, Self::Error> {
-            HostKernels.copy_range(x, from, len)
+        fn with_range<R>(
+            &self,
+            x: &[f32],
+            from: usize,
+            len: usize,
+            f: impl FnOnce(&[f32]) -> Result<R, Self::Error>,
+        ) -> Result<R, Self::Error> {
+            HostKernels.with_range(x, from, len, f)
         }
         fn place(
             &self,
@@ -1387,8 +1404,14 @@ mod tests {
         fn alloc(&self, len: usize) -> Result<Vec<f32>, Self::Error> {
             self.inner.alloc(len)
         }
-        fn copy_range(&self, x: &[f32], from: usize, len: usize) -> Result<Vec<f32>, Self::Error> {
-            self.inner.copy_range(x, from, len)
+        fn with_range<R>(
+            &self,
+            x: &[f32],
+            from: usize,
+            len: usize,
+            f: impl FnOnce(&[f32]) -> Result<R, Self::Error>,
+        ) -> Result<R, Self::Error> {
+            self.inner.with_range(x, from, len, f)
         }
         fn place(
             &self,

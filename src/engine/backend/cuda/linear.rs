@@ -924,13 +924,32 @@ impl SiteKernels for OnWeight<'_> {
         self.lin.output(len)
     }
 
-    fn copy_range(
+    /// A view where cudarc tracks no events (the engine's default): a slice over the range of
+    /// `x`'s memory that is never freed; a copy otherwise (a view would leak its events).
+    fn with_range<R>(
         &self,
         x: &CudaSlice<f32>,
         from: usize,
         len: usize,
-    ) -> Result<CudaSlice<f32>, CudaError> {
-        self.lin.copy_range(x, from, len)
+        f: impl FnOnce(&CudaSlice<f32>) -> Result<R, CudaError>,
+    ) -> Result<R, CudaError> {
+        let stream = &self.lin.stream;
+        if from.checked_add(len).is_none_or(|end| end > x.len()) {
+            return Err(CudaError::Shape(format!(
+                "range {from}..+{len} of a tensor of {}",
+                x.len()
+            )));
+        }
+        if len == 0 || stream.context().is_event_tracking() {
+            return f(&self.lin.copy_range(x, from, len)?);
+        }
+        let (base, _in_use) = x.device_ptr(stream);
+        let at = base + (from * std::mem::size_of::<f32>()) as u64;
+        // SAFETY: `at..+len` floats lie inside x's allocation (checked above), which outlives
+        // `f` (x is borrowed for this call); the view is never dropped, so never freed, and
+        // without event tracking it holds nothing else. Its work is queued on x's stream.
+        let view = std::mem::ManuallyDrop::new(unsafe { stream.upgrade_device_ptr(at, len) });
+        f(&view)
     }
 
     fn place(
