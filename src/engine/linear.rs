@@ -427,8 +427,8 @@ pub struct PlanGroup<'p> {
     pub blocks: Range<usize>,
 }
 
-/// `plans` (one per run, or one for every run) as groups of consecutive runs of one plan over a
-/// site of `batch` blocks.
+/// `plans` (one per run, or one for every run) as groups of consecutive runs that compute alike
+/// ([`computes_as`]) over a site of `batch` blocks.
 pub fn plan_groups(plans: &[SitePlan], batch: usize) -> Vec<PlanGroup<'_>> {
     assert!(
         !plans.is_empty() && batch.is_multiple_of(plans.len()),
@@ -440,7 +440,7 @@ pub fn plan_groups(plans: &[SitePlan], batch: usize) -> Vec<PlanGroup<'_>> {
     for (r, p) in plans.iter().enumerate() {
         let blocks = r * per_run..(r + 1) * per_run;
         match groups.last_mut() {
-            Some(g) if g.plan == p => g.blocks.end = blocks.end,
+            Some(g) if computes_as(g.plan, p) => g.blocks.end = blocks.end,
             _ => groups.push(PlanGroup { plan: p, blocks }),
         }
     }
@@ -762,6 +762,16 @@ pub fn backward_on<K: SiteKernels>(
 
 /// The host's kernels: `crate::formats` and the CPU GEMM, each tensor a single block.
 pub struct HostKernels;
+
+/// Whether a site computes the same under plans `a` and `b`: the same plan, or both FP32 or both
+/// BF16, which read nothing else (their backward takes the input or its rounding and dy's
+/// rounding whatever the mode, and their dgrad weight is the forward one; see
+/// [`dgrad_operand`]). Recipes keep BF16 sites under their own backward mode, so a batch of
+/// several recipes computes its BF16 sites as one group.
+pub fn computes_as(a: &SitePlan, b: &SitePlan) -> bool {
+    a == b
+        || (a.precision == b.precision && matches!(a.precision, Precision::Fp32 | Precision::Bf16))
+}
 
 impl SiteKernels for HostKernels {
     type Buf = [f32];
@@ -1250,11 +1260,50 @@ mod tests {
         }
     }
 
+    /// FP32 and BF16 plans compute alike whatever else they say; a low-precision plan only as
+    /// the same plan (its backward mode, and NVFP4's activation scale, change what it computes).
+    #[test]
+    fn only_fp32_and_bf16_plans_compute_alike_across_their_settings() {
+        use BackwardMode::{Dequantized, HighPrecision, Quantized};
+        let modes = [HighPrecision, Dequantized, Quantized];
+        for p in [Precision::Fp32, Precision::Bf16] {
+            for (a, b) in modes.iter().flat_map(|a| modes.iter().map(move |b| (a, b))) {
+                let other = SitePlan {
+                    act_scale: crate::formats::SecondScale::PerTensor,
+                    shards: 2,
+                    ..plan(p, *b)
+                };
+                assert!(computes_as(&plan(p, *a), &other), "{p:?} {a:?} {b:?}");
+            }
+        }
+        for p in [Precision::Mxfp8, Precision::Nvfp4, Precision::Fp8Block] {
+            for (a, b) in modes.iter().flat_map(|a| modes.iter().map(move |b| (a, b))) {
+                assert_eq!(
+                    computes_as(&plan(p, *a), &plan(p, *b)),
+                    a == b,
+                    "{p:?} {a:?} {b:?}"
+                );
+            }
+        }
+        let per_tensor = SitePlan {
+            act_scale: crate::formats::SecondScale::PerTensor,
+            ..plan(Precision::Nvfp4, HighPrecision)
+        };
+        assert!(!computes_as(
+            &plan(Precision::Nvfp4, HighPrecision),
+            &per_tensor
+        ));
+        assert!(!computes_as(
+            &plan(Precision::Bf16, HighPrecision),
+            &SitePlan::FP32
+        ));
+    }
+
     /// Runs of different plans in one stacked site (two blocks a run, like two experts): each
     /// run's output, kept wgrad operand, dx, dW and activation counts are bit for bit what a site
     /// of its plan alone computes over its blocks, whatever the runs beside it (a count in the
-    /// wrong run's slot fails it). Runs 0 and 1 share a plan, so the
-    /// groups are consecutive runs (4 groups of 5 runs), the FP32 and BF16 groups take the
+    /// wrong run's slot fails it). Runs 0 and 1 share a plan and the BF16 runs compute alike, so
+    /// the groups are consecutive runs (4 groups of 6 runs), the FP32 and BF16 groups take the
     /// no-quantizer branches and the `Quantized` one pads its odd token count.
     #[test]
     fn runs_of_different_plans_in_one_site_each_compute_as_their_plan_alone() {
@@ -1265,9 +1314,11 @@ mod tests {
             plan(Precision::Mxfp8, BackwardMode::Quantized),
             SitePlan::FP32,
             plan(Precision::Bf16, BackwardMode::HighPrecision),
+            plan(Precision::Bf16, BackwardMode::Quantized),
         ];
         let runs = plans.len();
         let batch = runs * per_run;
+        // The two BF16 runs, of two backward modes, are one group.
         assert_eq!(plan_groups(&plans, batch).len(), 4);
         let (xl, wl, yl) = (n * k, m * k, n * m);
         let x = data(batch * xl, 0.5);
