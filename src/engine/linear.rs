@@ -242,9 +242,14 @@ pub fn forward_operands(plan: &SitePlan) -> Operands {
 /// dy as the backward's GEMMs read it: BF16-rounded, and quantized in the `Quantized` mode of a
 /// site that is not BF16 (see `dy_operands`).
 fn dy_is_bf16(plan: &SitePlan) -> bool {
-    let quantized = plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized;
     plan.activation_format()
-        .is_some_and(|f| !quantized || f.decodes_to_bf16())
+        .is_some_and(|f| !dy_quantized(plan) || f.decodes_to_bf16())
+}
+
+/// Whether the backward quantizes dy (the `Quantized` mode of a site that is not BF16), which
+/// then makes dgrad and wgrad operands apart (see `dy_operands`).
+fn dy_quantized(plan: &SitePlan) -> bool {
+    plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized
 }
 
 /// The dgrad GEMM's operands under `plan`: dy and the dgrad weight ([`dgrad_operand`]).
@@ -674,7 +679,7 @@ fn dy_operands<K: SiteKernels>(
         return Ok((None, None));
     };
     let dy_hp = k.round_bf16(dy, shape.rows * shape.cols * shape.batch)?;
-    if plan.precision != Precision::Bf16 && plan.backward == BackwardMode::Quantized {
+    if dy_quantized(plan) {
         // dgrad contracts over m (row blocks of dy); wgrad over n (column blocks of dy).
         let d = k.quantize(SiteQuant::RowsPadded, dy_hp.borrow(), shape, &fmt, None)?;
         let wq = k.quantize(SiteQuant::ColsPadded, dy_hp.borrow(), shape, &fmt, None)?;
@@ -713,9 +718,14 @@ pub fn backward_on<K: SiteKernels>(
             dy_operands(k, g.plan, dy, shape)?
         }
         _ => {
-            // Each group's operands into two tensors of every run's rows.
+            // Each group's operands into a tensor of every run's rows; the wgrad ones into a
+            // second where some group quantizes dy, whose wgrad operand is then its own.
             let per = n * m;
-            let (mut d_all, mut w_all) = (k.alloc(per * batch)?, k.alloc(per * batch)?);
+            let mut d_all = k.alloc(per * batch)?;
+            let mut w_all = match groups.iter().any(|g| dy_quantized(g.plan)) {
+                true => Some(k.alloc(per * batch)?),
+                false => None,
+            };
             for g in &groups {
                 let (at, glen) = (g.blocks.start * per, g.blocks.len() * per);
                 let shape = Blocks {
@@ -728,10 +738,13 @@ pub fn backward_on<K: SiteKernels>(
                     let d = d.as_ref().map_or(dyg, Borrow::borrow);
                     let wq = wq.as_ref().map_or(d, Borrow::borrow);
                     k.place(d_all.borrow_mut(), at, (d, 0), glen)?;
-                    k.place(w_all.borrow_mut(), at, (wq, 0), glen)
+                    match w_all.as_mut() {
+                        Some(w_all) => k.place(w_all.borrow_mut(), at, (wq, 0), glen),
+                        None => Ok(()),
+                    }
                 })?;
             }
-            (Some(d_all), Some(w_all))
+            (Some(d_all), w_all)
         }
     };
     let dy_d = own_d.as_ref().map_or(dy, Borrow::borrow);
@@ -1302,24 +1315,38 @@ mod tests {
     /// Runs of different plans in one stacked site (two blocks a run, like two experts): each
     /// run's output, kept wgrad operand, dx, dW and activation counts are bit for bit what a site
     /// of its plan alone computes over its blocks, whatever the runs beside it (a count in the
-    /// wrong run's slot fails it). Runs 0 and 1 share a plan and the BF16 runs compute alike, so
-    /// the groups are consecutive runs (4 groups of 6 runs), the FP32 and BF16 groups take the
-    /// no-quantizer branches and the `Quantized` one pads its odd token count.
+    /// wrong run's slot fails it). In the first batch runs 0 and 1 share a plan and the BF16 runs
+    /// compute alike, so the groups are consecutive runs (4 groups of 6 runs), the FP32 and BF16
+    /// groups take the no-quantizer branches and the `Quantized` one pads its odd token count;
+    /// in the second no group quantizes dy.
     #[test]
     fn runs_of_different_plans_in_one_site_each_compute_as_their_plan_alone() {
-        let (n, k, m, per_run) = (5, 64, 32, 2);
-        let plans = [
-            plan(Precision::Nvfp4, BackwardMode::Dequantized),
-            plan(Precision::Nvfp4, BackwardMode::Dequantized),
-            plan(Precision::Mxfp8, BackwardMode::Quantized),
+        use BackwardMode::{Dequantized, HighPrecision, Quantized};
+        // The two BF16 runs, of two backward modes, are one group.
+        let quantizing = [
+            plan(Precision::Nvfp4, Dequantized),
+            plan(Precision::Nvfp4, Dequantized),
+            plan(Precision::Mxfp8, Quantized),
             SitePlan::FP32,
-            plan(Precision::Bf16, BackwardMode::HighPrecision),
-            plan(Precision::Bf16, BackwardMode::Quantized),
+            plan(Precision::Bf16, HighPrecision),
+            plan(Precision::Bf16, Quantized),
         ];
+        each_run_computes_as_its_plan_alone(&quantizing, 4);
+        // No group quantizes dy: dgrad and wgrad read one tensor of dy's operands.
+        let rounding = [
+            plan(Precision::Mxfp8, HighPrecision),
+            plan(Precision::Bf16, Dequantized),
+            plan(Precision::Nvfp4, Dequantized),
+            plan(Precision::Mxfp8, Dequantized),
+        ];
+        each_run_computes_as_its_plan_alone(&rounding, 4);
+    }
+
+    fn each_run_computes_as_its_plan_alone(plans: &[SitePlan], groups: usize) {
+        let (n, k, m, per_run) = (5, 64, 32, 2);
         let runs = plans.len();
         let batch = runs * per_run;
-        // The two BF16 runs, of two backward modes, are one group.
-        assert_eq!(plan_groups(&plans, batch).len(), 4);
+        assert_eq!(plan_groups(plans, batch).len(), groups);
         let (xl, wl, yl) = (n * k, m * k, n * m);
         let x = data(batch * xl, 0.5);
         let dy = data(batch * yl, 1.5);
@@ -1373,7 +1400,7 @@ mod tests {
             ([y, kept, dx, dw], counts)
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let (joint, joint_counts) = run(&plans, 0..batch);
+        let (joint, joint_counts) = run(plans, 0..batch);
         for (r, p) in plans.iter().enumerate() {
             let blocks = r * per_run..(r + 1) * per_run;
             let (alone, alone_counts) = run(std::slice::from_ref(p), blocks.clone());
