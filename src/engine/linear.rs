@@ -1168,10 +1168,14 @@ mod tests {
 
     /// The host's kernels over stacked blocks: each block quantized and multiplied alone, as a
     /// device stepping several runs does it. Its GEMMs check that operands said to hold BF16
-    /// values do, and note what each was told (in call order).
+    /// values do (or, with `gemm_rounds`, round them as a tensor-core GEMM does), and note what
+    /// each was told (in call order); `roundings` counts the BF16 roundings made before them
+    /// (`round_bf16`, BF16 quantization).
     #[derive(Default)]
     struct Blocked {
         gemms: std::cell::RefCell<Vec<Operands>>,
+        gemm_rounds: bool,
+        roundings: std::cell::Cell<usize>,
     }
 
     impl SiteKernels for Blocked {
@@ -1184,6 +1188,7 @@ mod tests {
             HostKernels.copy(x, len)
         }
         fn round_bf16(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
+            self.roundings.set(self.roundings.get() + 1);
             HostKernels.round_bf16(x, len)
         }
         fn quantize(
@@ -1194,6 +1199,9 @@ mod tests {
             fmt: &QuantFormat,
             mut counts: Option<CountSlots<'_, [QuantStats]>>,
         ) -> Result<Vec<f32>, Self::Error> {
+            if *fmt == QuantFormat::Bf16 {
+                self.roundings.set(self.roundings.get() + 1);
+            }
             let one = Blocks {
                 rows,
                 cols,
@@ -1220,6 +1228,13 @@ mod tests {
             operands: Operands,
         ) -> Result<(), Self::Error> {
             let (la, lb, lc) = (r * inner, inner * cc, r * cc);
+            let (ra, rb);
+            let (a, b) = if self.gemm_rounds && operands == Operands::Bf16 {
+                (ra, rb) = (bf16_vec(a), bf16_vec(b));
+                (&ra[..], &rb[..])
+            } else {
+                (a, b)
+            };
             if operands == Operands::Bf16 {
                 // What a device's BF16 tensor-core GEMM relies on (see `decodes_to_bf16` for
                 // the values below 2^-126).
@@ -1270,6 +1285,9 @@ mod tests {
             len: usize,
         ) -> Result<(), Self::Error> {
             HostKernels.place(dst, at, src, len)
+        }
+        fn gemm_rounds_to_bf16(&self) -> bool {
+            self.gemm_rounds
         }
     }
 
@@ -1421,90 +1439,6 @@ mod tests {
         }
     }
 
-    /// `Blocked` with a GEMM that rounds what it is told holds BF16 values, as a tensor-core
-    /// GEMM does; counts the BF16 roundings made before it (`round_bf16`, BF16 quantization).
-    #[derive(Default)]
-    struct RoundingGemm {
-        inner: Blocked,
-        roundings: std::cell::Cell<usize>,
-    }
-
-    impl SiteKernels for RoundingGemm {
-        type Buf = [f32];
-        type Owned = Vec<f32>;
-        type Counts = [QuantStats];
-        type Error = std::convert::Infallible;
-
-        fn copy(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
-            self.inner.copy(x, len)
-        }
-        fn round_bf16(&self, x: &[f32], len: usize) -> Result<Vec<f32>, Self::Error> {
-            self.roundings.set(self.roundings.get() + 1);
-            self.inner.round_bf16(x, len)
-        }
-        fn quantize(
-            &self,
-            kind: SiteQuant,
-            x: &[f32],
-            shape: Blocks,
-            fmt: &QuantFormat,
-            counts: Option<CountSlots<'_, [QuantStats]>>,
-        ) -> Result<Vec<f32>, Self::Error> {
-            if *fmt == QuantFormat::Bf16 {
-                self.roundings.set(self.roundings.get() + 1);
-            }
-            self.inner.quantize(kind, x, shape, fmt, counts)
-        }
-        fn gemm(
-            &self,
-            (a, a_t): (&[f32], bool),
-            (b, b_t): (&[f32], bool),
-            c: &mut [f32],
-            dims: (usize, usize, usize),
-            batch: usize,
-            accumulate: bool,
-            operands: Operands,
-        ) -> Result<(), Self::Error> {
-            let (ra, rb);
-            let (a, b) = if operands == Operands::Bf16 {
-                (ra, rb) = (bf16_vec(a), bf16_vec(b));
-                (&ra[..], &rb[..])
-            } else {
-                (a, b)
-            };
-            let ops = (a_t, b_t, operands);
-            self.inner
-                .gemm((a, ops.0), (b, ops.1), c, dims, batch, accumulate, ops.2)
-        }
-        fn fill_zero(&self, c: &mut [f32]) -> Result<(), Self::Error> {
-            self.inner.fill_zero(c)
-        }
-        fn alloc(&self, len: usize) -> Result<Vec<f32>, Self::Error> {
-            self.inner.alloc(len)
-        }
-        fn with_range<R>(
-            &self,
-            x: &[f32],
-            from: usize,
-            len: usize,
-            f: impl FnOnce(&[f32]) -> Result<R, Self::Error>,
-        ) -> Result<R, Self::Error> {
-            self.inner.with_range(x, from, len, f)
-        }
-        fn place(
-            &self,
-            dst: &mut [f32],
-            at: usize,
-            src: (&[f32], usize),
-            len: usize,
-        ) -> Result<(), Self::Error> {
-            self.inner.place(dst, at, src, len)
-        }
-        fn gemm_rounds_to_bf16(&self) -> bool {
-            true
-        }
-    }
-
     /// An inference pass on a device whose GEMM rounds BF16 operands itself gives BF16 sites'
     /// inputs to the GEMM unrounded, and computes the same bits as rounding them first: alone,
     /// BF16 groups of two backward modes, beside an MXFP8 group (whose input is still rounded
@@ -1546,7 +1480,10 @@ mod tests {
                 kernels(&mut y);
                 y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             };
-            let rounding = RoundingGemm::default();
+            let rounding = Blocked {
+                gemm_rounds: true,
+                ..Blocked::default()
+            };
             let fast = apply(&|y| infallible(apply_on(&rounding, plans, &x, n, &site, y)));
             let each =
                 apply(&|y| infallible(apply_on(&Blocked::default(), plans, &x, n, &site, y)));
