@@ -349,12 +349,7 @@ pub fn run_memory_bytes(run: &RunSpec) -> u64 {
     let r = &run.run;
     let seqs = r.grpo.prompts_per_step * r.grpo.samples_per_prompt;
     let seq = r.task.prompt_len() + r.grpo.max_response_tokens;
-    let params: u64 = r
-        .model
-        .named_shapes()
-        .iter()
-        .map(|(_, shape)| shape.iter().product::<usize>() as u64)
-        .sum();
+    let params: u64 = r.model.tensor_lens().iter().map(|&l| l as u64).sum();
     super::plan::step_memory_bytes(&r.model, seqs, seq)
         .saturating_add(params.saturating_mul(4 * RUN_STATE_COPIES))
 }

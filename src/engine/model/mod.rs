@@ -233,6 +233,14 @@ impl ModelConfig {
         out.push((OUTPUT.to_string(), vec![v, d]));
         out
     }
+
+    /// Every tensor's number of values, in the order of [`ModelConfig::named_shapes`].
+    pub fn tensor_lens(&self) -> Vec<usize> {
+        self.named_shapes()
+            .iter()
+            .map(|(_, dims)| dims.iter().product())
+            .collect()
+    }
 }
 
 // ===================================================================================================

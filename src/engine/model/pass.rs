@@ -677,11 +677,7 @@ pub fn backward_on_device<O: Ops>(
     }
     // Tensor lengths in `Params::named_tensors` order: wte, wpe, 9 per layer, final norm, output;
     // every run's copy of a tensor back to back.
-    let lens: Vec<usize> = cfg
-        .named_shapes()
-        .iter()
-        .map(|(_, s)| runs * s.iter().product::<usize>())
-        .collect();
+    let lens: Vec<usize> = cfg.tensor_lens().iter().map(|l| runs * l).collect();
     let last = lens.len() - 2;
     let (mut dwte, mut dwpe) = (ops.zeros(lens[0])?, ops.zeros(lens[1])?);
     let (mut dfinal, mut dout) = (ops.zeros(lens[last])?, ops.zeros(lens[last + 1])?);

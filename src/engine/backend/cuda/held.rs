@@ -53,14 +53,6 @@ impl HeldGroup {
     }
 }
 
-/// One run's lengths of the model's tensors, in `Params::named_tensors` order.
-fn tensor_lens(cfg: &ModelConfig) -> Vec<usize> {
-    cfg.named_shapes()
-        .iter()
-        .map(|(_, dims)| dims.iter().product())
-        .collect()
-}
-
 impl HeldPool {
     fn optim(&self, dev: &Arc<CudaDevice>) -> Result<&GpuOptim, CudaError> {
         if let Some(o) = self.optim.get() {
@@ -81,7 +73,7 @@ impl HeldPool {
             return Ok(groups.remove(k));
         }
         let cfg = &items[0].1.config;
-        let lens = tensor_lens(cfg);
+        let lens = cfg.tensor_lens();
         let r = runs.len();
         let s = ops.stream();
         let mut master = Vec::with_capacity(lens.len());
