@@ -239,13 +239,9 @@ pub fn run_local(
         .collect();
     // Without --batch-runs, what the devices suit: known here without opening them, so the
     // parent deals worker processes whole batches.
+    let asked = args.batch_runs.map(usize::from);
     let device_batch = infos.iter().map(|i| i.batch_runs).min();
-    let batched = args
-        .batch_runs
-        .map(usize::from)
-        .or(device_batch)
-        .is_some_and(|n| n > 1)
-        && s.engine == "builtin";
+    let batched = asked.or(device_batch).is_some_and(|n| n > 1) && s.engine == "builtin";
     let processes = worker_processes(args.processes, on_gpu && !batched, &exclusive)?;
     let jobs = args.jobs.unwrap_or_else(|| {
         if on_gpu && batched {
@@ -256,7 +252,7 @@ pub fn run_local(
     });
     // No more processes than workers: `--jobs 1` runs in this process.
     let processes = processes.min(jobs / devices.len().max(1)).max(1);
-    let batch_runs = args.batch_runs.map(usize::from).or_else(|| {
+    let batch_runs = asked.or_else(|| {
         let base = device_batch?;
         if !batched {
             return Some(base);
