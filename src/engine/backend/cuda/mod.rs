@@ -44,8 +44,8 @@ pub const GPU_NOTE: &str = "note: on a GPU each run's training state (master wei
     trained and updated; the loss and the metrics stay on this host's CPU. By default two \
     workers a GPU step batches of 16 to 32 runs each (by the suite's size and the free memory), \
     of any precision plans (one launch per op for a batch): on H100s the nightly suite's 30 runs \
-    ran at 113-158 run-steps/s (the host sets the pace), 2.4x the former pool of one-run \
-    workers, and 6 configurations x 32 seeds x 100 steps in 55.8 s (--batch-runs, --jobs, \
+    ran at 150-206 run-steps/s (the host sets the pace), 2.8-3.1x the former pool of one-run \
+    workers, and 6 configurations x 32 seeds x 100 steps in 49-57 s (--batch-runs, --jobs, \
     --processes to change; docs/cuda.md)";
 
 /// Why the GPU could not be used. Messages are one line and name the fix.
