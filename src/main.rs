@@ -106,6 +106,7 @@ fn dispatch(cmd: &Command) -> anyhow::Result<bool> {
         }) if device != "cpu" => cli::bench::quantize_gpu(device, *size, *reps),
         Command::Bench(BenchCommand::Step(args)) => cli::bench::step(args),
         Command::Bench(BenchCommand::Forward(args)) => cli::bench::forward(args),
+        Command::Bench(BenchCommand::Decode(args)) => cli::bench::decode(args),
         Command::Bench(BenchCommand::Sweep(args)) => cli::bench_sweep::sweep(args),
         Command::Bench(BenchCommand::Quantize {
             size,

@@ -222,6 +222,9 @@ EXPORT CUresult cuStreamSynchronize(EmuStream *s) { tally("cuStreamSynchronize")
 EXPORT CUresult cuStreamQuery(EmuStream *) { return 0; }
 EXPORT CUresult cuStreamWaitEvent(EmuStream *, EmuEvent *, unsigned) { tally("cuStreamWaitEvent"); return 0; }
 EXPORT CUresult cuStreamIsCapturing(EmuStream *, int *status) { *status = 0; return 0; }
+// Graphs are not emulated: a capture is refused as a driver without graph support would
+// (CUDA_ERROR_NOT_SUPPORTED), so `lockstep bench decode` reports it instead of aborting.
+EXPORT CUresult cuStreamBeginCapture_v2(EmuStream *, int) { tally("cuStreamBeginCapture_v2"); return 801; }
 
 EXPORT CUresult cuEventCreate(EmuEvent **e, unsigned) { *e = new EmuEvent{now_ms()}; return 0; }
 EXPORT CUresult cuEventRecord(EmuEvent *e, EmuStream *) { tally("cuEventRecord"); e->ms = now_ms(); return 0; }

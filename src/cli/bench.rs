@@ -425,3 +425,78 @@ pub fn forward(args: &ForwardArgs) -> Result<bool> {
     }
     Ok(true)
 }
+
+#[derive(Debug, Args)]
+pub struct DecodeArgs {
+    /// cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// Model preset (tiny or small: the nightly's shape).
+    #[arg(long, default_value = "small")]
+    pub model: String,
+    /// Recipe presets or files (comma-separated); each is timed with every batch size.
+    #[arg(long, value_delimiter = ',', default_value = "bf16,nvfp4-dq")]
+    pub recipes: Vec<String>,
+    /// Runs decoded together (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub batch_runs: Vec<usize>,
+    /// Sequences a run decodes (the nightly's rollout: 16 prompts x 8 samples).
+    #[arg(long, default_value_t = 128)]
+    pub seqs: usize,
+    /// Timed positions per mode (after one warm-up); the median is printed.
+    #[arg(long, default_value_t = 20)]
+    pub reps: usize,
+}
+
+/// `lockstep bench decode`: a decode position queued op by op against its CUDA graph replayed.
+pub fn decode(args: &DecodeArgs) -> Result<bool> {
+    use lockstep::engine::model::{Params, PreparedModel};
+    let device: Device = args.device.parse()?;
+    let Device::Cuda(ordinal) = device else {
+        anyhow::bail!("bench decode times CUDA graphs: use --device cuda");
+    };
+    let backend = cuda::CudaBackend::new(ordinal)
+        .map_err(|err| lockstep::engine::backend::DeviceError::Cuda { device, err })?;
+    let cfg = super::engine::model_preset(&args.model)?;
+    // A 3-digit addition prompt's length.
+    let prompt: Vec<u32> = (1..=7).map(|t| t % cfg.vocab as u32).collect();
+    println!(
+        "decode position, model {} ({} sequences a run after a {}-token prompt), {} {}, median \
+         of {} after one warm-up, logits and routing read back in both:",
+        args.model,
+        args.seqs,
+        prompt.len(),
+        args.device,
+        backend.device().name(),
+        args.reps
+    );
+    for name in &args.recipes {
+        let plan = lockstep::recipe::file::load(name)?.resolve(cfg.n_layers)?;
+        for &runs in &args.batch_runs {
+            let preps = (0..runs)
+                .map(|r| PreparedModel::new(&Params::init(&cfg, r as u64)?, &plan))
+                .collect::<Result<Vec<_>, _>>()?;
+            let refs: Vec<&PreparedModel> = preps.iter().collect();
+            let t =
+                cuda::decode_graph::decode_times(&backend, &refs, args.seqs, &prompt, args.reps)
+                    .with_context(|| format!("{name}, {runs} runs"))?;
+            match (t.replay_ms, &t.capture_error) {
+                (Some(replay), _) => println!(
+                    "  {name:<10} {runs:>3} runs  queued {:>7.3} ms  graph {:>7.3} ms ({} nodes)  \
+                     {:>5.2}x  outputs {}",
+                    t.queued_ms,
+                    replay,
+                    t.nodes,
+                    t.queued_ms / replay,
+                    if t.same { "identical" } else { "DIFFER" }
+                ),
+                (None, e) => println!(
+                    "  {name:<10} {runs:>3} runs  queued {:>7.3} ms  graph: not captured ({})",
+                    t.queued_ms,
+                    e.as_deref().unwrap_or("no reason given")
+                ),
+            }
+        }
+    }
+    Ok(true)
+}

@@ -118,6 +118,10 @@ pub enum BenchCommand {
     /// The policy forward at the benchmark shape on this host's CPU and, with --device cuda, the
     /// device-resident forward next to it.
     Forward(bench::ForwardArgs),
+    /// One decode position of a batch of runs (the work a rollout queues per generated token)
+    /// queued op by op against the same position captured as a CUDA graph and replayed: what
+    /// graphs would save the rollout. GPU only.
+    Decode(bench::DecodeArgs),
     /// Sweep throughput: a suite's runs (default the nightly suite) through worker layouts
     /// (processes x workers) in one call, warm start cached first: wall time, run-steps per second,
     /// the ratio to the first layout and whether every layout gives its metrics bit for bit.

@@ -811,8 +811,24 @@ fn infer_rows<O: Ops>(
     rows: &O::Rows,
     n: usize,
     replay: Option<&Routing>,
-    mut attend: impl FnMut(usize, &O::T) -> OpResult<O::T>,
+    attend: impl FnMut(usize, &O::T) -> OpResult<O::T>,
 ) -> OpResult<(Vec<f32>, Routing)> {
+    let (logits, ids) = infer_rows_on_device(ops, w, toks, rows, n, replay, attend)?;
+    outputs_to_host(ops, &w.config, &logits, &ids, n)
+}
+
+/// [`infer_rows`] up to its outputs, which stay on the device: the logits `[n, V]` and each
+/// layer's chosen experts `[n, K]`. Queues device work only (no copy to or from the host), so a
+/// stream can capture it as a graph.
+fn infer_rows_on_device<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    toks: &O::Ids,
+    rows: &O::Rows,
+    n: usize,
+    replay: Option<&Routing>,
+    mut attend: impl FnMut(usize, &O::T) -> OpResult<O::T>,
+) -> OpResult<(O::T, Vec<O::Ids>)> {
     let cfg = &w.config;
     let d = cfg.d_model;
     let mut x = ops.embedding(toks, rows, &w.wte, &w.wpe, n, d)?;
@@ -827,7 +843,18 @@ fn infer_rows<O: Ops>(
     }
     let (hn, _) = ops.rmsnorm(&x, &w.final_norm, n, d)?;
     let logits = ops.apply(w.plans.output(), &hn, n, &w.output_layer)?;
-    let logits = ops.to_host(&logits, n * cfg.vocab)?;
+    Ok((logits, ids))
+}
+
+/// The outputs [`infer_rows_on_device`] left on the device, for `n` rows: logits and routing.
+pub fn outputs_to_host<O: Ops>(
+    ops: &O,
+    cfg: &ModelConfig,
+    logits: &O::T,
+    ids: &[O::Ids],
+    n: usize,
+) -> OpResult<(Vec<f32>, Routing)> {
+    let logits = ops.to_host(logits, n * cfg.vocab)?;
     let ids: Vec<&O::Ids> = ids.iter().collect();
     Ok((logits, routing_to_host(ops, cfg, &ids, n)?))
 }
@@ -901,14 +928,32 @@ pub fn decode<O: Ops>(
     check_tokens(cfg, tokens)
         .and_then(|()| replay.map_or(Ok(()), |r| r.check(cfg, n)))
         .map_err(shape_err)?;
-    let (h, d) = (cfg.n_heads, cfg.d_model);
     let rows = ops.decode_rows(kv, count)?;
     let toks = ops.ids(tokens)?;
-    let out = infer_rows(ops, w, &toks, &rows, n, replay, |l, qkv| {
-        ops.kv_attend(kv, l, qkv, &rows, h, d, count)
-    })?;
+    let (logits, ids) = decode_on_device(ops, w, kv, &toks, &rows, count, replay)?;
+    let out = outputs_to_host(ops, cfg, &logits, &ids, n)?;
     ops.kv_advance(kv, count);
     Ok(out)
+}
+
+/// [`decode`]'s device work for tokens and rows already there (`rows` from
+/// [`Ops::decode_rows`] at the cache's current length), leaving the cache's length as it is and
+/// the outputs on the device ([`outputs_to_host`] reads them). It queues no copy to or from the
+/// host, so a stream can capture it as a graph and replay it at that position.
+pub fn decode_on_device<O: Ops>(
+    ops: &O,
+    w: &Weights<O>,
+    kv: &mut O::Kv,
+    toks: &O::Ids,
+    rows: &O::Rows,
+    count: usize,
+    replay: Option<&Routing>,
+) -> OpResult<(O::T, Vec<O::Ids>)> {
+    let (h, d) = (w.config.n_heads, w.config.d_model);
+    let n = ops.kv_seqs(kv) * count;
+    infer_rows_on_device(ops, w, toks, rows, n, replay, |l, qkv| {
+        ops.kv_attend(kv, l, qkv, rows, h, d, count)
+    })
 }
 
 #[cfg(test)]

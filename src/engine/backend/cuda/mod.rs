@@ -17,6 +17,7 @@
 
 pub mod backend;
 pub mod batch;
+pub mod decode_graph;
 pub mod decoder;
 pub mod device_ops;
 pub mod fake_quant;
