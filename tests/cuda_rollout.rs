@@ -190,3 +190,43 @@ fn gpu_decoder_and_forward_match_the_cpu_backends() {
         .unwrap();
     close("forward", &gpu_logits, &cpu_logits);
 }
+
+/// A decode position of a batch of runs of two recipes captured as a CUDA graph and replayed
+/// gives the position queued op by op, bit for bit (`bench decode`'s check, as a test). Skips
+/// where the driver refuses stream capture (the CUDA emulator).
+#[test]
+fn a_decode_position_replayed_from_a_cuda_graph_gives_its_queued_outputs() {
+    let Some(gpu) = gpu("a_decode_position_replayed_from_a_cuda_graph_gives_its_queued_outputs")
+    else {
+        return;
+    };
+    let cfg = ModelConfig::tiny();
+    for recipe in ["bf16", "nvfp4-dq"] {
+        let p = plan(recipe, cfg.n_layers);
+        let preps: Vec<PreparedModel> = (0..3)
+            .map(|s| PreparedModel::new(&Params::init(&cfg, s).unwrap(), &p).unwrap())
+            .collect();
+        let refs: Vec<&PreparedModel> = preps.iter().collect();
+        let t = lockstep::engine::backend::cuda::decode_graph::decode_times(
+            gpu,
+            &refs,
+            16,
+            &[1, 2, 3, 4, 5, 6, 7],
+            1,
+        )
+        .unwrap();
+        if let Some(e) = &t.capture_error {
+            assert!(
+                e.contains("NOT_SUPPORTED"),
+                "{recipe}: the capture failed on a driver that supports graphs: {e}"
+            );
+            eprintln!("skipping: this driver refuses stream capture ({e})");
+            return;
+        }
+        assert!(
+            t.same,
+            "{recipe}: the replay's outputs differ from the queued position's"
+        );
+        assert!(t.nodes > 0, "{recipe}: an empty graph");
+    }
+}
