@@ -451,6 +451,13 @@ inline void on_fault(int sig, siginfo_t *si, void *) {
     siglongjmp(fault_env, 1);
 }
 
+// The byte size of each of a kernel's parameters (a graph capture copies them), count returned.
+template <class... A> inline int param_sizes(void (*)(A...), size_t *out) {
+    size_t s[] = {0, sizeof(std::remove_cv_t<std::remove_reference_t<A>>)...};
+    for (size_t i = 0; i < sizeof...(A); i++) out[i] = s[i + 1];
+    return (int)sizeof...(A);
+}
+
 template <class... A> inline int launch(void (*k)(A...), Launch *l) {
     unsigned n = l->block[0] * l->block[1] * l->block[2];
     if (n == 0 || n > MAX_THREADS) {

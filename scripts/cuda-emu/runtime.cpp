@@ -5,6 +5,12 @@
 // - Memory is host memory; a device pointer is a host address. New allocations are filled with
 //   0xFF bytes (NaN as f32) so a read of memory nothing wrote shows up.
 // - Every call runs at once, in order: streams and events only keep times.
+// - A stream capture records kernel launches, device copies, memsets and GEMMs instead of running
+//   them, and a graph launch runs them again in order. Memory allocated while capturing belongs to
+//   the graph (the same addresses every launch; released with the graph); a copy to or from the
+//   host, a synchronization or a free of other memory while capturing is refused, as the driver
+//   refuses what a graph cannot hold (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), and ends the capture
+//   invalidated.
 // - NVRTC compiles a kernel source with g++ against device.h into a shared object; a kernel
 //   launch calls its wrapper, one launch at a time in the process.
 // - cuBLAS's SGEMMs sum each output element in FP64 and round it once to FP32.
@@ -17,7 +23,9 @@
 #include <cstring>
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <functional>
 #include <map>
+#include <set>
 #include <mutex>
 #include <spawn.h>
 #include <string>
@@ -43,9 +51,11 @@ struct Launch {
     char error[256];
 };
 using LaunchFn = int (*)(Launch *);
+using SizesFn = int (*)(size_t *);
 
 struct Function {
     LaunchFn launch;
+    SizesFn sizes; // the parameters' byte sizes, for a graph capture to copy them
     std::string name;
 };
 struct Module {
@@ -132,13 +142,42 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 struct EmuCtx { int device; };
-struct EmuStream { int device; };
+struct Graph {
+    std::vector<std::function<CUresult()>> ops; // recorded work, replayed in order
+    std::vector<uintptr_t> owned;              // allocations made while capturing
+    size_t nodes = 0;                          // ops and allocations, as cuGraphGetNodes counts
+};
+struct EmuStream {
+    int device;
+    Graph *capture = nullptr; // the graph being captured on this stream
+    bool invalid = false;     // a refused call ended the capture's use
+};
 struct EmuEvent { double ms; };
 struct EmuPool { int unused; };
 static EmuCtx contexts[16];
 static thread_local EmuCtx *current_ctx = nullptr;
 static int current_device() { return current_ctx ? current_ctx->device : 0; }
 static int device_of(EmuStream *s) { return s ? s->device : current_device(); }
+// The stream this thread is capturing on (a THREAD_LOCAL capture: synchronous calls of the same
+// thread are refused while it lasts).
+static thread_local EmuStream *capturing_here = nullptr;
+static std::mutex graph_mu;
+static std::set<uintptr_t> graph_owned; // addresses a graph holds: freed with the graph
+static bool recording(EmuStream *s) { return s && s->capture; }
+// Refuse a call a capture cannot hold: the capture is invalidated.
+static CUresult refuse(EmuStream *s, const char *what) {
+    EmuStream *c = recording(s) ? s : capturing_here;
+    if (c) c->invalid = true;
+    say("%s while capturing a graph: refused", what);
+    return 900; // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+}
+// Run `op` now, or record it into the stream's capture.
+static CUresult run_or_record(EmuStream *s, std::function<CUresult()> op) {
+    if (!recording(s)) return op();
+    s->capture->ops.push_back(std::move(op));
+    s->capture->nodes++;
+    return 0;
+}
 static CUresult sticky(int device) { return lost[device].load(); }
 static EmuPool pools[16];
 
@@ -186,6 +225,7 @@ EXPORT CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
     case 75: *v = 8; break;            // COMPUTE_CAPABILITY_MAJOR
     case 76: *v = 0; break;            // COMPUTE_CAPABILITY_MINOR
     case 97: *v = 163 * 1024; break;   // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    case 115: *v = 1; break;           // MEMORY_POOLS_SUPPORTED: stream-ordered allocation, as a GPU
     default: *v = 0; break;
     }
     return 0;
@@ -203,7 +243,7 @@ EXPORT CUresult cuCtxGetCurrent(EmuCtx **c) { *c = current_ctx; return 0; }
 EXPORT CUresult cuCtxPushCurrent_v2(EmuCtx *c) { current_ctx = c; return 0; }
 EXPORT CUresult cuCtxPopCurrent_v2(EmuCtx **c) { if (c) *c = current_ctx; return 0; }
 EXPORT CUresult cuCtxGetDevice(CUdevice *d) { *d = current_ctx ? current_ctx->device : 0; return 0; }
-EXPORT CUresult cuCtxSynchronize() { tally("cuCtxSynchronize"); return sticky(current_device()); }
+EXPORT CUresult cuCtxSynchronize() { tally("cuCtxSynchronize"); return capturing_here ? refuse(nullptr, "cuCtxSynchronize") : sticky(current_device()); }
 EXPORT CUresult cuCtxSetFlags(unsigned) { return 0; }
 EXPORT CUresult cuCtxGetStreamPriorityRange(int *lo, int *hi) { *lo = 0; *hi = 0; return 0; }
 EXPORT CUresult cuCtxSetLimit(int, size_t) { return 0; }
@@ -218,13 +258,53 @@ EXPORT CUresult cuMemPoolTrimTo(EmuPool *, size_t) { return 0; }
 EXPORT CUresult cuStreamCreate(EmuStream **s, unsigned) { *s = new EmuStream{current_device()}; return 0; }
 EXPORT CUresult cuStreamCreateWithPriority(EmuStream **s, unsigned, int) { *s = new EmuStream{current_device()}; return 0; }
 EXPORT CUresult cuStreamDestroy_v2(EmuStream *s) { delete s; return 0; }
-EXPORT CUresult cuStreamSynchronize(EmuStream *s) { tally("cuStreamSynchronize"); return sticky(device_of(s)); }
+EXPORT CUresult cuStreamSynchronize(EmuStream *s) { tally("cuStreamSynchronize"); return recording(s) || capturing_here ? refuse(s, "cuStreamSynchronize") : sticky(device_of(s)); }
 EXPORT CUresult cuStreamQuery(EmuStream *) { return 0; }
 EXPORT CUresult cuStreamWaitEvent(EmuStream *, EmuEvent *, unsigned) { tally("cuStreamWaitEvent"); return 0; }
-EXPORT CUresult cuStreamIsCapturing(EmuStream *, int *status) { *status = 0; return 0; }
-// Graphs are not emulated: a capture is refused as a driver without graph support would
-// (CUDA_ERROR_NOT_SUPPORTED), so `lockstep bench decode` reports it instead of aborting.
-EXPORT CUresult cuStreamBeginCapture_v2(EmuStream *, int) { tally("cuStreamBeginCapture_v2"); return 801; }
+EXPORT CUresult cuStreamIsCapturing(EmuStream *s, int *status) { *status = recording(s) ? 1 : 0; return 0; }
+EXPORT CUresult cuStreamBeginCapture_v2(EmuStream *s, int) {
+    tally("cuStreamBeginCapture_v2");
+    if (!s || recording(s) || capturing_here) return 1;
+    s->capture = new Graph;
+    s->invalid = false;
+    capturing_here = s;
+    return 0;
+}
+static void release_graph(Graph *g);
+EXPORT CUresult cuStreamEndCapture(EmuStream *s, Graph **out) {
+    tally("cuStreamEndCapture");
+    if (!recording(s)) return 1;
+    Graph *g = s->capture;
+    s->capture = nullptr;
+    if (capturing_here == s) capturing_here = nullptr;
+    *out = nullptr;
+    if (s->invalid) {
+        s->invalid = false;
+        release_graph(g);
+        return 901; // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    }
+    *out = g;
+    return 0;
+}
+// An executable graph is its graph: instantiation copies nothing here.
+EXPORT CUresult cuGraphInstantiateWithFlags(Graph **exec, Graph *g, unsigned long long) { *exec = g; return 0; }
+EXPORT CUresult cuGraphUpload(Graph *, EmuStream *) { return 0; }
+EXPORT CUresult cuGraphLaunch(Graph *g, EmuStream *s) {
+    tally("cuGraphLaunch");
+    if (recording(s)) return refuse(s, "cuGraphLaunch");
+    if (int e = sticky(device_of(s))) return e;
+    for (auto &op : g->ops)
+        if (CUresult e = op()) return e;
+    return 0;
+}
+EXPORT CUresult cuGraphGetNodes(Graph *g, void **nodes, size_t *count) {
+    if (nodes) return 1; // only the count is emulated
+    *count = g->nodes;
+    return 0;
+}
+EXPORT CUresult cuGraphExecDestroy(Graph *) { return 0; }
+EXPORT CUresult cuGraphDestroy(Graph *g) { release_graph(g); return 0; }
+
 
 EXPORT CUresult cuEventCreate(EmuEvent **e, unsigned) { *e = new EmuEvent{now_ms()}; return 0; }
 EXPORT CUresult cuEventRecord(EmuEvent *e, EmuStream *) { tally("cuEventRecord"); e->ms = now_ms(); return 0; }
@@ -257,10 +337,39 @@ static CUresult release(CUdeviceptr p) {
     free((void *)(uintptr_t)p);
     return 0;
 }
+static void release_graph(Graph *g) {
+    if (!g) return;
+    for (uintptr_t p : g->owned) {
+        {
+            std::lock_guard<std::mutex> l(graph_mu);
+            graph_owned.erase(p);
+        }
+        release(p);
+    }
+    delete g;
+}
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { tally("cuMemAlloc_v2"); return alloc(p, bytes); }
-EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, EmuStream *s) { tally("cuMemAllocAsync"); return sticky(device_of(s)) ? sticky(device_of(s)) : alloc(p, bytes); }
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, EmuStream *s) { tally("cuMemAllocAsync");
+    if (int e = sticky(device_of(s))) return e;
+    CUresult rc = alloc(p, bytes);
+    if (rc == 0 && recording(s)) {
+        std::lock_guard<std::mutex> g(graph_mu);
+        s->capture->owned.push_back((uintptr_t)*p);
+        s->capture->nodes++;
+        graph_owned.insert((uintptr_t)*p);
+    }
+    return rc;
+}
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { tally("cuMemFree_v2"); return release(p); }
-EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, EmuStream *) { tally("cuMemFreeAsync"); return release(p); }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, EmuStream *s) { tally("cuMemFreeAsync");
+    {
+        // A graph's memory stays while the graph does (its launches write there).
+        std::lock_guard<std::mutex> g(graph_mu);
+        if (graph_owned.count((uintptr_t)p)) return 0;
+    }
+    if (recording(s)) return refuse(s, "a free of memory the graph did not allocate");
+    return release(p);
+}
 EXPORT CUresult cuMemAllocHost_v2(void **p, size_t bytes) { *p = malloc(bytes ? bytes : 1); return *p ? 0 : 2; }
 EXPORT CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
 EXPORT CUresult cuMemFreeHost(void *p) { free(p); return 0; }
@@ -268,42 +377,46 @@ EXPORT CUresult cuMemHostRegister_v2(void *, size_t, unsigned) { return 0; }
 EXPORT CUresult cuMemHostUnregister(void *) { return 0; }
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { tally("cuMemcpyHtoD_v2");
+    if (capturing_here) return refuse(nullptr, "a copy to the device");
     if (check_range(d, n, "copy to the device")) return 1;
     memcpy((void *)(uintptr_t)d, h, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, EmuStream *s) { tally("cuMemcpyHtoDAsync_v2"); return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyHtoD_v2(d, h, n); }
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, EmuStream *s) { tally("cuMemcpyHtoDAsync_v2"); if (recording(s)) return refuse(s, "a copy to the device"); return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyHtoD_v2(d, h, n); }
 EXPORT CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { tally("cuMemcpyDtoH_v2");
+    if (capturing_here) return refuse(nullptr, "a copy to the host");
     if (check_range(d, n, "copy from the device")) return 1;
     memcpy(h, (void *)(uintptr_t)d, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, EmuStream *s) { tally("cuMemcpyDtoHAsync_v2"); return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyDtoH_v2(h, d, n); }
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, EmuStream *s) { tally("cuMemcpyDtoHAsync_v2"); if (recording(s)) return refuse(s, "a copy to the host"); return sticky(device_of(s)) ? sticky(device_of(s)) : cuMemcpyDtoH_v2(h, d, n); }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) {
     if (check_range(d, n, "device copy's target") || check_range(s, n, "device copy's source")) return 1;
     memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, EmuStream *) { tally("cuMemcpyDtoDAsync_v2"); return cuMemcpyDtoD_v2(d, s, n); }
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, EmuStream *st) { tally("cuMemcpyDtoDAsync_v2"); return run_or_record(st, [=] { return cuMemcpyDtoD_v2(d, s, n); }); }
 EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr d, EmuCtx *, CUdeviceptr s, EmuCtx *, size_t n, EmuStream *) { return cuMemcpyDtoD_v2(d, s, n); }
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
     if (check_range(d, n, "memset")) return 1;
     memset((void *)(uintptr_t)d, v, n);
     return 0;
 }
-EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, EmuStream *) { tally("cuMemsetD8Async"); return cuMemsetD8_v2(d, v, n); }
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, EmuStream *s) { tally("cuMemsetD8Async"); return run_or_record(s, [=] { return cuMemsetD8_v2(d, v, n); }); }
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) {
     if (check_range(d, n * 4, "memset")) return 1;
     unsigned *p = (unsigned *)(uintptr_t)d;
     for (size_t i = 0; i < n; i++) p[i] = v;
     return 0;
 }
-EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, EmuStream *) { tally("cuMemsetD32Async"); return cuMemsetD32_v2(d, v, n); }
-EXPORT CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, EmuStream *) { tally("cuMemsetD16Async");
-    if (check_range(d, n * 2, "memset")) return 1;
-    unsigned short *p = (unsigned short *)(uintptr_t)d;
-    for (size_t i = 0; i < n; i++) p[i] = v;
-    return 0;
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, EmuStream *s) { tally("cuMemsetD32Async"); return run_or_record(s, [=] { return cuMemsetD32_v2(d, v, n); }); }
+EXPORT CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, EmuStream *s) { tally("cuMemsetD16Async");
+    return run_or_record(s, [=] {
+        if (check_range(d, n * 2, "memset")) return 1;
+        unsigned short *p = (unsigned short *)(uintptr_t)d;
+        for (size_t i = 0; i < n; i++) p[i] = v;
+        return 0;
+    });
 }
 EXPORT CUresult cuPointerGetAttribute(void *, int, CUdeviceptr) { return 1; }
 
@@ -337,7 +450,8 @@ EXPORT CUresult cuModuleGetFunction(Function **f, Module *m, const char *name) {
     std::string sym = std::string("__emu_launch_") + name;
     void *p = dlsym(m->handle, sym.c_str());
     if (!p) return 500; // CUDA_ERROR_NOT_FOUND
-    Function *fn = new Function{(LaunchFn)p, name};
+    void *sz = dlsym(m->handle, (std::string("__emu_sizes_") + name).c_str());
+    Function *fn = new Function{(LaunchFn)p, (SizesFn)sz, name};
     m->functions[name] = fn;
     *f = fn;
     return 0;
@@ -351,6 +465,27 @@ EXPORT CUresult cuFuncSetCacheConfig(Function *, int) { return 0; }
 EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, Function *, int, size_t) { *n = 2; return 0; }
 EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *n, Function *, int, size_t, unsigned) { *n = 2; return 0; }
 
+// Run one kernel launch now (the launch's checks done), with `params` as cuLaunchKernel's.
+static CUresult run_launch(Function *f, const unsigned g[3], const unsigned b[3], unsigned shared, int dev,
+                           void **params) {
+    if (sticky(dev)) return sticky(dev);
+    tally("kernel " + f->name);
+    Launch l{{g[0], g[1], g[2]}, {b[0], b[1], b[2]}, shared, params, {0}};
+    double t0 = verbose() ? now_ms() : 0;
+    int rc;
+    {
+        std::lock_guard<std::mutex> lk(launch_mu);
+        rc = f->launch(&l);
+    }
+    if (verbose()) say("%s <<<(%u,%u,%u),(%u,%u,%u)>>> %.2f ms", f->name.c_str(), g[0], g[1], g[2], b[0], b[1], b[2], now_ms() - t0);
+    if (rc) {
+        say("kernel %s on device %d failed: %s", f->name.c_str(), dev, l.error);
+        lost[dev] = rc == 2 ? 700 : 719; // CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED
+        return lost[dev];
+    }
+    return 0;
+}
+
 EXPORT CUresult cuLaunchKernel(Function *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                unsigned bz, unsigned shared, EmuStream *stream, void **params, void **extra) { tally("cuLaunchKernel");
     int dev = device_of(stream);
@@ -359,21 +494,22 @@ EXPORT CUresult cuLaunchKernel(Function *f, unsigned gx, unsigned gy, unsigned g
         say("cuLaunchKernel: `extra` parameters are not emulated");
         return 1;
     }
-    tally("kernel " + f->name);
-    Launch l{{gx, gy, gz}, {bx, by, bz}, shared, params, {0}};
-    double t0 = verbose() ? now_ms() : 0;
-    int rc;
-    {
-        std::lock_guard<std::mutex> g(launch_mu);
-        rc = f->launch(&l);
+    unsigned g[3] = {gx, gy, gz}, b[3] = {bx, by, bz};
+    if (!recording(stream)) return run_launch(f, g, b, shared, dev, params);
+    // Captured: the parameters' bytes are copied now, as the driver copies them into the node.
+    if (!f->sizes) return refuse(stream, "a kernel whose parameter sizes are unknown");
+    size_t sizes[64];
+    int n = f->sizes(sizes);
+    std::vector<std::vector<char>> copies;
+    for (int i = 0; i < n; i++) {
+        const char *p = (const char *)params[i];
+        copies.emplace_back(p, p + sizes[i]);
     }
-    if (verbose()) say("%s <<<(%u,%u,%u),(%u,%u,%u)>>> %.2f ms", f->name.c_str(), gx, gy, gz, bx, by, bz, now_ms() - t0);
-    if (rc) {
-        say("kernel %s on device %d failed: %s", f->name.c_str(), dev, l.error);
-        lost[dev] = rc == 2 ? 700 : 719; // CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_LAUNCH_FAILED
-        return lost[dev];
-    }
-    return 0;
+    return run_or_record(stream, [=]() mutable {
+        std::vector<void *> ps;
+        for (auto &c : copies) ps.push_back(c.data());
+        return run_launch(f, g, b, shared, dev, ps.data());
+    });
 }
 
 EXPORT CUresult cuGetErrorString(CUresult e, const char **s) {
@@ -662,7 +798,9 @@ EXPORT int nvrtcCompileProgram(Program *prog, int nopts, const char *const *opts
     std::string wrappers = "\n";
     for (auto &n : kernel_names(pre))
         wrappers += "extern \"C\" __attribute__((visibility(\"default\"))) int __emu_launch_" + n +
-                    "(emu::Launch *l) { return emu::launch(" + n + ", l); }\n";
+                    "(emu::Launch *l) { return emu::launch(" + n + ", l); }\n" +
+                    "extern \"C\" __attribute__((visibility(\"default\"))) int __emu_sizes_" + n +
+                    "(size_t *out) { return emu::param_sizes(" + n + ", out); }\n";
     write_file(cu, "#line 1 \"" + prog->name + "\"\n" + src + wrappers);
     // Pass 2: compile with the launch wrappers.
     std::vector<std::string> build = common;
@@ -685,11 +823,11 @@ EXPORT int nvrtcGetProgramLog(Program *p, char *out) { memcpy(out, p->log.c_str(
 // =============================================================================================
 // cuBLAS (column-major SGEMM)
 // =============================================================================================
-struct Blas { int math_mode; };
+struct Blas { int math_mode; EmuStream *stream; };
 
-EXPORT int cublasCreate_v2(Blas **h) { *h = new Blas{0}; return 0; }
+EXPORT int cublasCreate_v2(Blas **h) { *h = new Blas{0, nullptr}; return 0; }
 EXPORT int cublasDestroy_v2(Blas *h) { delete h; return 0; }
-EXPORT int cublasSetStream_v2(Blas *, EmuStream *) { return 0; }
+EXPORT int cublasSetStream_v2(Blas *h, EmuStream *s) { h->stream = s; return 0; }
 EXPORT int cublasSetMathMode(Blas *h, int m) { h->math_mode = m; return 0; }
 EXPORT int cublasGetMathMode(Blas *h, int *m) { *m = h->math_mode; return 0; }
 EXPORT int cublasSetPointerMode_v2(Blas *, int) { return 0; }
@@ -740,23 +878,29 @@ static void sgemm(int ta, int tb, int m, int n, int k, float alpha, const T *A, 
         }
 }
 
-EXPORT int cublasSgemm_v2(Blas *, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
+EXPORT int cublasSgemm_v2(Blas *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
                           const float *B, int ldb, const float *beta, float *C, int ldc) { tally("cublasSgemm_v2");
-    sgemm(ta, tb, m, n, k, *alpha, A, lda, B, ldb, *beta, C, ldc);
-    return 0;
+    float al = *alpha, be = *beta;
+    return run_or_record(h->stream, [=] {
+        sgemm(ta, tb, m, n, k, al, A, lda, B, ldb, be, C, ldc);
+        return 0;
+    });
 }
-EXPORT int cublasSgemmStridedBatched(Blas *, int ta, int tb, int m, int n, int k, const float *alpha,
+EXPORT int cublasSgemmStridedBatched(Blas *h, int ta, int tb, int m, int n, int k, const float *alpha,
                                      const float *A, int lda, long long sa, const float *B, int ldb, long long sb,
                                      const float *beta, float *C, int ldc, long long sc, int batch) { tally("cublasSgemmStridedBatched");
-    for (int b = 0; b < batch; b++)
-        sgemm(ta, tb, m, n, k, *alpha, A + b * sa, lda, B + b * sb, ldb, *beta, C + b * sc, ldc);
-    return 0;
+    float al = *alpha, be = *beta;
+    return run_or_record(h->stream, [=] {
+        for (int b = 0; b < batch; b++)
+            sgemm(ta, tb, m, n, k, al, A + b * sa, lda, B + b * sb, ldb, be, C + b * sc, ldc);
+        return 0;
+    });
 }
 
 // cublasGemmStridedBatchedEx for what the engine asks of it: A and B FP32 (CUDA_R_32F, 0) or
 // BF16 (CUDA_R_16BF, 14) alike, C FP32, FP32 compute (CUBLAS_COMPUTE_32F, 68). Summed as the
 // SGEMM above: a BF16 GEMM of operands that hold BF16 values gives the SGEMM's bits.
-EXPORT int cublasGemmStridedBatchedEx(Blas *, int ta, int tb, int m, int n, int k, const void *alpha,
+EXPORT int cublasGemmStridedBatchedEx(Blas *h, int ta, int tb, int m, int n, int k, const void *alpha,
                                       const void *A, int at, int lda, long long sa, const void *B, int bt,
                                       int ldb, long long sb, const void *beta, void *C, int ct, int ldc,
                                       long long sc, int batch, int compute, int) {
@@ -764,13 +908,15 @@ EXPORT int cublasGemmStridedBatchedEx(Blas *, int ta, int tb, int m, int n, int 
     if (at != bt || (at != 0 && at != 14) || ct != 0 || compute != 68) return 7; // INVALID_VALUE
     float al = *(const float *)alpha, be = *(const float *)beta;
     float *c = (float *)C;
-    for (int b = 0; b < batch; b++) {
-        if (at == 14)
-            sgemm(ta, tb, m, n, k, al, (const uint16_t *)A + b * sa, lda, (const uint16_t *)B + b * sb, ldb, be,
-                  c + b * sc, ldc);
-        else
-            sgemm(ta, tb, m, n, k, al, (const float *)A + b * sa, lda, (const float *)B + b * sb, ldb, be,
-                  c + b * sc, ldc);
-    }
-    return 0;
+    return run_or_record(h->stream, [=] {
+        for (int b = 0; b < batch; b++) {
+            if (at == 14)
+                sgemm(ta, tb, m, n, k, al, (const uint16_t *)A + b * sa, lda, (const uint16_t *)B + b * sb, ldb,
+                      be, c + b * sc, ldc);
+            else
+                sgemm(ta, tb, m, n, k, al, (const float *)A + b * sa, lda, (const float *)B + b * sb, ldb, be,
+                      c + b * sc, ldc);
+        }
+        return 0;
+    });
 }
