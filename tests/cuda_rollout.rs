@@ -192,8 +192,9 @@ fn gpu_decoder_and_forward_match_the_cpu_backends() {
 }
 
 /// A decode position of a batch of runs of two recipes captured as a CUDA graph and replayed
-/// gives the position queued op by op, bit for bit (`bench decode`'s check, as a test). Skips
-/// where the driver refuses stream capture (the CUDA emulator).
+/// gives the position queued op by op, bit for bit (`bench decode`'s check, as a test): the
+/// decode's device work queues nothing a graph cannot hold. Skips where the driver does not
+/// support stream capture. The CUDA emulator records and replays captures, so CI runs it.
 #[test]
 fn a_decode_position_replayed_from_a_cuda_graph_gives_its_queued_outputs() {
     let Some(gpu) = gpu("a_decode_position_replayed_from_a_cuda_graph_gives_its_queued_outputs")
