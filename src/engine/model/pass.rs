@@ -801,26 +801,11 @@ fn attn_infer<O: Ops>(
     Ok(out)
 }
 
-/// Embedding, the blocks and the head over `n` rows, keeping nothing: logits `[n, V]` on the
-/// host and the experts chosen in every layer. `attend(l, qkv)` is layer `l`'s attention.
-#[allow(clippy::too_many_arguments)]
+/// Embedding, the blocks and the head over `n` rows, keeping nothing: the logits `[n, V]` and
+/// each layer's chosen experts `[n, K]`, left on the device ([`outputs_to_host`] reads them).
+/// `attend(l, qkv)` is layer `l`'s attention. Queues device work only (no copy to or from the
+/// host), so a stream can capture it as a graph.
 fn infer_rows<O: Ops>(
-    ops: &O,
-    w: &Weights<O>,
-    toks: &O::Ids,
-    rows: &O::Rows,
-    n: usize,
-    replay: Option<&Routing>,
-    attend: impl FnMut(usize, &O::T) -> OpResult<O::T>,
-) -> OpResult<(Vec<f32>, Routing)> {
-    let (logits, ids) = infer_rows_on_device(ops, w, toks, rows, n, replay, attend)?;
-    outputs_to_host(ops, &w.config, &logits, &ids, n)
-}
-
-/// [`infer_rows`] up to its outputs, which stay on the device: the logits `[n, V]` and each
-/// layer's chosen experts `[n, K]`. Queues device work only (no copy to or from the host), so a
-/// stream can capture it as a graph.
-fn infer_rows_on_device<O: Ops>(
     ops: &O,
     w: &Weights<O>,
     toks: &O::Ids,
@@ -846,7 +831,7 @@ fn infer_rows_on_device<O: Ops>(
     Ok((logits, ids))
 }
 
-/// The outputs [`infer_rows_on_device`] left on the device, for `n` rows: logits and routing.
+/// The outputs [`infer_rows`] left on the device, for `n` rows: logits and routing.
 pub fn outputs_to_host<O: Ops>(
     ops: &O,
     cfg: &ModelConfig,
@@ -899,9 +884,10 @@ pub fn infer_on<O: Ops>(
     replay: Option<&Routing>,
 ) -> OpResult<(Vec<f32>, Routing)> {
     let (h, d) = (w.config.n_heads, w.config.d_model);
-    infer_rows(ops, w, toks, rows, n, replay, |_, qkv| {
+    let (logits, ids) = infer_rows(ops, w, toks, rows, n, replay, |_, qkv| {
         ops.attention(qkv, rows, h, d).map(|(att, _)| att)
-    })
+    })?;
+    outputs_to_host(ops, &w.config, &logits, &ids, n)
 }
 
 /// `count` new positions of each of the cache's sequences (`tokens` sequence-major, `count` per
@@ -951,7 +937,7 @@ pub fn decode_on_device<O: Ops>(
 ) -> OpResult<(O::T, Vec<O::Ids>)> {
     let (h, d) = (w.config.n_heads, w.config.d_model);
     let n = ops.kv_seqs(kv) * count;
-    infer_rows_on_device(ops, w, toks, rows, n, replay, |l, qkv| {
+    infer_rows(ops, w, toks, rows, n, replay, |l, qkv| {
         ops.kv_attend(kv, l, qkv, rows, h, d, count)
     })
 }
