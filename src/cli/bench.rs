@@ -477,9 +477,18 @@ pub fn decode(args: &DecodeArgs) -> Result<bool> {
                 .map(|r| PreparedModel::new(&Params::init(&cfg, r as u64)?, &plan))
                 .collect::<Result<Vec<_>, _>>()?;
             let refs: Vec<&PreparedModel> = preps.iter().collect();
-            let t =
-                cuda::decode_graph::decode_times(&backend, &refs, args.seqs, &prompt, args.reps)
-                    .with_context(|| format!("{name}, {runs} runs"))?;
+            let mut median_ms = |f: &mut dyn FnMut() -> Result<
+                (),
+                lockstep::engine::device::OpError,
+            >| { median_secs(args.reps, f).map(|s| s * 1e3) };
+            let t = cuda::decode_graph::decode_times(
+                &backend,
+                &refs,
+                args.seqs,
+                &prompt,
+                &mut median_ms,
+            )
+            .with_context(|| format!("{name}, {runs} runs"))?;
             match (t.replay_ms, &t.capture_error) {
                 (Some(replay), _) => println!(
                     "  {name:<10} {runs:>3} runs  queued {:>7.3} ms  graph {:>7.3} ms ({} nodes)  \

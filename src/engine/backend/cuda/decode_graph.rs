@@ -5,8 +5,6 @@
 //!
 //! The engine's rollout does not use graphs: this measures whether it would pay.
 
-use std::time::Instant;
-
 use cudarc::driver::sys;
 
 use super::CudaBackend;
@@ -30,19 +28,24 @@ pub struct DecodeTimes {
     pub capture_error: Option<String>,
 }
 
+/// How a caller times a position: `time(f)` calls `f` (one position, outputs read back) as often
+/// as it likes and returns the milliseconds it reports (`lockstep bench`: a median).
+pub type Timer<'t> =
+    &'t mut dyn FnMut(&mut dyn FnMut() -> Result<(), OpError>) -> Result<f64, OpError>;
+
 /// Time one decode position of `seqs` sequences of each of `preps`' runs (one stacked model, as
-/// a batch decodes), after feeding each sequence `prompt`: the median of `reps` positions queued
-/// op by op against `reps` replays of the position captured as a graph (one warm-up each).
+/// a batch decodes), after feeding each sequence `prompt`: `time` of the position queued op by
+/// op against `time` of the position captured as a graph and replayed.
 pub fn decode_times(
     backend: &CudaBackend,
     preps: &[&PreparedModel],
     seqs: usize,
     prompt: &[u32],
-    reps: usize,
+    time: Timer<'_>,
 ) -> Result<DecodeTimes, OpError> {
     let mut ops = backend.take_ops()?;
     ops.set_runs(preps.len());
-    let out = measure(&ops, preps, seqs, prompt, reps);
+    let out = measure(&ops, preps, seqs, prompt, time);
     match &out {
         // A failed capture can leave the stream unusable: that op set is dropped, not pooled.
         Ok(t) if t.capture_error.is_none() => backend.give_ops(ops),
@@ -56,7 +59,7 @@ fn measure(
     preps: &[&PreparedModel],
     seqs: usize,
     prompt: &[u32],
-    reps: usize,
+    time: Timer<'_>,
 ) -> Result<DecodeTimes, OpError> {
     let model = ops.upload_models(preps, false)?;
     let cfg = model.config.clone();
@@ -74,7 +77,7 @@ fn measure(
     // The warm-up also fills the op set's caches (quantizer scratch, packed weights), so the
     // capture allocates only the position's own buffers.
     let want = queued()?;
-    let queued_ms = median_ms(reps, || queued().map(|_| ()))?;
+    let queued_ms = time(&mut || queued().map(|_| ()))?;
     let captured = capture(ops, &model, &mut kv, &toks, &rows);
     let (graph, logits, ids) = match captured {
         Ok(c) => c,
@@ -95,7 +98,7 @@ fn measure(
     };
     let got = replay()?;
     let same = bits(&got.0) == bits(&want.0) && got.1.layers == want.1.layers;
-    let replay_ms = median_ms(reps, || replay().map(|_| ()))?;
+    let replay_ms = time(&mut || replay().map(|_| ()))?;
     // The outputs live in the graph's memory: freed (outside the graph) before it is destroyed.
     drop((logits, ids));
     drop(graph);
@@ -144,17 +147,4 @@ fn graph_nodes(g: &cudarc::driver::CudaGraph) -> Result<usize, OpError> {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-/// Median milliseconds of `reps` calls of `f` after one more (warm-up).
-fn median_ms(reps: usize, mut f: impl FnMut() -> Result<(), OpError>) -> Result<f64, OpError> {
-    f()?;
-    let mut t = Vec::with_capacity(reps.max(1));
-    for _ in 0..reps.max(1) {
-        let start = Instant::now();
-        f()?;
-        t.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
 }
