@@ -451,8 +451,10 @@ inline void on_fault(int sig, siginfo_t *si, void *) {
     siglongjmp(fault_env, 1);
 }
 
-// The byte size of each of a kernel's parameters (a graph capture copies them), count returned.
-template <class... A> inline int param_sizes(void (*)(A...), size_t *out) {
+// The byte size of each of a kernel's parameters (a graph capture copies them) into out[..cap),
+// count returned; -1 where the kernel has more than `cap` parameters (nothing written).
+template <class... A> inline int param_sizes(void (*)(A...), size_t *out, size_t cap) {
+    if (sizeof...(A) > cap) return -1;
     size_t s[] = {0, sizeof(std::remove_cv_t<std::remove_reference_t<A>>)...};
     for (size_t i = 0; i < sizeof...(A); i++) out[i] = s[i + 1];
     return (int)sizeof...(A);

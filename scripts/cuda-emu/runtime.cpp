@@ -51,7 +51,7 @@ struct Launch {
     char error[256];
 };
 using LaunchFn = int (*)(Launch *);
-using SizesFn = int (*)(size_t *);
+using SizesFn = int (*)(size_t *, size_t);
 
 struct Function {
     LaunchFn launch;
@@ -499,7 +499,8 @@ EXPORT CUresult cuLaunchKernel(Function *f, unsigned gx, unsigned gy, unsigned g
     // Captured: the parameters' bytes are copied now, as the driver copies them into the node.
     if (!f->sizes) return refuse(stream, "a kernel whose parameter sizes are unknown");
     size_t sizes[64];
-    int n = f->sizes(sizes);
+    int n = f->sizes(sizes, sizeof sizes / sizeof sizes[0]);
+    if (n < 0) return refuse(stream, "a kernel of more than 64 parameters");
     std::vector<std::vector<char>> copies;
     for (int i = 0; i < n; i++) {
         const char *p = (const char *)params[i];
@@ -800,7 +801,7 @@ EXPORT int nvrtcCompileProgram(Program *prog, int nopts, const char *const *opts
         wrappers += "extern \"C\" __attribute__((visibility(\"default\"))) int __emu_launch_" + n +
                     "(emu::Launch *l) { return emu::launch(" + n + ", l); }\n" +
                     "extern \"C\" __attribute__((visibility(\"default\"))) int __emu_sizes_" + n +
-                    "(size_t *out) { return emu::param_sizes(" + n + ", out); }\n";
+                    "(size_t *out, size_t cap) { return emu::param_sizes(" + n + ", out, cap); }\n";
     write_file(cu, "#line 1 \"" + prog->name + "\"\n" + src + wrappers);
     // Pass 2: compile with the launch wrappers.
     std::vector<std::string> build = common;
