@@ -111,3 +111,74 @@ fn emulated_barriers_warps_and_deadlocks_behave_as_cuda_defines() {
     );
     assert!(later.contains("LAUNCH_FAILED"), "{later}");
 }
+
+/// The engine gives a converting tensor-core GEMM (`CUBLAS_COMPUTE_32F_FAST_16BF`) only FP32
+/// operands that hold BF16 values, where any conversion is exact. The emulator holds it to that:
+/// such a GEMM gives the exact products' sums, and one given a value that is not BF16 fails
+/// (a GPU would round it, in a way cuBLAS leaves open), so a path that breaks the rule fails its
+/// tests here.
+#[test]
+fn emulated_converting_bf16_gemms_take_only_bf16_values() {
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    if cuda::skip_reason().is_some() {
+        eprintln!("skipping: no CUDA device (real or emulated)");
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    if !ctx.name().unwrap().starts_with("lockstep CUDA emulator") {
+        eprintln!("skipping: a real GPU (this test is about the emulator)");
+        return;
+    }
+    let stream = ctx.default_stream();
+    let blas = cudarc::cublas::CudaBlas::new(stream.clone()).unwrap();
+    // c (2x2) = a (2x2) · b (2x2), column-major.
+    let gemm = |a: &[f32], b: &[f32]| {
+        let (da, db) = (stream.clone_htod(a).unwrap(), stream.clone_htod(b).unwrap());
+        let mut dc = stream.alloc_zeros::<f32>(4).unwrap();
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let r = {
+            let (pa, _ga) = da.device_ptr(&stream);
+            let (pb, _gb) = db.device_ptr(&stream);
+            let (pc, _gc) = dc.device_ptr_mut(&stream);
+            let f32s = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+            // SAFETY: 2x2 operands of 4 floats each, leading dimension 2, one batch.
+            unsafe {
+                cudarc::cublas::result::gemm_strided_batched_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    2,
+                    2,
+                    2,
+                    (&alpha) as *const f32 as *const _,
+                    pa as *const _,
+                    f32s,
+                    2,
+                    4,
+                    pb as *const _,
+                    f32s,
+                    2,
+                    4,
+                    (&beta) as *const f32 as *const _,
+                    pc as *mut _,
+                    f32s,
+                    2,
+                    4,
+                    1,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+        };
+        r.map(|()| stream.clone_dtoh(&dc).unwrap())
+    };
+    let (a, b) = ([1.0, 2.0, 0.5, -3.0], [2.0, 0.25, 1.5, 4.0]);
+    // c[i + 2j] = Σ_l a[i + 2l] · b[l + 2j]
+    assert_eq!(gemm(&a, &b).unwrap(), vec![2.125, 3.25, 3.5, -9.0]);
+    let off = [1.0, 2.0, 0.5, 1.0 + f32::powi(2.0, -10)];
+    assert!(
+        gemm(&off, &b).is_err(),
+        "a value that is not BF16 reached a converting BF16 GEMM without an error"
+    );
+}
