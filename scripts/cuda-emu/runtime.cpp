@@ -861,10 +861,9 @@ static inline float load(uint16_t bf16) {
 // otherwise T; A and B hold FP32 or BF16 (uint16_t) values, C FP32. Operands are first copied
 // (as FP32) so that each output is a dot product of two contiguous rows. C is not read when beta
 // is 0 (as cuBLAS: it may hold anything).
-// Returns how many of the operand values it read are not BF16 values (their low 16 bits set).
 template <typename T>
-static size_t sgemm(int ta, int tb, int m, int n, int k, float alpha, const T *A, int lda, const T *B,
-                    int ldb, float beta, float *C, int ldc) {
+static void sgemm(int ta, int tb, int m, int n, int k, float alpha, const T *A, int lda, const T *B,
+                  int ldb, float beta, float *C, int ldc) {
     std::vector<float> a((size_t)m * k), b((size_t)n * k);
     for (int i = 0; i < m; i++)
         for (int l = 0; l < k; l++)
@@ -872,20 +871,12 @@ static size_t sgemm(int ta, int tb, int m, int n, int k, float alpha, const T *A
     for (int j = 0; j < n; j++)
         for (int l = 0; l < k; l++)
             b[(size_t)j * k + l] = load(tb ? B[j + (size_t)l * ldb] : B[l + (size_t)j * ldb]);
-    size_t not_bf16 = 0;
-    for (const std::vector<float> *v : {&a, &b})
-        for (float x : *v) {
-            uint32_t bits;
-            memcpy(&bits, &x, 4);
-            not_bf16 += (bits & 0xFFFFu) != 0;
-        }
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             float s = dot(&a[(size_t)i * k], &b[(size_t)j * k], k);
             float &c = C[i + (size_t)j * ldc];
             c = beta == 0.0f ? alpha * s : alpha * s + beta * c;
         }
-    return not_bf16;
 }
 
 EXPORT int cublasSgemm_v2(Blas *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
@@ -908,34 +899,24 @@ EXPORT int cublasSgemmStridedBatched(Blas *h, int ta, int tb, int m, int n, int 
 }
 
 // cublasGemmStridedBatchedEx for what the engine asks of it: A and B FP32 (CUDA_R_32F, 0) or
-// BF16 (CUDA_R_16BF, 14) alike, C FP32, FP32 compute (CUBLAS_COMPUTE_32F, 68), or FP32 operands
-// converted to BF16 by cuBLAS (CUBLAS_COMPUTE_32F_FAST_16BF, 75). Summed as the SGEMM above: a
-// BF16 GEMM of operands that hold BF16 values gives the SGEMM's bits. The engine gives the
-// converting GEMM only operands that hold BF16 values (a GPU would round the others, in a way
-// cuBLAS leaves open), so here one that does not is an error (CUBLAS_STATUS_INVALID_VALUE).
+// BF16 (CUDA_R_16BF, 14) alike, C FP32, FP32 compute (CUBLAS_COMPUTE_32F, 68). Summed as the
+// SGEMM above: a BF16 GEMM of operands that hold BF16 values gives the SGEMM's bits.
 EXPORT int cublasGemmStridedBatchedEx(Blas *h, int ta, int tb, int m, int n, int k, const void *alpha,
                                       const void *A, int at, int lda, long long sa, const void *B, int bt,
                                       int ldb, long long sb, const void *beta, void *C, int ct, int ldc,
                                       long long sc, int batch, int compute, int) {
     tally("cublasGemmStridedBatchedEx");
-    bool exact = compute == 68 && (at == 0 || at == 14), converted = compute == 75 && at == 0;
-    if (at != bt || ct != 0 || !(exact || converted)) return 7; // INVALID_VALUE
+    if (at != bt || (at != 0 && at != 14) || ct != 0 || compute != 68) return 7; // INVALID_VALUE
     float al = *(const float *)alpha, be = *(const float *)beta;
     float *c = (float *)C;
     return run_or_record(h->stream, [=] {
-        size_t not_bf16 = 0;
         for (int b = 0; b < batch; b++) {
             if (at == 14)
                 sgemm(ta, tb, m, n, k, al, (const uint16_t *)A + b * sa, lda, (const uint16_t *)B + b * sb, ldb,
                       be, c + b * sc, ldc);
             else
-                not_bf16 += sgemm(ta, tb, m, n, k, al, (const float *)A + b * sa, lda, (const float *)B + b * sb,
-                                  ldb, be, c + b * sc, ldc);
-        }
-        if (converted && not_bf16 > 0) {
-            fprintf(stderr, "cuda-emu: cublasGemmStridedBatchedEx (FAST_16BF, %dx%dx%d, batch %d): %zu operand "
-                            "values are not BF16 values\n", m, n, k, batch, not_bf16);
-            return 7;
+                sgemm(ta, tb, m, n, k, al, (const float *)A + b * sa, lda, (const float *)B + b * sb, ldb, be,
+                      c + b * sc, ldc);
         }
         return 0;
     });

@@ -238,40 +238,23 @@ pub struct CudaLinear {
     stream: Arc<CudaStream>,
     fq: CudaFakeQuantizer,
     blas: CudaBlas,
-    /// GEMMs of BF16 operands on tensor cores, and how their operands get there; `None` where
-    /// [`GEMM_VAR`] asks for FP32 only.
-    tensor: Option<(CudaBlas, Bf16Operands)>,
+    /// GEMMs of BF16 operands on tensor cores; `None` where [`GEMM_VAR`] asks for FP32 only.
+    tensor: Option<CudaBlas>,
     staging: Staging,
 }
 
-/// How a tensor-core GEMM reads operands that hold BF16 values in FP32 storage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Bf16Operands {
-    /// cuBLAS reads the FP32 buffers and converts them to BF16 itself
-    /// (`CUBLAS_COMPUTE_32F_FAST_16BF`): no copy and no extra launch. The conversion of a value
-    /// that is already BF16 is exact whatever its rounding, so only operands that hold BF16
-    /// values may come this way.
-    Converted,
-    /// Each operand is first packed to a BF16 buffer (`bf16_pack2`, round to nearest even); a
-    /// weight's packing is kept with it.
-    Packed,
-}
-
-/// `LOCKSTEP_GEMM=fp32` multiplies every GEMM in FP32, BF16 operands too; `bf16-packed` packs
-/// BF16 operands to BF16 buffers before their tensor-core GEMM (to compare against the default,
-/// `bf16`: tensor cores reading the FP32 buffers of operands that hold only BF16 values).
+/// `LOCKSTEP_GEMM=fp32` multiplies every GEMM in FP32, BF16 operands too (to compare against the
+/// default, `bf16`: tensor cores where both operands hold only BF16 values).
 pub const GEMM_VAR: &str = "LOCKSTEP_GEMM";
 
-/// How [`GEMM_VAR`] has BF16 operands multiplied: `None` in FP32.
-fn tensor_core_mode() -> Result<Option<Bf16Operands>, CudaError> {
+/// Whether [`GEMM_VAR`] lets BF16 operands go to tensor cores.
+fn tensor_cores_allowed() -> Result<bool, CudaError> {
     match std::env::var(GEMM_VAR).as_deref() {
-        Err(_) | Ok("bf16") => Ok(Some(Bf16Operands::Converted)),
-        Ok("bf16-packed") => Ok(Some(Bf16Operands::Packed)),
-        Ok("fp32") => Ok(None),
+        Err(_) | Ok("bf16") => Ok(true),
+        Ok("fp32") => Ok(false),
         Ok(v) => Err(CudaError::Setting(format!(
             "{GEMM_VAR}=`{v}`: use bf16 (tensor cores where both operands hold BF16 values, the \
-             default), bf16-packed (the same, operands packed to BF16 first) or fp32 (every \
-             GEMM in FP32)"
+             default) or fp32 (every GEMM in FP32)"
         ))),
     }
 }
@@ -281,9 +264,10 @@ impl CudaLinear {
         let q = Arc::new(CudaQuantizer::new(dev)?);
         let stream = q.stream().clone();
         let blas = super::backend::pedantic_blas(&stream)?;
-        let tensor = match tensor_core_mode()? {
-            Some(mode) => Some((super::backend::tensor_core_blas(&stream)?, mode)),
-            None => None,
+        let tensor = if tensor_cores_allowed()? {
+            Some(super::backend::tensor_core_blas(&stream)?)
+        } else {
+            None
         };
         Ok(CudaLinear {
             fq: CudaFakeQuantizer::new(q)?,
@@ -747,17 +731,9 @@ impl CudaLinear {
             stride_b: a_len as i64,
             stride_c: c_len as i64,
         };
-        match (operands, &self.tensor) {
-            (Operands::Bf16, Some((tensor, Bf16Operands::Converted))) => {
-                let fast = cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF;
-                let f32s = cudaDataType_t::CUDA_R_32F;
-                return self.gemm_bf16(tensor, cfg, (b_buf, a_buf, f32s), fast, c);
-            }
-            (Operands::Bf16, Some((tensor, Bf16Operands::Packed))) => {
-                let (a, b) = ((b_buf, batch * b_len, kept), (a_buf, batch * a_len));
-                return self.gemm_packed(tensor, cfg, a, b, c);
-            }
-            _ => {}
+        if let (Operands::Bf16, Some(tensor)) = (operands, &self.tensor) {
+            let (a, b) = ((b_buf, batch * b_len, kept), (a_buf, batch * a_len));
+            return self.gemm_bf16(tensor, cfg, a, b, c);
         }
         if batch == 1 {
             // SAFETY: checked above: a holds r·inner, b inner·cc and c r·cc floats, and each
@@ -772,10 +748,10 @@ impl CudaLinear {
         Ok(())
     }
 
-    /// `cfg`'s GEMM on tensor cores with both operands packed to BF16 first (cuBLAS's
-    /// column-major operands `a` then `b`, each with the values it covers in all): `a`'s packing
-    /// is kept in `kept` where it is a weight's.
-    fn gemm_packed(
+    /// `cfg`'s GEMM (cuBLAS's column-major operands `a` then `b`, each with the values it covers
+    /// in all) on tensor cores: both operands as BF16 (exactly their values: the caller's
+    /// `Operands::Bf16`), products exact, sums and `c` in FP32.
+    fn gemm_bf16(
         &self,
         tensor: &CudaBlas,
         cfg: StridedBatchedConfig<f32>,
@@ -806,31 +782,16 @@ impl CudaLinear {
                 }
             }
         };
-        let bf16 = cudaDataType_t::CUDA_R_16BF;
-        let exact = cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        self.gemm_bf16(tensor, cfg, (pa, &pb, bf16), exact, c)
-    }
-
-    /// `cfg`'s GEMM (cuBLAS's column-major operands `a` then `b`, of element type `ty`, each
-    /// holding at least what `cfg` covers) on tensor cores: both operands read as BF16 (exactly
-    /// their values: the caller's `Operands::Bf16`), products exact, sums and `c` in FP32.
-    fn gemm_bf16<T: cudarc::driver::DeviceRepr>(
-        &self,
-        tensor: &CudaBlas,
-        cfg: StridedBatchedConfig<f32>,
-        (a, b, ty): (&CudaSlice<T>, &CudaSlice<T>, cudaDataType_t),
-        compute: cublasComputeType_t,
-        c: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
         let g = cfg.gemm;
         let (alpha, beta) = (g.alpha, g.beta);
-        let (a_ptr, _ra) = a.device_ptr(&self.stream);
-        let (b_ptr, _rb) = b.device_ptr(&self.stream);
+        let (pa_ptr, _ra) = pa.device_ptr(&self.stream);
+        let (pb_ptr, _rb) = pb.device_ptr(&self.stream);
         let (c_ptr, _rc) = c.device_ptr_mut(&self.stream);
-        // SAFETY: `gemm_keeping`'s checks hold for these operands: each of the `batch_size`
-        // triples lies inside a, b (the values the FP32 operands cover, in FP32 or packed) and c
-        // at the strides given, with the FP32 GEMM's leading dimensions; alpha and beta are host
-        // floats living across the call, as an FP32 compute type reads them.
+        let bf16 = cudaDataType_t::CUDA_R_16BF;
+        // SAFETY: `gemm`'s checks hold for these operands: each of the `batch_size` triples
+        // lies inside pa, pb (na, nb values: what the FP32 operands cover) and c at the
+        // strides given, with the FP32 GEMM's leading dimensions; alpha and beta are host
+        // floats living across the call, as CUBLAS_COMPUTE_32F reads them.
         unsafe {
             cudarc::cublas::result::gemm_strided_batched_ex(
                 *tensor.handle(),
@@ -840,12 +801,12 @@ impl CudaLinear {
                 g.n,
                 g.k,
                 (&alpha) as *const f32 as *const _,
-                a_ptr as *const _,
-                ty,
+                pa_ptr as *const _,
+                bf16,
                 g.lda,
                 cfg.stride_a,
-                b_ptr as *const _,
-                ty,
+                pb_ptr as *const _,
+                bf16,
                 g.ldb,
                 cfg.stride_b,
                 (&beta) as *const f32 as *const _,
@@ -854,7 +815,7 @@ impl CudaLinear {
                 g.ldc,
                 cfg.stride_c,
                 cfg.batch_size,
-                compute,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }?;
@@ -1007,9 +968,8 @@ impl SiteKernels for OnWeight<'_> {
         Ok(())
     }
 
-    /// A tensor-core GEMM that packs its operands rounds them to BF16 (`bf16_pack2`, round to
-    /// nearest even); one that has cuBLAS convert them must be given BF16 values.
+    /// A tensor-core GEMM packs both operands to BF16 (`bf16_pack2`, round to nearest even).
     fn gemm_rounds_to_bf16(&self) -> bool {
-        matches!(self.lin.tensor, Some((_, Bf16Operands::Packed)))
+        self.lin.tensor.is_some()
     }
 }
