@@ -450,6 +450,7 @@ pub struct DecodeArgs {
 
 /// `lockstep bench decode`: a decode position queued op by op against its CUDA graph replayed.
 pub fn decode(args: &DecodeArgs) -> Result<bool> {
+    use lockstep::engine::device::OpError;
     use lockstep::engine::model::{Params, PreparedModel};
     let device: Device = args.device.parse()?;
     let Device::Cuda(ordinal) = device else {
@@ -477,10 +478,9 @@ pub fn decode(args: &DecodeArgs) -> Result<bool> {
                 .map(|r| PreparedModel::new(&Params::init(&cfg, r as u64)?, &plan))
                 .collect::<Result<Vec<_>, _>>()?;
             let refs: Vec<&PreparedModel> = preps.iter().collect();
-            let mut median_ms = |f: &mut dyn FnMut() -> Result<
-                (),
-                lockstep::engine::device::OpError,
-            >| { median_secs(args.reps, f).map(|s| s * 1e3) };
+            let mut median_ms = |f: &mut dyn FnMut() -> Result<(), OpError>| {
+                median_secs(args.reps, f).map(|s| s * 1e3)
+            };
             let t = cuda::decode_graph::decode_times(
                 &backend,
                 &refs,
