@@ -3,8 +3,11 @@
 //! It skips everywhere else (on a real GPU, and without one): it is about the emulator, and its
 //! last kernel deadlocks on purpose, which a GPU would hang on. Under the emulator: a shared
 //! memory tree reduction across `__syncthreads`, shuffles, votes and warp reductions give exactly
-//! what CUDA defines, and a block whose threads wait at barriers the others never reach fails its
-//! launch (and, as CUDA's sticky errors, every later call on the device) instead of hanging.
+//! what CUDA defines; a graph capture refuses a kernel of more parameters than it copies; and a
+//! block whose threads wait at barriers the others never reach fails its launch (and, as CUDA's
+//! sticky errors, every later call on the device) instead of hanging.
+
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use lockstep::engine::backend::cuda;
@@ -41,7 +44,7 @@ extern "C" __global__ void deadlock(unsigned *out) {
 "#;
 
 #[test]
-fn emulated_barriers_warps_and_deadlocks_behave_as_cuda_defines() {
+fn emulated_barriers_warps_captures_and_deadlocks_behave_as_cuda_defines() {
     if cuda::skip_reason().is_some() {
         eprintln!("skipping: no CUDA device (real or emulated)");
         return;
@@ -54,6 +57,8 @@ fn emulated_barriers_warps_and_deadlocks_behave_as_cuda_defines() {
     let module = ctx
         .load_module(cudarc::nvrtc::compile_ptx(KERNELS).unwrap())
         .unwrap();
+    // Before the deadlock below, whose error is sticky.
+    capture_refuses_a_kernel_of_more_parameters_than_it_copies(&ctx);
     let stream = ctx.default_stream();
     let launch = |blocks: u32, threads: u32| LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -110,4 +115,63 @@ fn emulated_barriers_warps_and_deadlocks_behave_as_cuda_defines() {
         stream.synchronize().expect_err("the error is sticky")
     );
     assert!(later.contains("LAUNCH_FAILED"), "{later}");
+}
+
+/// A graph capture copies each kernel argument's bytes, by the kernel's parameter sizes, into a
+/// buffer of 64: a kernel of more parameters is refused while capturing (the capture is then
+/// invalid) rather than written past that buffer, and launches as usual outside a capture.
+fn capture_refuses_a_kernel_of_more_parameters_than_it_copies(ctx: &Arc<CudaContext>) {
+    use cudarc::driver::sys;
+    // out[0] = a0 + ... + a(n-1), for kernels of n + 1 parameters.
+    let kernel = |name: &str, n: usize| {
+        let params: Vec<String> = (0..n).map(|i| format!("unsigned a{i}")).collect();
+        let sum: Vec<String> = (0..n).map(|i| format!("a{i}")).collect();
+        format!(
+            "extern \"C\" __global__ void {name}(unsigned *out, {}) {{ out[0] = {}; }}\n",
+            params.join(", "),
+            sum.join(" + ")
+        )
+    };
+    let src = kernel("args64", 63) + &kernel("args65", 64);
+    let module = ctx
+        .load_module(cudarc::nvrtc::compile_ptx(src).unwrap())
+        .unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args: Vec<u32> = (1..=64).collect();
+    let mut out = stream.alloc_zeros::<u32>(1).unwrap();
+    let launch = |name: &str, n: usize, out: &mut cudarc::driver::CudaSlice<u32>| {
+        let f = module.load_function(name).unwrap();
+        let mut b = stream.launch_builder(&f);
+        b.arg(out);
+        for a in &args[..n] {
+            b.arg(a);
+        }
+        // SAFETY: one thread writes out[0], allocated; the arguments match the parameters.
+        unsafe { b.launch(one) }.map(|_| ())
+    };
+    // Outside a capture both run.
+    launch("args65", 64, &mut out).unwrap();
+    assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![64 * 65 / 2]);
+    // Captured: 64 parameters are recorded and replayed; 65 are refused.
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    let flags = sys::CUgraphInstantiate_flags(0);
+    stream.begin_capture(mode).unwrap();
+    launch("args64", 63, &mut out).unwrap();
+    let graph = stream.end_capture(flags).unwrap().expect("a graph");
+    graph.launch().unwrap();
+    assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![63 * 64 / 2]);
+    stream.begin_capture(mode).unwrap();
+    let refused = launch("args65", 64, &mut out);
+    let ended = stream.end_capture(flags);
+    let e = format!("{:?}", refused.expect_err("65 parameters captured"));
+    assert!(e.contains("CAPTURE_UNSUPPORTED"), "{e}");
+    assert!(
+        ended.is_err(),
+        "a capture that refused a launch ends invalid"
+    );
 }
