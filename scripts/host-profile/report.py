@@ -56,6 +56,8 @@ def main():
     p.add_argument("binary")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--focus", default=None, help="only samples whose stack holds this function")
+    p.add_argument("--exclude", action="append", default=[],
+                   help="drop samples with a frame in a library whose name holds this (repeatable)")
     a = p.parse_args()
     maps, base = read_maps(a.samples + ".maps")
     starts = [m[0] for m in maps]
@@ -93,6 +95,8 @@ def main():
         if fr and fr[0].startswith("[libc"):
             fr = fr[1:]  # the kernel's return trampoline
         if a.focus and not any(a.focus in f for f in fr):
+            continue
+        if any(x in f for x in a.exclude for f in fr if f.startswith("[")):
             continue
         total += 1
         threads[tid] += 1

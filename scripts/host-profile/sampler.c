@@ -51,8 +51,9 @@ static void write_all(int fd, const void *p, size_t len) {
 }
 
 __attribute__((destructor)) static void finish(void) {
+    static atomic_int done;
     const char *out = getenv("HOSTPROF_OUT");
-    if (!out || !buf) return;
+    if (!out || !buf || atomic_exchange(&done, 1)) return;
     struct itimerval off = {0};
     setitimer(ITIMER_PROF, &off, NULL);
     uint64_t n = atomic_load(&used);
@@ -78,6 +79,13 @@ __attribute__((destructor)) static void finish(void) {
             (unsigned long long)n, (unsigned long long)atomic_load(&dropped), out, (int)getpid());
 }
 
+/* A run stopped by `timeout` or Ctrl-C still leaves its samples. */
+static void on_stop(int sig) {
+    finish();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
 __attribute__((constructor)) static void start(void) {
     if (!getenv("HOSTPROF_OUT")) return;
     void *warm[4];
@@ -91,6 +99,8 @@ __attribute__((constructor)) static void start(void) {
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGPROF, &sa, NULL);
+    signal(SIGTERM, on_stop);
+    signal(SIGINT, on_stop);
     long us = getenv("HOSTPROF_US") ? atol(getenv("HOSTPROF_US")) : 1000;
     struct itimerval it = {{0, us}, {0, us}};
     setitimer(ITIMER_PROF, &it, NULL);
