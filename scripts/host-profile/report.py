@@ -57,7 +57,7 @@ def main():
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--focus", default=None, help="only samples whose stack holds this function")
     p.add_argument("--exclude", action="append", default=[],
-                   help="drop samples with a frame in a library whose name holds this (repeatable)")
+                   help="drop samples with a frame in a file whose path holds this (repeatable)")
     a = p.parse_args()
     maps, base = read_maps(a.samples + ".maps")
     starts = [m[0] for m in maps]
@@ -96,7 +96,7 @@ def main():
             fr = fr[1:]  # the kernel's return trampoline
         if a.focus and not any(a.focus in f for f in fr):
             continue
-        if any(x in f for x in a.exclude for f in fr if f.startswith("[")):
+        if a.exclude and any(x in where(addr) for x in a.exclude for addr in stack[1:]):
             continue
         total += 1
         threads[tid] += 1
