@@ -116,6 +116,30 @@ bool tallying() {
     static const bool on = getenv("LOCKSTEP_CUDA_EMU_CALLS") != nullptr;
     return on;
 }
+// LOCKSTEP_CUDA_EMU_SKIP_WORK=1: kernels and GEMMs are checked and counted but not run (their
+// outputs keep what the memory held), so a program's own host time can be profiled without the
+// emulated work drowning it. Nothing it computes is meaningful; with LOCKSTEP_CUDA_EMU_FILL=0
+// memory starts zeroed, which keeps an engine's numbers finite. Kernels whose names
+// LOCKSTEP_CUDA_EMU_RUN_KERNELS lists (comma-separated) still run: those whose outputs steer the
+// host (an engine's expert routing, say).
+bool skipping_work() {
+    static const bool on = getenv("LOCKSTEP_CUDA_EMU_SKIP_WORK") != nullptr;
+    return on;
+}
+bool skipping_kernel(const std::string &name) {
+    if (!skipping_work()) return false;
+    static const std::string keep = std::string(",") +
+        (getenv("LOCKSTEP_CUDA_EMU_RUN_KERNELS") ? getenv("LOCKSTEP_CUDA_EMU_RUN_KERNELS") : "") + ",";
+    return keep.find("," + name + ",") == std::string::npos;
+}
+// LOCKSTEP_CUDA_EMU_RAISE_ON=alloc,copy,memset: a SIGPROF at each such call (device allocation,
+// device-to-device copy, memset), for a sampler that records the stack on it
+// (scripts/host-profile with HOSTPROF_US=0): those calls counted by call site.
+void raise_on(const char *what) {
+    static const std::string on = std::string(",") +
+        (getenv("LOCKSTEP_CUDA_EMU_RAISE_ON") ? getenv("LOCKSTEP_CUDA_EMU_RAISE_ON") : "") + ",";
+    if (on.size() > 2 && on.find(std::string(",") + what + ",") != std::string::npos) raise(SIGPROF);
+}
 void tally(const std::string &name) {
     if (!tallying()) return;
     std::lock_guard<std::mutex> g(tally_mu);
@@ -316,6 +340,7 @@ EXPORT CUresult cuEventElapsedTime_v2(float *ms, EmuEvent *a, EmuEvent *b) { ret
 EXPORT CUresult cuEventDestroy_v2(EmuEvent *e) { delete e; return 0; }
 
 static CUresult alloc(CUdeviceptr *p, size_t bytes) {
+    raise_on("alloc");
     size_t n = bytes == 0 ? 1 : bytes;
     void *m = aligned_alloc(256, (n + 255) / 256 * 256);
     if (!m) return 2; // CUDA_ERROR_OUT_OF_MEMORY
@@ -395,14 +420,14 @@ EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) {
     memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
     return 0;
 }
-EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, EmuStream *st) { tally("cuMemcpyDtoDAsync_v2"); return run_or_record(st, [=] { return cuMemcpyDtoD_v2(d, s, n); }); }
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, EmuStream *st) { tally("cuMemcpyDtoDAsync_v2"); raise_on("copy"); return run_or_record(st, [=] { return cuMemcpyDtoD_v2(d, s, n); }); }
 EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr d, EmuCtx *, CUdeviceptr s, EmuCtx *, size_t n, EmuStream *) { return cuMemcpyDtoD_v2(d, s, n); }
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) {
     if (check_range(d, n, "memset")) return 1;
     memset((void *)(uintptr_t)d, v, n);
     return 0;
 }
-EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, EmuStream *s) { tally("cuMemsetD8Async"); return run_or_record(s, [=] { return cuMemsetD8_v2(d, v, n); }); }
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, EmuStream *s) { tally("cuMemsetD8Async"); raise_on("memset"); return run_or_record(s, [=] { return cuMemsetD8_v2(d, v, n); }); }
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) {
     if (check_range(d, n * 4, "memset")) return 1;
     unsigned *p = (unsigned *)(uintptr_t)d;
@@ -470,6 +495,7 @@ static CUresult run_launch(Function *f, const unsigned g[3], const unsigned b[3]
                            void **params) {
     if (sticky(dev)) return sticky(dev);
     tally("kernel " + f->name);
+    if (skipping_kernel(f->name)) return 0;
     Launch l{{g[0], g[1], g[2]}, {b[0], b[1], b[2]}, shared, params, {0}};
     double t0 = verbose() ? now_ms() : 0;
     int rc;
@@ -883,6 +909,7 @@ EXPORT int cublasSgemm_v2(Blas *h, int ta, int tb, int m, int n, int k, const fl
                           const float *B, int ldb, const float *beta, float *C, int ldc) { tally("cublasSgemm_v2");
     float al = *alpha, be = *beta;
     return run_or_record(h->stream, [=] {
+        if (skipping_work()) return 0;
         sgemm(ta, tb, m, n, k, al, A, lda, B, ldb, be, C, ldc);
         return 0;
     });
@@ -892,6 +919,7 @@ EXPORT int cublasSgemmStridedBatched(Blas *h, int ta, int tb, int m, int n, int 
                                      const float *beta, float *C, int ldc, long long sc, int batch) { tally("cublasSgemmStridedBatched");
     float al = *alpha, be = *beta;
     return run_or_record(h->stream, [=] {
+        if (skipping_work()) return 0;
         for (int b = 0; b < batch; b++)
             sgemm(ta, tb, m, n, k, al, A + b * sa, lda, B + b * sb, ldb, be, C + b * sc, ldc);
         return 0;
@@ -910,6 +938,7 @@ EXPORT int cublasGemmStridedBatchedEx(Blas *h, int ta, int tb, int m, int n, int
     float al = *(const float *)alpha, be = *(const float *)beta;
     float *c = (float *)C;
     return run_or_record(h->stream, [=] {
+        if (skipping_work()) return 0;
         for (int b = 0; b < batch; b++) {
             if (at == 14)
                 sgemm(ta, tb, m, n, k, al, (const uint16_t *)A + b * sa, lda, (const uint16_t *)B + b * sb, ldb,

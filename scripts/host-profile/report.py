@@ -88,7 +88,7 @@ def main():
                 out.append("[" + os.path.basename(m) + "]")
         return out
 
-    threads, leaf, incl, first_own = (collections.Counter() for _ in range(4))
+    threads, leaf, incl, first_own, first_ls, pair_ls = (collections.Counter() for _ in range(6))
     total = 0
     for tid, stack in samples:
         fr = frames(stack)[1:]  # frame 0 is the signal handler itself
@@ -103,12 +103,17 @@ def main():
         leaf[fr[0] if fr else "?"] += 1
         mine = next((f for f in fr if not f.startswith("[")), "?")
         first_own[mine] += 1
+        ls = [f for f in fr if "lockstep::" in f]
+        first_ls[ls[0] if ls else "?"] += 1
+        pair_ls[" <- ".join(ls[:2]) if ls else "?"] += 1
         for f in set(fr):
             incl[f] += 1
     print(f"{total} samples (ms of CPU time), {len(threads)} threads")
     print("by thread:", ", ".join(f"{t}: {c}" for t, c in threads.most_common(12)))
     for title, counter in (("leaf frame (a library, or a function of the binary)", leaf),
                            ("innermost function of the binary (library time charged to its caller)", first_own),
+                           ("innermost function of lockstep's own (its crates' time charged to it)", first_ls),
+                           ("the same, with its caller", pair_ls),
                            ("inclusive, lockstep's functions (the function anywhere on the stack)", incl)):
         print(f"\n== {title}")
         rows = [(n, c) for n, c in counter.most_common() if counter is not incl or "lockstep" in n]

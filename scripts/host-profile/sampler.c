@@ -101,7 +101,11 @@ __attribute__((constructor)) static void start(void) {
     sigaction(SIGPROF, &sa, NULL);
     signal(SIGTERM, on_stop);
     signal(SIGINT, on_stop);
+    /* HOSTPROF_US=0: no timer; only the program's own raise(SIGPROF) records a stack (an event
+       count by call site: the CUDA emulator raises it at each allocation when asked). */
     long us = getenv("HOSTPROF_US") ? atol(getenv("HOSTPROF_US")) : 1000;
-    struct itimerval it = {{0, us}, {0, us}};
-    setitimer(ITIMER_PROF, &it, NULL);
+    if (us > 0) {
+        struct itimerval it = {{us / 1000000, us % 1000000}, {us / 1000000, us % 1000000}};
+        setitimer(ITIMER_PROF, &it, NULL);
+    }
 }
