@@ -55,13 +55,15 @@ def main():
     p.add_argument("samples")
     p.add_argument("binary")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--module", default=None,
+                   help="the binary's file name in the run (default: BINARY's own name)")
     p.add_argument("--focus", default=None, help="only samples whose stack holds this function")
     p.add_argument("--exclude", action="append", default=[],
                    help="drop samples with a frame in a file whose path holds this (repeatable)")
     a = p.parse_args()
     maps, base = read_maps(a.samples + ".maps")
     starts = [m[0] for m in maps]
-    exe = os.path.basename(a.binary)
+    exe = a.module or os.path.basename(a.binary)
 
     def where(addr):
         i = bisect.bisect_right(starts, addr) - 1
