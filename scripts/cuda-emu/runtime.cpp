@@ -126,19 +126,25 @@ bool skipping_work() {
     static const bool on = getenv("LOCKSTEP_CUDA_EMU_SKIP_WORK") != nullptr;
     return on;
 }
+// An environment variable's comma-separated list, as ",a,b," (",," when unset), and whether
+// `name` is one of its items.
+static std::string comma_list(const char *var) {
+    const char *v = getenv(var);
+    return std::string(",") + (v ? v : "") + ",";
+}
+static bool listed(const std::string &list, const std::string &name) {
+    return list.find("," + name + ",") != std::string::npos;
+}
 bool skipping_kernel(const std::string &name) {
-    if (!skipping_work()) return false;
-    static const std::string keep = std::string(",") +
-        (getenv("LOCKSTEP_CUDA_EMU_RUN_KERNELS") ? getenv("LOCKSTEP_CUDA_EMU_RUN_KERNELS") : "") + ",";
-    return keep.find("," + name + ",") == std::string::npos;
+    static const std::string keep = comma_list("LOCKSTEP_CUDA_EMU_RUN_KERNELS");
+    return skipping_work() && !listed(keep, name);
 }
 // LOCKSTEP_CUDA_EMU_RAISE_ON=alloc,copy,memset: a SIGPROF at each such call (device allocation,
 // device-to-device copy, memset), for a sampler that records the stack on it
 // (scripts/host-profile with HOSTPROF_US=0): those calls counted by call site.
 void raise_on(const char *what) {
-    static const std::string on = std::string(",") +
-        (getenv("LOCKSTEP_CUDA_EMU_RAISE_ON") ? getenv("LOCKSTEP_CUDA_EMU_RAISE_ON") : "") + ",";
-    if (on.size() > 2 && on.find(std::string(",") + what + ",") != std::string::npos) raise(SIGPROF);
+    static const std::string on = comma_list("LOCKSTEP_CUDA_EMU_RAISE_ON");
+    if (listed(on, what)) raise(SIGPROF);
 }
 void tally(const std::string &name) {
     if (!tallying()) return;
