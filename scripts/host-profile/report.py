@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Symbolizes sampler.c's stacks against the unstripped binary they came from and prints where the
-host's CPU time went: by thread, by leaf (module or function), and inclusive by function.
+host's CPU time went: by thread, by leaf (a library or a function), by the innermost function of
+the binary and of lockstep's own (alone and with its caller), and inclusive by lockstep function.
 
-    report.py SAMPLES BINARY [--top N] [--focus SUBSTRING]
+    report.py SAMPLES BINARY [--top N] [--module NAME] [--focus FUNCTION] [--exclude PATH ...]
 
 SAMPLES is the file sampler.c wrote (its .maps beside it); BINARY the same build, not stripped
 (stripping keeps the addresses). Each sample is a millisecond of one thread's CPU time."""
-import argparse, bisect, collections, os, struct, subprocess, sys
+import argparse, bisect, collections, os, struct, subprocess
 
 
 def read_samples(path):
@@ -71,23 +72,24 @@ def main():
             return maps[i][3]
         return "?"
 
+    def offset(k, addr):
+        """`addr`'s offset in the binary (a return address, k > 0, taken back into its call), or
+        None for another file's."""
+        m = where(addr)
+        if os.path.basename(m) != exe:
+            return None
+        return addr - base[m] - (1 if k > 0 else 0)
+
     samples = list(read_samples(a.samples))
-    own = set()
-    for _, stack in samples:
-        for k, addr in enumerate(stack):
-            m = where(addr)
-            if os.path.basename(m) == exe:
-                own.add(addr - base[m] - (1 if k > 0 else 0))
+    own = {o for _, stack in samples for k, addr in enumerate(stack)
+           if (o := offset(k, addr)) is not None}
     names = symbolize(a.binary, sorted(own))
 
     def frames(stack):
         out = []
         for k, addr in enumerate(stack):
-            m = where(addr)
-            if os.path.basename(m) == exe:
-                out.append(names.get(addr - base[m] - (1 if k > 0 else 0), "?"))
-            else:
-                out.append("[" + os.path.basename(m) + "]")
+            o = offset(k, addr)
+            out.append(names.get(o, "?") if o is not None else "[" + os.path.basename(where(addr)) + "]")
         return out
 
     threads, leaf, incl, first_own, first_ls, pair_ls = (collections.Counter() for _ in range(6))
