@@ -32,7 +32,7 @@ use cudarc::cublas::sys::{
 };
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A prepared weight on the device: the forward operand and the dgrad operand
 /// ([`PreparedWeight::w_fwd`], [`PreparedWeight::w_bwd`]), `[out_dim, in_dim]` each, or `batch`
@@ -241,6 +241,56 @@ pub struct CudaLinear {
     /// GEMMs of BF16 operands on tensor cores; `None` where [`GEMM_VAR`] asks for FP32 only.
     tensor: Option<CudaBlas>,
     staging: Staging,
+    /// The BF16 operands the tensor-core GEMMs pack (all but a weight's kept copy), reused.
+    packs: Mutex<PackBuffers>,
+}
+
+/// Buffers for the BF16 operands of tensor-core GEMMs, reused from GEMM to GEMM rather than
+/// allocated and freed per GEMM (allocations were a third of the driver's host time). One
+/// stream runs every pack and GEMM, so a GEMM has read its operands before the next pack
+/// overwrites them; the lock is held from a pack until its GEMM is queued.
+#[derive(Default)]
+struct PackBuffers {
+    /// One buffer per operand of a GEMM.
+    slots: [Option<CudaSlice<u16>>; 2],
+    /// Buffers outgrown, kept: a captured CUDA graph may still name them.
+    outgrown: Vec<CudaSlice<u16>>,
+}
+
+impl PackBuffers {
+    /// Whether both slots already hold their counts of values.
+    fn fit(&self, lens: [usize; 2]) -> bool {
+        self.slots
+            .iter()
+            .zip(lens)
+            .all(|(slot, n)| slot.as_ref().is_some_and(|b| b.len() >= n))
+    }
+
+    /// Both slots, each holding at least its count of values (grown to a power of two).
+    fn take(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        lens: [usize; 2],
+    ) -> Result<[&mut CudaSlice<u16>; 2], CudaError> {
+        for (slot, n) in self.slots.iter_mut().zip(lens) {
+            if slot.as_ref().is_none_or(|b| b.len() < n) {
+                // SAFETY: device memory that each pack writes before its GEMM reads it.
+                let grown = unsafe { stream.alloc::<u16>(n.max(1).next_power_of_two())? };
+                self.outgrown.extend(slot.replace(grown));
+            }
+        }
+        let [a, b] = &mut self.slots;
+        Ok([
+            a.as_mut().expect("just filled"),
+            b.as_mut().expect("just filled"),
+        ])
+    }
+}
+
+/// Whether `stream` is capturing a CUDA graph.
+fn capturing(stream: &CudaStream) -> Result<bool, CudaError> {
+    let status = stream.capture_status()?;
+    Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 /// `LOCKSTEP_GEMM=fp32` multiplies every GEMM in FP32, BF16 operands too (to compare against the
@@ -275,6 +325,7 @@ impl CudaLinear {
             stream,
             blas,
             tensor,
+            packs: Mutex::new(PackBuffers::default()),
         })
     }
 
@@ -759,29 +810,45 @@ impl CudaLinear {
         (b, nb): (&CudaSlice<f32>, usize),
         c: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        // SAFETY: device memory, written in full by `bf16_pack2` before the GEMM reads it.
-        let mut pb = unsafe { self.stream.alloc::<u16>(nb)? };
+        let mut packs = self.packs.lock().unwrap_or_else(|e| e.into_inner());
+        let kept_a = kept.and_then(OnceLock::get).filter(|pa| pa.len() >= na);
+        // A weight's first packing is kept with it (a weight is not changed in place).
+        let keep_a = kept.filter(|_| kept_a.is_none());
+        let lens = [nb, if kept.is_some() { 0 } else { na }];
+        // A capture allocates in the graph's memory: there the buffers are the GEMM's own, as
+        // the graph frees and makes them again each launch.
+        let mut own: [Option<CudaSlice<u16>>; 2] = [None, None];
+        let [pb, scratch_a] = if packs.fit(lens) || !capturing(&self.stream)? {
+            packs.take(&self.stream, lens)?
+        } else {
+            for (o, n) in own.iter_mut().zip(lens) {
+                // SAFETY: as the pack buffers: written by `bf16_pack2` before the GEMM reads.
+                *o = Some(unsafe { self.stream.alloc::<u16>(n.max(1))? });
+            }
+            let [x, y] = &mut own;
+            [x.as_mut().expect("made"), y.as_mut().expect("made")]
+        };
         let mut fresh = None;
-        let pa = match kept.and_then(OnceLock::get).filter(|pa| pa.len() >= na) {
-            Some(pa) => {
-                self.fq.bf16_pack2((b, nb, &mut pb), None)?;
+        let pa: &CudaSlice<u16> = match (kept_a, keep_a) {
+            (Some(pa), _) => {
+                self.fq.bf16_pack2((b, nb, pb), None)?;
                 pa
             }
-            None => {
-                // SAFETY: as pb.
+            (None, Some(cell)) => {
+                // SAFETY: as the pack buffers: written in full by `bf16_pack2` first.
                 let mut pa = unsafe { self.stream.alloc::<u16>(na)? };
-                self.fq
-                    .bf16_pack2((a, na, &mut pa), Some((b, nb, &mut pb)))?;
-                // A weight's first packing is kept with it (a weight is not changed in place).
-                match kept {
-                    Some(cell) => match cell.set(pa) {
-                        Ok(()) => cell.get().expect("just set"),
-                        Err(pa) => fresh.insert(pa),
-                    },
-                    None => fresh.insert(pa),
+                self.fq.bf16_pack2((a, na, &mut pa), Some((b, nb, pb)))?;
+                match cell.set(pa) {
+                    Ok(()) => cell.get().expect("just set"),
+                    Err(pa) => fresh.insert(pa),
                 }
             }
+            (None, None) => {
+                self.fq.bf16_pack2((a, na, scratch_a), Some((b, nb, pb)))?;
+                scratch_a
+            }
         };
+        let pb: &CudaSlice<u16> = pb;
         let g = cfg.gemm;
         let (alpha, beta) = (g.alpha, g.beta);
         let (pa_ptr, _ra) = pa.device_ptr(&self.stream);
