@@ -27,22 +27,22 @@ const K: usize = 2;
 /// The benchmark batch's trainer rows.
 const N: usize = 2272;
 
-/// (dx, dg) accumulated into `dx0`, `dg0`, with the forward's rstd.
+/// (dx, dg) accumulated into `dx0`, `dg0`, with the forward's rstd; rows of `d` values.
 fn rmsnorm_backward<'a, O: Device<'a>>(
     o: &O,
-    x: &[f32],
+    (x, d): (&[f32], usize),
     gain: &'a [f32],
     dout: &[f32],
     (dx0, dg0): (&[f32], &[f32]),
 ) -> [Vec<f32>; 2] {
-    let n = x.len() / D;
+    let n = x.len() / d;
     let (x, gain) = (o.upload(x).unwrap(), o.param(gain));
-    let (_, rstd) = o.rmsnorm(&x, &gain, n, D).unwrap();
+    let (_, rstd) = o.rmsnorm(&x, &gain, n, d).unwrap();
     let (mut dx, mut dg) = (o.upload(dx0).unwrap(), o.upload(dg0).unwrap());
     let dout = o.upload(dout).unwrap();
-    o.rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &gain, &rstd, n, D)
+    o.rmsnorm_backward(&mut dx, &mut dg, &dout, &x, &gain, &rstd, n, d)
         .unwrap();
-    [o.to_host(&dx, n * D).unwrap(), o.to_host(&dg, D).unwrap()]
+    [o.to_host(&dx, n * d).unwrap(), o.to_host(&dg, d).unwrap()]
 }
 
 #[test]
@@ -51,16 +51,19 @@ fn rmsnorm_backward_matches_cpu_bit_for_bit() {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    for n in [1, 37, N] {
-        let x = uniform(&mut rng, n * D, 3.0);
-        let gain = uniform(&mut rng, D, 1.5);
-        let dout = uniform(&mut rng, n * D, 1.0);
+    // Row counts below, at and past the kernel's tiles of rows; a width that leaves a partial
+    // group of 32 columns.
+    for (n, d) in [(1, D), (37, D), (N, D), (300, 48)] {
+        let x = uniform(&mut rng, n * d, 3.0);
+        let gain = uniform(&mut rng, d, 1.5);
+        let dout = uniform(&mut rng, n * d, 1.0);
         // Gradients that already hold values: the kernels must add, not overwrite.
-        let (dx, dg) = (uniform(&mut rng, n * D, 0.5), uniform(&mut rng, D, 0.5));
-        let [cdx, cdg] = rmsnorm_backward(&CpuOps::new(), &x, &gain, &dout, (&dx, &dg));
-        let [gdx, gdg] = rmsnorm_backward(g, &x, &gain, &dout, (&dx, &dg));
-        same_bits(&format!("n {n}: dx"), &gdx, &cdx).unwrap();
-        same_bits(&format!("n {n}: dg"), &gdg, &cdg).unwrap();
+        let (dx, dg) = (uniform(&mut rng, n * d, 0.5), uniform(&mut rng, d, 0.5));
+        let x = (&x[..], d);
+        let [cdx, cdg] = rmsnorm_backward(&CpuOps::new(), x, &gain, &dout, (&dx, &dg));
+        let [gdx, gdg] = rmsnorm_backward(g, x, &gain, &dout, (&dx, &dg));
+        same_bits(&format!("{n}x{d}: dx"), &gdx, &cdx).unwrap();
+        same_bits(&format!("{n}x{d}: dg"), &gdg, &cdg).unwrap();
     }
 }
 

@@ -28,28 +28,73 @@ extern "C" __global__ void rmsnorm_backward_dx(float *__restrict__ dx, const flo
 }
 
 // ops::rmsnorm_backward, gain part: dg[c] += dout[r, c]*x[r, c]*rstd[r] over rows in order. A
-// thread per (run, column): run q's rows are q*run_rows.., its gains dg[q*d..]. The terms of
-// DG_ROWS rows are loaded and formed together, then added in row order: the loads overlap
-// instead of each waiting on the previous add, and the sum is the same chain.
-#define DG_ROWS 8
+// block per (run, 32 columns): run q's rows are q*run_rows.., its gains dg[q*d..]. Each column's
+// sum is one chain of adds in row order, in lane c of warp 0. While that warp adds up one tile of
+// DG_TILE rows, the whole block forms the next tile's terms into shared memory (coalesced loads,
+// many in flight), so the chain never waits on global memory.
+#define DG_TILE 128
+#define DG_WARPS 8
+
+// Adds column terms t[0], t[32], ... (n of them) to `acc` in order, loading eight ahead.
+__device__ __forceinline__ float add_column_in_order(float acc, const float *t, u32 n) {
+    u32 j = 0;
+    if (n >= 8) {
+        float cur[8];
+#pragma unroll
+        for (u32 i = 0; i < 8; i++) cur[i] = t[i * 32];
+        for (j = 8; j + 8 <= n; j += 8) {
+            float nxt[8];
+#pragma unroll
+            for (u32 i = 0; i < 8; i++) nxt[i] = t[(j + i) * 32];
+#pragma unroll
+            for (u32 i = 0; i < 8; i++) {
+                acc = acc + cur[i];
+                cur[i] = nxt[i];
+            }
+        }
+#pragma unroll
+        for (u32 i = 0; i < 8; i++) acc = acc + cur[i];
+    }
+    for (; j < n; j++) acc = acc + t[j * 32];
+    return acc;
+}
+
 extern "C" __global__ void rmsnorm_backward_dg(float *__restrict__ dg, const float *__restrict__ dout,
                                                const float *__restrict__ x,
                                                const float *__restrict__ rstd, u32 n, u32 d,
                                                u32 run_rows) {
-    u64 runs = n / run_rows;
-    for (u64 qc = gtid(); qc < runs * d; qc += gstride()) {
-        u64 q = qc / d, c = qc % d;
-        u64 r = q * run_rows, end = (q + 1) * run_rows;
-        float acc = dg[qc];
-        for (; r + DG_ROWS <= end; r += DG_ROWS) {
-            float t[DG_ROWS];
-#pragma unroll
-            for (u32 j = 0; j < DG_ROWS; j++) t[j] = dout[(r + j) * d + c] * x[(r + j) * d + c] * rstd[r + j];
-#pragma unroll
-            for (u32 j = 0; j < DG_ROWS; j++) acc = acc + t[j];
+    __shared__ float tile[2][DG_TILE * 32];
+    u64 runs = n / run_rows, chunks = (d + 31) / 32;
+    u32 ln = threadIdx.x % 32, warp = threadIdx.x / 32;
+    u32 tiles = (run_rows + DG_TILE - 1) / DG_TILE;
+    for (u64 blk = blockIdx.x; blk < runs * chunks; blk += gridDim.x) {
+        u64 q = blk / chunks, c = (blk % chunks) * 32 + ln;
+        bool col = c < d;
+        const u64 first = q * run_rows;
+        // Tile k's terms: rows k*DG_TILE.. of the run, warp w forming rows w, w + DG_WARPS, ...
+        auto form = [&](u32 k, float *t) {
+            for (u32 j = warp; j < DG_TILE; j += DG_WARPS) {
+                u64 r = (u64)k * DG_TILE + j;
+                if (col && r < run_rows) {
+                    u64 g = first + r;
+                    t[j * 32 + ln] = dout[g * d + c] * x[g * d + c] * rstd[g];
+                }
+            }
+        };
+        float acc = 0.0f;
+        if (warp == 0 && col) acc = dg[q * d + c];
+        form(0, tile[0]);
+        __syncthreads();
+        for (u32 k = 0; k < tiles; k++) {
+            u32 cur = k & 1u;
+            if (k + 1 < tiles) form(k + 1, tile[cur ^ 1u]);
+            if (warp == 0 && col) {
+                u32 left = run_rows - k * DG_TILE;
+                acc = add_column_in_order(acc, &tile[cur][ln], left < DG_TILE ? left : DG_TILE);
+            }
+            __syncthreads();
         }
-        for (; r < end; r++) acc = acc + dout[r * d + c] * x[r * d + c] * rstd[r];
-        dg[qc] = acc;
+        if (warp == 0 && col) dg[q * d + c] = acc;
     }
 }
 

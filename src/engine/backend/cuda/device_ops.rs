@@ -25,7 +25,9 @@
 //!   gradients agree with the CPU's to a tolerance (`tests/cuda_train.rs` measures it), and run
 //!   to run bit for bit.
 
-use super::launch::{DeviceGroups, DeviceLayout, cfg, cfg_warps, checked, dim, need, shape};
+use super::launch::{
+    DeviceGroups, DeviceLayout, cfg, cfg_blocks, cfg_warps, checked, dim, need, shape,
+};
 use super::linear::{CudaLinear, DeviceLinearCache, DeviceWeight};
 use super::moe::ExpertBatch;
 use super::{CudaDevice, CudaError};
@@ -730,8 +732,8 @@ impl Ops for GpuOps {
         Ok((out, rstd))
     }
 
-    /// A warp per row with the row's sum in one lane, then a thread per column summing over rows
-    /// in order.
+    /// A warp per row with the row's sum in one lane, then a block per (run, 32 columns) whose
+    /// first warp sums each column over rows in order, a lane per column.
     fn rmsnorm_backward(
         &self,
         dx: &mut CudaSlice<f32>,
@@ -771,9 +773,10 @@ impl Ops for GpuOps {
             .arg(&n32)
             .arg(&d32)
             .arg(&run_rows);
-        // SAFETY: a thread per (run q, column c), q < n / run_rows = runs (dg holds runs*d);
-        // dout and x read at r*d + c, rstd at r, for run q's rows r < n.
-        unsafe { b.launch(cfg(self.runs * d)) }?;
+        // SAFETY: a block of 256 threads per (run q, 32 columns), q < n / run_rows = runs (dg
+        // holds runs*d); columns c < d only: dout and x read at r*d + c, rstd at r, for run q's
+        // rows r < n.
+        unsafe { b.launch(cfg_blocks(self.runs * d.div_ceil(32))) }?;
         Ok(())
     }
 

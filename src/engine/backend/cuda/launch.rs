@@ -163,6 +163,11 @@ pub(super) fn checked(a: usize, b: usize, op: &str, what: &str) -> Result<usize,
         .ok_or_else(|| shape(format!("{op}: {what} = {a} x {b} overflows")))
 }
 
+/// A block of `THREADS` threads per item (grid-stride past `MAX_GRID` blocks).
+pub(super) fn cfg_blocks(items: usize) -> LaunchConfig {
+    cfg(items.saturating_mul(THREADS as usize))
+}
+
 /// A thread per item (grid-stride past `MAX_GRID` blocks).
 pub(super) fn cfg(items: usize) -> LaunchConfig {
     LaunchConfig {

@@ -27,10 +27,34 @@
 #define SUM_TILE 1024
 #define SUM_PER_THREAD (SUM_TILE / SUM_THREADS)
 
-// Adds tile values `t[0..n)` to `acc` in order.
+// Adds tile values `t[0..n)` to `acc` in order (`t` 16-byte aligned). The chain of adds is the
+// kernel's critical path, so the next eight values are loaded while the current eight are added:
+// the chain waits on the previous add only, never on shared memory.
 __device__ __forceinline__ double add_in_order(double acc, const double *t, u32 n) {
-#pragma unroll 8
-    for (u32 e = 0; e < n; e++) acc = acc + t[e];
+    const double2 *t2 = (const double2 *)t;
+    u32 e = 0;
+    if (n >= 8) {
+        double2 cur[4];
+#pragma unroll
+        for (u32 j = 0; j < 4; j++) cur[j] = t2[j];
+        for (e = 8; e + 8 <= n; e += 8) {
+            double2 nxt[4];
+#pragma unroll
+            for (u32 j = 0; j < 4; j++) nxt[j] = t2[e / 2 + j];
+#pragma unroll
+            for (u32 j = 0; j < 4; j++) {
+                acc = acc + cur[j].x;
+                acc = acc + cur[j].y;
+                cur[j] = nxt[j];
+            }
+        }
+#pragma unroll
+        for (u32 j = 0; j < 4; j++) {
+            acc = acc + cur[j].x;
+            acc = acc + cur[j].y;
+        }
+    }
+    for (; e < n; e++) acc = acc + t[e];
     return acc;
 }
 
@@ -41,8 +65,8 @@ __device__ __forceinline__ double add_in_order(double acc, const double *t, u32 
 template <typename Produce>
 __device__ void tile_sums(u64 n, bool two, double a0, double b0, Produce produce, double *out_a,
                           double *out_b) {
-    __shared__ double ta[2][SUM_TILE];
-    __shared__ double tb[2][SUM_TILE];
+    __shared__ __align__(16) double ta[2][SUM_TILE];
+    __shared__ __align__(16) double tb[2][SUM_TILE];
     u32 tid = threadIdx.x;
     u64 tiles = (n + SUM_TILE - 1) / SUM_TILE;
     // Tile 0 first; then each round makes tile k + 1 while tile k is summed.
