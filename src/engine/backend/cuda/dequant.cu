@@ -138,13 +138,6 @@ extern "C" __global__ void bf16_round_count(const float *__restrict__ x, float *
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(acc, n);
 }
 
-// acc[0..n] += src[0..n]: a quantizer's counts (elements, saturated, underflowed; three per
-// count slot) added to running totals. One thread block.
-extern "C" __global__ void stats_add(u64 *__restrict__ acc, const u64 *__restrict__ src, u64 n) {
-    if (blockIdx.x != 0) return;
-    for (u64 i = threadIdx.x; i < n; i += blockDim.x) acc[i] += src[i];
-}
-
 // ---- MXFP8: mxfp8::dequantize_block, x' = decode(code) · 2^(b-127) --------------------------------
 // A thread per four elements (one u32 of codes, one float4 out); `n4` = n/4, n a multiple of 32,
 // so scale byte i/8 belongs to all four. ELEM: 0 E4M3, 1 E5M2.

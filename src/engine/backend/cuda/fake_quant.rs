@@ -11,7 +11,7 @@
 //! CPU's own special case (`fake_quantize_bf16`). NaN results carry the host's NaN bits (see
 //! `dequant.cu`). All work is queued on the quantizer's stream.
 
-use super::quant::counts_in_slots;
+use super::quant::{CountInto, counts_in_slots};
 use super::{CudaError, CudaQuantizer, DeviceQuantized};
 use crate::engine::linear::CountSlots;
 use crate::formats::fp8_block::TILE;
@@ -32,7 +32,6 @@ struct Kernels {
     bf16: CudaFunction,
     /// `bf16_round` counting saturation and underflow, and the add of a quantizer's counts.
     bf16_count: CudaFunction,
-    stats_add: CudaFunction,
     /// Two FP32 tensors' BF16 bits (a tensor-core GEMM's operands).
     bf16_pack2: CudaFunction,
     /// Indexed by element: E4M3, E5M2.
@@ -95,7 +94,6 @@ impl CudaFakeQuantizer {
             bf16: f("bf16_round")?,
             bf16_count: f("bf16_round_count")?,
             bf16_pack2: f("bf16_pack2")?,
-            stats_add: f("stats_add")?,
             mxfp8: [f("mxfp8_dq_e4m3")?, f("mxfp8_dq_e5m2")?],
             nvfp4: f("nvfp4_dq")?,
             fp8_block: f("fp8_block_dq")?,
@@ -258,17 +256,14 @@ impl CudaFakeQuantizer {
             s.memcpy_dtod(&x.slice(..n), buf)?;
             &*buf
         };
-        self.q.quantize_into(src, q)?;
-        if let Some(acc) = acc {
-            let len = 3 * slots;
-            let mut counts = acc.counts.slice_mut(3 * acc.first..3 * acc.first + len);
-            let len64 = len as u64;
-            let mut b = s.launch_builder(&self.k.stats_add);
-            b.arg(&mut counts).arg(q.stats()).arg(&len64);
-            // SAFETY: one thread block adds `len` counts; `counts` holds them (checked) and the
-            // quantizer's stats 3 per slot (`alloc_slots`).
-            unsafe { b.launch(cfg(1)) }?;
-        }
+        // The quantizer adds its counts straight into the caller's slots (3 per slot, checked).
+        let into = match acc {
+            Some(acc) => {
+                CountInto::Add(acc.counts.slice_mut(3 * acc.first..3 * (acc.first + slots)))
+            }
+            None => CountInto::Unread,
+        };
+        self.q.quantize_counting(src, q, into)?;
         let dnan = self.default_nan;
         let (n64, rows64, cols64) = (n as u64, rows as u64, cols as u64);
         match *fmt {

@@ -18,7 +18,9 @@ use crate::formats::tensor::validate_len;
 use crate::formats::{
     Axis, Fp8Tile, QuantFormat, QuantStats, QuantizedTensor, Scales, SecondScale,
 };
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaViewMut, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
 
 const SRC: &str = include_str!("quant.cu");
@@ -98,6 +100,17 @@ pub struct DeviceQuantized {
     tiles: usize,
 }
 
+/// Where a quantization adds its counts (elements, saturated, underflowed; three per count slot):
+/// the kernels only add to them, so a caller's own counts can take them directly.
+pub enum CountInto<'a> {
+    /// The quantizer's own, zeroed first: what [`CudaQuantizer::to_host`] reads back.
+    Own,
+    /// Added to these, three per count slot of the quantizer's buffers.
+    Add(CudaViewMut<'a, u64>),
+    /// Nobody reads them: added to the quantizer's own, which are not zeroed first.
+    Unread,
+}
+
 impl DeviceQuantized {
     /// Bytes the quantizer must at least move: the input read once, every output written once.
     pub fn min_bytes(&self) -> usize {
@@ -120,12 +133,6 @@ impl DeviceQuantized {
     /// The count slots its rows are counted in.
     pub(crate) fn slots(&self) -> usize {
         self.stats.len() / 3
-    }
-
-    /// The counts of the last `quantize_into`: elements, saturated, underflowed (`QuantStats`),
-    /// three per count slot.
-    pub(crate) fn stats(&self) -> &CudaSlice<u64> {
-        &self.stats
     }
 
     /// FP8 block scaling: the stored decode multipliers (`scale_inv`), one per tile, row-major
@@ -377,17 +384,26 @@ impl CudaQuantizer {
         })
     }
 
-    /// Quantize the device tensor `x` (`q.rows x q.cols`, row-major) into `q`. Asynchronous: the
-    /// work is queued on this quantizer's stream.
+    /// Quantize the device tensor `x` (`q.rows x q.cols`, row-major) into `q`, counting into
+    /// `q`'s own counts. Asynchronous: the work is queued on this quantizer's stream.
     pub fn quantize_into(
         &self,
         x: &CudaSlice<f32>,
         q: &mut DeviceQuantized,
     ) -> Result<(), CudaError> {
+        self.quantize_counting(x, q, CountInto::Own)
+    }
+
+    /// [`Self::quantize_into`] with its counts added where `into` says.
+    pub fn quantize_counting(
+        &self,
+        x: &CudaSlice<f32>,
+        q: &mut DeviceQuantized,
+        into: CountInto<'_>,
+    ) -> Result<(), CudaError> {
         let (rows, cols, axis) = (q.rows, q.cols, q.axis);
         validate_len(x.len(), rows, cols, &q.format, axis)?;
         let s = &self.stream;
-        s.memset_zeros(&mut q.stats)?;
         let grid = self.grid;
         let DeviceQuantized {
             format,
@@ -397,11 +413,26 @@ impl CudaQuantizer {
             apply,
             keys,
             row_keys,
-            stats,
+            stats: own,
             transposed,
             ..
         } = q;
-        let slots = stats.len() / 3;
+        let slots = own.len() / 3;
+        let mut counts = match into {
+            CountInto::Own => {
+                s.memset_zeros(own)?;
+                own.slice_mut(..)
+            }
+            CountInto::Add(c) if c.len() == own.len() => c,
+            CountInto::Add(c) => {
+                return Err(CudaError::Shape(format!(
+                    "{} counts for {slots} count slots",
+                    c.len()
+                )));
+            }
+            CountInto::Unread => own.slice_mut(..),
+        };
+        let stats = &mut counts;
         // Column quantization: MXFP8 reads columns directly; the others transpose first.
         let (src, br, bc) = match transposed {
             None => (x, rows, cols),
