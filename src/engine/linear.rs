@@ -395,6 +395,22 @@ pub trait SiteKernels {
         accumulate: bool,
         operands: Operands,
     ) -> Result<(), Self::Error>;
+    /// [`SiteKernels::quantize`] of `Rows` written into `dst` from `at` on rather than into a
+    /// tensor of its own: a device builds the GEMM operand of several plan groups in place.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_rows_to(
+        &self,
+        x: &Self::Buf,
+        shape: Blocks,
+        fmt: &QuantFormat,
+        counts: Option<CountSlots<'_, Self::Counts>>,
+        dst: &mut Self::Buf,
+        at: usize,
+    ) -> Result<(), Self::Error> {
+        let q = self.quantize(SiteQuant::Rows, x, shape, fmt, counts)?;
+        let len = shape.rows * shape.cols * shape.batch;
+        self.place(dst, at, (q.borrow(), 0), len)
+    }
     /// Set every value to zero.
     fn fill_zero(&self, c: &mut Self::Buf) -> Result<(), Self::Error>;
     /// A tensor of `len` values for ops to write in full.
@@ -470,16 +486,27 @@ fn quantized_input<K: SiteKernels>(
     let Some(fmt) = plan.activation_format() else {
         return Ok((None, None));
     };
-    // A BF16 site's operand is its BF16 rounding, so it is rounded once (and its saturation is
-    // counted against the FP32 input); other formats quantize the BF16 values.
-    let len = shape.rows * shape.cols * shape.batch;
-    let x_hp = match fmt {
-        QuantFormat::Bf16 => None,
-        _ => Some(k.round_bf16(x, len)?),
-    };
+    let x_hp = rounded_input(k, &fmt, x, shape)?;
     let src = x_hp.as_ref().map_or(x, Borrow::borrow);
     let x_q = k.quantize(SiteQuant::Rows, src, shape, &fmt, counts)?;
     Ok((x_hp, Some(x_q)))
+}
+
+/// What a site of format `fmt` quantizes: a BF16 site's operand is its BF16 rounding, so it is
+/// rounded once (and its saturation is counted against the FP32 input, `None`); other formats
+/// quantize the BF16 rounding of the input, returned.
+fn rounded_input<K: SiteKernels>(
+    k: &K,
+    fmt: &QuantFormat,
+    x: &K::Buf,
+    shape: Blocks,
+) -> Result<Option<K::Owned>, K::Error> {
+    match fmt {
+        QuantFormat::Bf16 => Ok(None),
+        _ => k
+            .round_bf16(x, shape.rows * shape.cols * shape.batch)
+            .map(Some),
+    }
 }
 
 /// The step [`forward_on`] and [`apply_on`] share: `x` quantized per the site's activation
@@ -510,32 +537,62 @@ fn multiply<K: SiteKernels>(
     Ok((x_hp, x_q))
 }
 
-/// The wgrad operand the backward mode asks for, from the forward's quantized input (`q`, as
-/// [`quantized_input`] made it for `shape`); `None` for the input itself (FP32 sites).
+/// Where the wgrad operand the backward mode asks for comes from.
+enum WgradFrom<O> {
+    /// A tensor of its own.
+    Own(O),
+    /// The forward's quantized input (a BF16 site's rounding).
+    Quantized,
+    /// The input itself (an FP32 site).
+    Input,
+}
+
+/// The wgrad operand the backward mode asks for, from the forward's BF16 rounding of the input
+/// and its quantization (`x_q`, as [`quantized_input`] made them for `shape`).
+fn wgrad_from<K: SiteKernels>(
+    k: &K,
+    plan: &SitePlan,
+    x_hp: Option<K::Owned>,
+    x_q: Option<&K::Buf>,
+    shape: Blocks,
+) -> Result<WgradFrom<K::Owned>, K::Error> {
+    let len = shape.rows * shape.cols * shape.batch;
+    let Some(x_hp) = x_hp else {
+        // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
+        return Ok(match x_q {
+            Some(_) => WgradFrom::Quantized,
+            None => WgradFrom::Input,
+        });
+    };
+    let x_q = x_q.expect("a site that rounds its input also quantizes it");
+    match plan.backward {
+        BackwardMode::HighPrecision => Ok(WgradFrom::Own(x_hp)),
+        BackwardMode::Dequantized => k.round_bf16(x_q, len).map(WgradFrom::Own),
+        BackwardMode::Quantized if shape.rows == 0 => Ok(WgradFrom::Own(x_hp)),
+        BackwardMode::Quantized => {
+            let fmt = plan
+                .activation_format()
+                .expect("a quantized site has a format");
+            k.quantize(SiteQuant::ColsPadded, x_hp.borrow(), shape, &fmt, None)
+                .map(WgradFrom::Own)
+        }
+    }
+}
+
+/// [`wgrad_from`] as a tensor; `None` for the input itself (FP32 sites).
 fn wgrad_operand<K: SiteKernels>(
     k: &K,
     plan: &SitePlan,
     (x_hp, x_q): Quantized<K>,
     shape: Blocks,
 ) -> Result<Option<K::Owned>, K::Error> {
-    let len = shape.rows * shape.cols * shape.batch;
-    let Some(x_hp) = x_hp else {
-        // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
-        return Ok(x_q);
-    };
-    let x_q = x_q.expect("a site that rounds its input also quantizes it");
-    match plan.backward {
-        BackwardMode::HighPrecision => Ok(Some(x_hp)),
-        BackwardMode::Dequantized => k.round_bf16(x_q.borrow(), len).map(Some),
-        BackwardMode::Quantized if shape.rows == 0 => Ok(Some(x_hp)),
-        BackwardMode::Quantized => {
-            let fmt = plan
-                .activation_format()
-                .expect("a quantized site has a format");
-            k.quantize(SiteQuant::ColsPadded, x_hp.borrow(), shape, &fmt, None)
-                .map(Some)
-        }
-    }
+    Ok(
+        match wgrad_from(k, plan, x_hp, x_q.as_ref().map(Borrow::borrow), shape)? {
+            WgradFrom::Own(o) => Some(o),
+            WgradFrom::Quantized => x_q,
+            WgradFrom::Input => None,
+        },
+    )
 }
 
 /// The linear forward on a device: `y[n, m] = x[n, k] · Wᵀ` per block of `w`, with `x`
@@ -602,15 +659,29 @@ fn multiply_groups<K: SiteKernels>(
         };
         let slots = counts.as_mut().map(|c| c.slots(&g.blocks, w.batch));
         k.with_range(x, at, glen, |xg| {
-            let q = quantized_input(k, g.plan, xg, shape, slots)?;
-            let op = q.1.as_ref().map_or(xg, Borrow::borrow);
-            k.place(operand.borrow_mut(), at, (op, 0), glen)?;
-            if let Some(kept) = kept.as_mut() {
-                let own = wgrad_operand(k, g.plan, q, shape)?;
-                let src = own.as_ref().map_or(xg, Borrow::borrow);
-                k.place(kept.borrow_mut(), at, (src, 0), glen)?;
-            }
-            Ok(())
+            // Each group quantizes straight into its rows of the operand.
+            let Some(fmt) = g.plan.activation_format() else {
+                k.place(operand.borrow_mut(), at, (xg, 0), glen)?;
+                if let Some(kept) = kept.as_mut() {
+                    k.place(kept.borrow_mut(), at, (xg, 0), glen)?;
+                }
+                return Ok(());
+            };
+            let x_hp = rounded_input(k, &fmt, xg, shape)?;
+            let src = x_hp.as_ref().map_or(xg, Borrow::borrow);
+            k.quantize_rows_to(src, shape, &fmt, slots, operand.borrow_mut(), at)?;
+            let Some(kept) = kept.as_mut() else {
+                return Ok(());
+            };
+            k.with_range(operand.borrow(), at, glen, |x_q| {
+                let from = wgrad_from(k, g.plan, x_hp, Some(x_q), shape)?;
+                let src = match &from {
+                    WgradFrom::Own(o) => o.borrow(),
+                    WgradFrom::Quantized => x_q,
+                    WgradFrom::Input => xg,
+                };
+                k.place(kept.borrow_mut(), at, (src, 0), glen)
+            })
         })?;
     }
     let dims = (n, w.in_dim, w.out_dim);

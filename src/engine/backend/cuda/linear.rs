@@ -911,6 +911,44 @@ impl OnWeight<'_> {
     }
 }
 
+impl OnWeight<'_> {
+    /// [`SiteKernels::quantize`] into `out` (at least `shape`'s values). Blocks are quantized
+    /// together where that is the same thing (row-local formats; columns when `rows` divides
+    /// into blocks), one by one otherwise (a per-tensor NVFP4 scale, a column block that would
+    /// straddle two experts).
+    fn quantize_blocks(
+        &self,
+        kind: SiteQuant,
+        x: &CudaSlice<f32>,
+        Blocks { rows, cols, batch }: Blocks,
+        fmt: &QuantFormat,
+        mut acc: Option<CountSlots<'_, CudaSlice<u64>>>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let per_tensor = matches!(
+            fmt,
+            QuantFormat::Nvfp4 {
+                second: SecondScale::PerTensor,
+                ..
+            }
+        );
+        let aligned = kind != SiteQuant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
+        if batch == 1 || (!per_tensor && aligned) {
+            self.lin
+                .quantize_one(kind, x, (rows * batch, cols), fmt, out, acc)
+        } else {
+            let mut b = 0;
+            self.lin
+                .fq
+                .per_block(x, out, (batch, rows * cols), |blk, q| {
+                    let slot = acc.as_mut().map(|a| a.part(b, batch));
+                    b += 1;
+                    self.lin.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
+                })
+        }
+    }
+}
+
 impl SiteKernels for OnWeight<'_> {
     type Buf = CudaSlice<f32>;
     type Owned = CudaSlice<f32>;
@@ -927,45 +965,55 @@ impl SiteKernels for OnWeight<'_> {
         Ok(out)
     }
 
-    /// Blocks are quantized together where that is the same thing (row-local formats; columns
-    /// when `rows` divides into blocks), one by one otherwise (a per-tensor NVFP4 scale, a
-    /// column block that would straddle two experts).
     fn quantize(
         &self,
         kind: SiteQuant,
         x: &CudaSlice<f32>,
-        Blocks { rows, cols, batch }: Blocks,
+        shape: Blocks,
         fmt: &QuantFormat,
-        mut acc: Option<CountSlots<'_, CudaSlice<u64>>>,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        let len = batch * rows * cols;
+        let len = shape.batch * shape.rows * shape.cols;
         // The padded row path writes through a transpose; zeroed, as it always was.
         let mut out = match kind {
             SiteQuant::RowsPadded => self.lin.stream.alloc_zeros(len.max(1))?,
             _ => self.lin.output(len)?,
         };
-        let per_tensor = matches!(
-            fmt,
-            QuantFormat::Nvfp4 {
-                second: SecondScale::PerTensor,
-                ..
-            }
-        );
-        let aligned = kind != SiteQuant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
-        if batch == 1 || (!per_tensor && aligned) {
-            self.lin
-                .quantize_one(kind, x, (rows * batch, cols), fmt, &mut out, acc)?;
-        } else {
-            let mut b = 0;
-            self.lin
-                .fq
-                .per_block(x, &mut out, (batch, rows * cols), |blk, q| {
-                    let slot = acc.as_mut().map(|a| a.part(b, batch));
-                    b += 1;
-                    self.lin.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
-                })?;
-        }
+        self.quantize_blocks(kind, x, shape, fmt, acc, &mut out)?;
         Ok(out)
+    }
+
+    /// Into a view of `dst`'s range where cudarc tracks no events (as [`Self::with_range`]).
+    fn quantize_rows_to(
+        &self,
+        x: &CudaSlice<f32>,
+        shape: Blocks,
+        fmt: &QuantFormat,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+    ) -> Result<(), CudaError> {
+        let len = shape.batch * shape.rows * shape.cols;
+        let stream = &self.lin.stream;
+        if at.checked_add(len).is_none_or(|end| end > dst.len()) {
+            return Err(CudaError::Shape(format!(
+                "range {at}..+{len} of a tensor of {}",
+                dst.len()
+            )));
+        }
+        if len == 0 || stream.context().is_event_tracking() {
+            let q = self.quantize(SiteQuant::Rows, x, shape, fmt, acc)?;
+            return self.place(dst, at, (&q, 0), len);
+        }
+        let (base, _in_use) = dst.device_ptr_mut(stream);
+        let start = base + (at * std::mem::size_of::<f32>()) as u64;
+        // SAFETY: `start..+len` floats lie inside dst's allocation (checked above), which
+        // outlives this call (dst is borrowed mutably for it, so nothing else reads or writes
+        // it meanwhile); the view is never dropped, so never freed, and without event tracking
+        // it holds nothing else. Its work is queued on dst's stream.
+        let mut view =
+            std::mem::ManuallyDrop::new(unsafe { stream.upgrade_device_ptr(start, len) });
+        self.quantize_blocks(SiteQuant::Rows, x, shape, fmt, acc, &mut view)
     }
 
     fn gemm(
