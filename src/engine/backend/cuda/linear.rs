@@ -898,7 +898,41 @@ struct OnWeight<'w> {
     w: &'w DeviceWeight,
 }
 
+/// Values `from..from + len` of a tensor of `total` values exist.
+fn check_range(from: usize, len: usize, total: usize) -> Result<(), CudaError> {
+    if from.checked_add(len).is_none_or(|end| end > total) {
+        return Err(CudaError::Shape(format!(
+            "range {from}..+{len} of a tensor of {total}"
+        )));
+    }
+    Ok(())
+}
+
 impl OnWeight<'_> {
+    /// Whether a range of `len` values can be a view ([`Self::view_at`]): where cudarc tracks no
+    /// events (the engine's default; a view would leak its events), and not for no values.
+    fn views(&self, len: usize) -> bool {
+        len > 0 && !self.lin.stream.context().is_event_tracking()
+    }
+
+    /// A slice over floats `from..from + len` of the allocation at device address `base`, never
+    /// freed (and, without event tracking, holding nothing else); its work is queued on this
+    /// layer's stream.
+    ///
+    /// # Safety
+    /// The range lies inside that allocation, which outlives the view, and the view is used only
+    /// as the borrow the caller holds on it allows (read, or written where borrowed mutably).
+    unsafe fn view_at(
+        &self,
+        base: u64,
+        from: usize,
+        len: usize,
+    ) -> std::mem::ManuallyDrop<CudaSlice<f32>> {
+        let at = base + (from * std::mem::size_of::<f32>()) as u64;
+        // SAFETY: as the caller promises.
+        std::mem::ManuallyDrop::new(unsafe { self.lin.stream.upgrade_device_ptr(at, len) })
+    }
+
     /// Where `buf`'s BF16 copy is kept, if it is one of the site's weights.
     fn kept(&self, buf: &CudaSlice<f32>) -> Option<&OnceLock<CudaSlice<u16>>> {
         if std::ptr::eq(buf, &self.w.w_fwd) {
@@ -994,25 +1028,15 @@ impl SiteKernels for OnWeight<'_> {
         at: usize,
     ) -> Result<(), CudaError> {
         let len = shape.batch * shape.rows * shape.cols;
-        let stream = &self.lin.stream;
-        if at.checked_add(len).is_none_or(|end| end > dst.len()) {
-            return Err(CudaError::Shape(format!(
-                "range {at}..+{len} of a tensor of {}",
-                dst.len()
-            )));
-        }
-        if len == 0 || stream.context().is_event_tracking() {
+        check_range(at, len, dst.len())?;
+        if !self.views(len) {
             let q = self.quantize(SiteQuant::Rows, x, shape, fmt, acc)?;
             return self.place(dst, at, (&q, 0), len);
         }
-        let (base, _in_use) = dst.device_ptr_mut(stream);
-        let start = base + (at * std::mem::size_of::<f32>()) as u64;
-        // SAFETY: `start..+len` floats lie inside dst's allocation (checked above), which
-        // outlives this call (dst is borrowed mutably for it, so nothing else reads or writes
-        // it meanwhile); the view is never dropped, so never freed, and without event tracking
-        // it holds nothing else. Its work is queued on dst's stream.
-        let mut view =
-            std::mem::ManuallyDrop::new(unsafe { stream.upgrade_device_ptr(start, len) });
+        let (base, _in_use) = dst.device_ptr_mut(&self.lin.stream);
+        // SAFETY: the range lies inside dst's allocation (checked above), which outlives this
+        // call, and dst is borrowed mutably for it, so nothing else reads or writes it meanwhile.
+        let mut view = unsafe { self.view_at(base, at, len) };
         self.quantize_blocks(SiteQuant::Rows, x, shape, fmt, acc, &mut view)
     }
 
@@ -1048,22 +1072,14 @@ impl SiteKernels for OnWeight<'_> {
         len: usize,
         f: impl FnOnce(&CudaSlice<f32>) -> Result<R, CudaError>,
     ) -> Result<R, CudaError> {
-        let stream = &self.lin.stream;
-        if from.checked_add(len).is_none_or(|end| end > x.len()) {
-            return Err(CudaError::Shape(format!(
-                "range {from}..+{len} of a tensor of {}",
-                x.len()
-            )));
-        }
-        if len == 0 || stream.context().is_event_tracking() {
+        check_range(from, len, x.len())?;
+        if !self.views(len) {
             return f(&self.lin.copy_range(x, from, len)?);
         }
-        let (base, _in_use) = x.device_ptr(stream);
-        let at = base + (from * std::mem::size_of::<f32>()) as u64;
-        // SAFETY: `at..+len` floats lie inside x's allocation (checked above), which outlives
-        // `f` (x is borrowed for this call); the view is never dropped, so never freed, and
-        // without event tracking it holds nothing else. Its work is queued on x's stream.
-        let view = std::mem::ManuallyDrop::new(unsafe { stream.upgrade_device_ptr(at, len) });
+        let (base, _in_use) = x.device_ptr(&self.lin.stream);
+        // SAFETY: the range lies inside x's allocation (checked above), which outlives `f` (x is
+        // borrowed for this call).
+        let view = unsafe { self.view_at(base, from, len) };
         f(&view)
     }
 
