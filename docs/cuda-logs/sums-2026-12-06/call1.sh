@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Branch gpu-next at 33ffceb (reused pack buffers; in-order sums that load ahead; the RMSNorm gain
+# Branch gpu-next (reused pack buffers; in-order sums that load ahead; the RMSNorm gain
 # gradient by block; counts straight into the caller's slots; plan groups quantized into the GEMM
 # operand) against 8e9362d (target/gpuz/hp/lockstep.xz) in one call: GPU tests, the nightly
 # alternated, its metrics compared, sweep throughput, the step benchmark, and the changed kernels
