@@ -6,6 +6,8 @@
 # under ncu for both builds.
 set -u
 OUT=$1; R=$OUT/r; mkdir -p $R
+# Seconds the call may take (the device's limit less a margin for packing the results).
+LIMIT=${LIMIT:-560}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 wall() { local a=$(date +%s.%N); "$@"; local rc=$?; local b=$(date +%s.%N); awk -v a=$a -v b=$b -v rc=$rc 'BEGIN{printf "wall %.2f s rc %d\n", b-a, rc}'; }
 tar xJf target/gpuz/bundle.txz -C /tmp
@@ -34,7 +36,7 @@ done; done > $R/step.log 2>&1
 echo "step done at $(el) s" >> $R/times.txt
 P=docs/cuda-logs/profile-2026-12-06/profile15.toml
 for b in new old; do B=$N; [ $b = old ] && B=$O
-  left=$(( 560 - $(el) )); [ $left -lt 30 ] && break
+  left=$(( LIMIT - $(el) )); [ $left -lt 30 ] && break
   timeout $left ncu --kernel-name regex:"sum_squares_many|adamw_model|rmsnorm_backward_dg" --clock-control none --metrics gpu__time_duration.sum --csv --log-file $R/ncu-$b.csv $B run $P --device cuda --jobs 1 --batch-runs 16 --store /tmp/sp-$b --force > $R/ncu-run-$b.log 2>&1
   echo "rc $?" >> $R/ncu-run-$b.log
   python3 docs/cuda-logs/profile-2026-12-06/ncu_summary.py $R/ncu-$b.csv > $R/ncu-summary-$b.txt 2>&1
