@@ -30,7 +30,7 @@ const SCRATCH_SLOTS: usize = 16;
 /// The loaded kernels of `dequant.cu`.
 struct Kernels {
     bf16: CudaFunction,
-    /// `bf16_round` counting saturation and underflow, and the add of a quantizer's counts.
+    /// `bf16_round` counting saturation and underflow.
     bf16_count: CudaFunction,
     /// Two FP32 tensors' BF16 bits (a tensor-core GEMM's operands).
     bf16_pack2: CudaFunction,
