@@ -116,6 +116,9 @@ enum Mode {
     /// Blocks along rows, columns zero-padded to the block multiple (`fake_quantize_rows_padded`,
     /// likewise).
     RowsPadded,
+    /// Blocks along rows of the input's BF16 rounding (`fake_quantize_rows_of_rounding`, which
+    /// rounds as the quantizer loads for MXFP8 and per-token NVFP4).
+    RowsOfRounding,
 }
 
 /// The CPU's values for `mode`.
@@ -130,6 +133,10 @@ fn cpu_reference(
     let mut want = vec![0.0f32; n];
     match mode {
         Mode::Rows => fake_quantize(x, rows, cols, fmt, Axis::Row, &mut want).map(|_| want),
+        Mode::RowsOfRounding => {
+            let rounded: Vec<f32> = x.iter().map(|v| round_bf16(*v)).collect();
+            fake_quantize(&rounded, rows, cols, fmt, Axis::Row, &mut want).map(|_| want)
+        }
         Mode::Cols => fake_quantize(x, rows, cols, fmt, Axis::Col, &mut want).map(|_| want),
         Mode::ColsPadded => {
             let m = fmt.required_multiple();
@@ -186,6 +193,9 @@ fn compare_mode(
         Mode::Cols => fq.fake_quantize_cols(&dx, rows, cols, fmt, &mut dout),
         Mode::ColsPadded => fq.fake_quantize_cols_padded(&dx, rows, cols, fmt, &mut dout),
         Mode::RowsPadded => fq.fake_quantize_rows_padded(&dx, rows, cols, fmt, &mut dout),
+        Mode::RowsOfRounding => {
+            fq.fake_quantize_rows_of_rounding(&dx, (rows, cols), fmt, &mut dout, None)
+        }
     }
     .map_err(|e| format!("gpu: {e}"))?;
     let got = s.clone_dtoh(&dout).map_err(|e| format!("download: {e}"))?;
@@ -256,11 +266,79 @@ fn gpu_fake_quantize_matches_cpu_for_every_format() {
     );
 }
 
+/// The fake quantizer of `gpu` with per-token NVFP4 on the register kernel (`nvfp4_token16`),
+/// which a GPU with TMA uses only where the staged kernel cannot take a shape.
+fn gpu_register(test: &str) -> Option<&'static CudaFakeQuantizer> {
+    static Q: OnceLock<Result<CudaFakeQuantizer, String>> = OnceLock::new();
+    common::gpu_fixture(&Q, test, || {
+        let q = CudaQuantizer::new(&CudaDevice::open(0)?)?.with_staged_nvfp4(false);
+        CudaFakeQuantizer::new(Arc::new(q))
+    })
+}
+
+/// Quantizing the BF16 rounding of the input (what a site quantizes) as the quantizer loads it
+/// gives, bit for bit, the CPU's fake quantization of `round_bf16(x)` for every format, through
+/// both per-token NVFP4 kernels; inputs include values at and beside BF16 ties, some rounding up
+/// to a larger block amax, so a quantizer that read the input unrounded would differ.
+#[test]
+fn gpu_fake_quantize_of_rounding_matches_cpu_for_every_format() {
+    let name = "gpu_fake_quantize_of_rounding_matches_cpu_for_every_format";
+    let (Some(staged), Some(register)) = (gpu(name), gpu_register(name)) else {
+        return;
+    };
+    let shapes = [(2048, 256), (37, 256), (7, 96), (130, 200)];
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for (si, &(rows, cols)) in shapes.iter().enumerate() {
+        for kind in 0..6 {
+            let seed = (si * 6 + kind) as u64 + 51;
+            let x = match kind {
+                // Low halves at, just below and just above a BF16 tie.
+                5 => input(0, rows, cols, seed)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        let low = [0x8000, 0x7FFF, 0x8001, 0xFFFF][i % 4];
+                        f32::from_bits((v.to_bits() & 0xFFFF_0000) | low)
+                    })
+                    .collect(),
+                _ => input(kind, rows, cols, seed),
+            };
+            for fmt in common::all_formats() {
+                let mut probe = vec![0.0f32; rows * cols];
+                if fake_quantize(&x, rows, cols, &fmt, Axis::Row, &mut probe).is_err() {
+                    continue;
+                }
+                for (which, fq) in [("staged", staged), ("register", register)] {
+                    checked += 1;
+                    if let Err(e) = compare_mode(fq, &x, rows, cols, &fmt, Mode::RowsOfRounding) {
+                        failures.push(format!("{which}, input kind {kind}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+    for f in failures.iter().take(20) {
+        eprintln!("FAIL {f}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} fake quantizations differ",
+        failures.len()
+    );
+    assert!(
+        checked >= 2 * 6 * 3 * 20,
+        "only {checked} fake quantizations ran"
+    );
+}
+
 /// Counts in slots (the runs of a batch, one quantization for all): each slot gets what the CPU
 /// counts for its part of the rows alone, added to what the slot held, the slots beside them are
 /// untouched, and the values are the whole tensor's, for every format (per-token NVFP4 and MXFP8
 /// in one launch, the others part by part). The parts differ in kind (specials, zeros), so a count
-/// in the wrong slot, or one slot's parts counted twice, fails it.
+/// in the wrong slot, or one slot's parts counted twice, fails it. The same holds quantizing
+/// the input's BF16 rounding (`fake_quantize_rows_of_rounding`), counted as the CPU counts the
+/// rounded parts.
 #[test]
 fn gpu_counts_in_slots_are_each_parts_own() {
     let Some(fq) = gpu("gpu_counts_in_slots_are_each_parts_own") else {
@@ -268,11 +346,17 @@ fn gpu_counts_in_slots_are_each_parts_own() {
     };
     let s = fq.quantizer().stream();
     let mut checked = 0;
-    for &(per, cols, slots) in &[(37, 256, 3), (2, 96, 4), (128, 128, 2)] {
+    let cases = [(37, 256, 3), (2, 96, 4), (128, 128, 2)];
+    for (&(per, cols, slots), rounding) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
         let rows = per * slots;
-        let x: Vec<f32> = (0..slots)
+        let input_x: Vec<f32> = (0..slots)
             .flat_map(|i| input([1, 0, 3, 4][i % 4], per, cols, 90 + i as u64))
             .collect();
+        // What the CPU quantizes.
+        let x: Vec<f32> = match rounding {
+            true => input_x.iter().map(|v| round_bf16(*v)).collect(),
+            false => input_x.clone(),
+        };
         for fmt in common::all_formats() {
             let mut want = vec![0.0f32; rows * cols];
             if fake_quantize(&x, rows, cols, &fmt, Axis::Row, &mut want).is_err() {
@@ -289,7 +373,7 @@ fn gpu_counts_in_slots_are_each_parts_own() {
                 expect[at + 1] += st.saturated;
                 expect[at + 2] += st.underflowed;
             }
-            let dx = s.clone_htod(&x).unwrap();
+            let dx = s.clone_htod(&input_x).unwrap();
             let mut dout = s.alloc_zeros::<f32>(rows * cols).unwrap();
             let mut counts = s.clone_htod(&prior).unwrap();
             let acc = lockstep::engine::linear::CountSlots {
@@ -297,11 +381,20 @@ fn gpu_counts_in_slots_are_each_parts_own() {
                 first: 1,
                 slots,
             };
-            fq.fake_quantize_rows_counted(&dx, rows, cols, &fmt, &mut dout, Some(acc))
-                .unwrap();
+            match rounding {
+                true => {
+                    fq.fake_quantize_rows_of_rounding(&dx, (rows, cols), &fmt, &mut dout, Some(acc))
+                }
+                false => fq.fake_quantize_rows_counted(&dx, rows, cols, &fmt, &mut dout, Some(acc)),
+            }
+            .unwrap();
             let got = s.clone_dtoh(&counts).unwrap();
             let values = s.clone_dtoh(&dout).unwrap();
-            let name = fmt.name();
+            let name = format!(
+                "{}{}",
+                fmt.name(),
+                if rounding { " of rounding" } else { "" }
+            );
             assert_eq!(got, expect, "{name} {slots} slots of {per}x{cols}: counts");
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert!(
@@ -311,7 +404,7 @@ fn gpu_counts_in_slots_are_each_parts_own() {
             checked += 1;
         }
     }
-    assert!(checked >= 3 * 20, "only {checked} slot countings ran");
+    assert!(checked >= 2 * 3 * 20, "only {checked} slot countings ran");
 }
 
 /// Column fake quantization (the `Quantized` backward mode's dgrad/wgrad operands), plain and

@@ -395,19 +395,36 @@ pub trait SiteKernels {
         accumulate: bool,
         operands: Operands,
     ) -> Result<(), Self::Error>;
-    /// [`SiteKernels::quantize`] of `Rows` written into `dst` from `at` on rather than into a
-    /// tensor of its own: a device builds the GEMM operand of several plan groups in place.
+    /// [`SiteKernels::quantize`] of `Rows` of `x`'s BF16 rounding, the rounding itself not
+    /// kept: a device whose quantizer rounds each value as it loads makes no rounded tensor.
+    fn quantize_rounding(
+        &self,
+        x: &Self::Buf,
+        shape: Blocks,
+        fmt: &QuantFormat,
+        counts: Option<CountSlots<'_, Self::Counts>>,
+    ) -> Result<Self::Owned, Self::Error> {
+        let rounded = self.round_bf16(x, shape.rows * shape.cols * shape.batch)?;
+        self.quantize(SiteQuant::Rows, rounded.borrow(), shape, fmt, counts)
+    }
+    /// [`SiteKernels::quantize`] of `Rows` of what `reads` says, written into `dst` from `at`
+    /// on rather than into a tensor of its own: a device builds the GEMM operand of several plan
+    /// groups in place.
     #[allow(clippy::too_many_arguments)]
     fn quantize_rows_to(
         &self,
         x: &Self::Buf,
+        reads: Reads,
         shape: Blocks,
         fmt: &QuantFormat,
         counts: Option<CountSlots<'_, Self::Counts>>,
         dst: &mut Self::Buf,
         at: usize,
     ) -> Result<(), Self::Error> {
-        let q = self.quantize(SiteQuant::Rows, x, shape, fmt, counts)?;
+        let q = match reads {
+            Reads::Input => self.quantize(SiteQuant::Rows, x, shape, fmt, counts)?,
+            Reads::Bf16Rounding => self.quantize_rounding(x, shape, fmt, counts)?,
+        };
         let len = shape.rows * shape.cols * shape.batch;
         self.place(dst, at, (q.borrow(), 0), len)
     }
@@ -441,6 +458,15 @@ pub trait SiteKernels {
     }
 }
 
+/// What a quantization reads ([`SiteKernels::quantize_rows_to`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    /// The input as it is.
+    Input,
+    /// The input's BF16 rounding, not kept ([`SiteKernels::quantize_rounding`]).
+    Bf16Rounding,
+}
+
 /// The runs of one site plan among the runs a device steps at once: blocks `blocks` of each of
 /// the site's tensors (a run owns `batch / runs` consecutive blocks of a stacked weight).
 pub struct PlanGroup<'p> {
@@ -451,6 +477,23 @@ pub struct PlanGroup<'p> {
 /// `plans` (one per run, or one for every run) as groups of consecutive runs that compute alike
 /// ([`computes_as`]) over a site of `batch` blocks.
 pub fn plan_groups(plans: &[SitePlan], batch: usize) -> Vec<PlanGroup<'_>> {
+    groups_by(plans, batch, computes_as)
+}
+
+/// [`plan_groups`] for a pass that keeps nothing for a backward ([`apply_on`]): consecutive runs
+/// whose forwards compute alike ([`forwards_as`]) are one group, so their inputs go through one
+/// quantization whatever their backward modes.
+fn forward_groups(plans: &[SitePlan], batch: usize) -> Vec<PlanGroup<'_>> {
+    groups_by(plans, batch, forwards_as)
+}
+
+/// Consecutive runs of `plans` over a site of `batch` blocks, grouped while `alike` holds
+/// between a group's first plan and the next.
+fn groups_by(
+    plans: &[SitePlan],
+    batch: usize,
+    alike: fn(&SitePlan, &SitePlan) -> bool,
+) -> Vec<PlanGroup<'_>> {
     assert!(
         !plans.is_empty() && batch.is_multiple_of(plans.len()),
         "{} site plans for a stack of {batch} weights: one per run, or one for all",
@@ -461,7 +504,7 @@ pub fn plan_groups(plans: &[SitePlan], batch: usize) -> Vec<PlanGroup<'_>> {
     for (r, p) in plans.iter().enumerate() {
         let blocks = r * per_run..(r + 1) * per_run;
         match groups.last_mut() {
-            Some(g) if computes_as(g.plan, p) => g.blocks.end = blocks.end,
+            Some(g) if alike(g.plan, p) => g.blocks.end = blocks.end,
             _ => groups.push(PlanGroup { plan: p, blocks }),
         }
     }
@@ -476,42 +519,67 @@ type Quantized<K> = (
     Option<<K as SiteKernels>::Owned>,
 );
 
+/// `x` quantized per `plan`'s activation format; with its BF16 rounding where `keep` asks for
+/// what a backward needs and the backward mode reads the rounding ([`keeps_rounding`]).
 fn quantized_input<K: SiteKernels>(
     k: &K,
     plan: &SitePlan,
     x: &K::Buf,
     shape: Blocks,
     counts: Option<CountSlots<'_, K::Counts>>,
+    keep: bool,
 ) -> Result<Quantized<K>, K::Error> {
     let Some(fmt) = plan.activation_format() else {
         return Ok((None, None));
     };
-    let x_hp = rounded_input(k, &fmt, x, shape)?;
-    let src = x_hp.as_ref().map_or(x, Borrow::borrow);
-    let x_q = k.quantize(SiteQuant::Rows, src, shape, &fmt, counts)?;
+    let x_hp = rounded_input(k, plan, x, shape, keep)?;
+    let x_q = match (&x_hp, reads(&fmt)) {
+        (Some(x_hp), _) => k.quantize(SiteQuant::Rows, x_hp.borrow(), shape, &fmt, counts)?,
+        (None, Reads::Input) => k.quantize(SiteQuant::Rows, x, shape, &fmt, counts)?,
+        (None, Reads::Bf16Rounding) => k.quantize_rounding(x, shape, &fmt, counts)?,
+    };
     Ok((x_hp, Some(x_q)))
 }
 
-/// What a site of format `fmt` quantizes: a BF16 site's operand is its BF16 rounding, so it is
-/// rounded once (and its saturation is counted against the FP32 input, `None`); other formats
-/// quantize the BF16 rounding of the input, returned.
+/// What a site of format `fmt` quantizes from its input: a BF16 site's operand is its BF16
+/// rounding, so it quantizes the input itself (and counts saturation against the FP32 input);
+/// other formats quantize the BF16 rounding of the input.
+fn reads(fmt: &QuantFormat) -> Reads {
+    match fmt {
+        QuantFormat::Bf16 => Reads::Input,
+        _ => Reads::Bf16Rounding,
+    }
+}
+
+/// Whether the backward reads the BF16 rounding of a quantizing site's input: the high-precision
+/// wgrad operand, and the `Quantized` mode's column quantization of it (the `Dequantized` mode
+/// rounds the quantized input instead).
+fn keeps_rounding(plan: &SitePlan) -> bool {
+    plan.backward != BackwardMode::Dequantized
+}
+
+/// The BF16 rounding of `x` where a training forward (`keep`) of a site that quantizes it keeps
+/// it for the backward ([`keeps_rounding`]); otherwise the quantizer reads the rounding as it
+/// loads ([`SiteKernels::quantize_rounding`]).
 fn rounded_input<K: SiteKernels>(
     k: &K,
-    fmt: &QuantFormat,
+    plan: &SitePlan,
     x: &K::Buf,
     shape: Blocks,
+    keep: bool,
 ) -> Result<Option<K::Owned>, K::Error> {
-    match fmt {
-        QuantFormat::Bf16 => Ok(None),
-        _ => k
+    match plan.activation_format() {
+        Some(fmt) if keep && reads(&fmt) == Reads::Bf16Rounding && keeps_rounding(plan) => k
             .round_bf16(x, shape.rows * shape.cols * shape.batch)
             .map(Some),
+        _ => Ok(None),
     }
 }
 
 /// The step [`forward_on`] and [`apply_on`] share: `x` quantized per the site's activation
-/// format and multiplied by `w`'s forward operand into `y`. Returns the quantized input and its
-/// BF16 rounding ([`Quantized`]) for a caller that keeps what a backward needs.
+/// format and multiplied by `w`'s forward operand into `y`. Returns the quantized input and,
+/// where `keep` asks for what a backward needs, its BF16 rounding ([`Quantized`]).
+#[allow(clippy::too_many_arguments)]
 fn multiply<K: SiteKernels>(
     k: &K,
     plan: &SitePlan,
@@ -520,8 +588,9 @@ fn multiply<K: SiteKernels>(
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
     counts: Option<CountSlots<'_, K::Counts>>,
+    keep: bool,
 ) -> Result<Quantized<K>, K::Error> {
-    let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts)?;
+    let (x_hp, x_q) = quantized_input(k, plan, x, shape, counts, keep)?;
     let input = x_q.as_ref().map_or(x, Borrow::borrow);
     let dims = (shape.rows, w.in_dim, w.out_dim);
     let operands = forward_operands(plan);
@@ -557,25 +626,21 @@ fn wgrad_from<K: SiteKernels>(
     shape: Blocks,
 ) -> Result<WgradFrom<K::Owned>, K::Error> {
     let len = shape.rows * shape.cols * shape.batch;
-    let Some(x_hp) = x_hp else {
-        // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
-        return Ok(match x_q {
-            Some(_) => WgradFrom::Quantized,
-            None => WgradFrom::Input,
-        });
+    // An FP32 site keeps its input; a BF16 site its rounding, whatever the backward mode.
+    let fmt = match plan.activation_format() {
+        None => return Ok(WgradFrom::Input),
+        Some(QuantFormat::Bf16) => return Ok(WgradFrom::Quantized),
+        Some(fmt) => fmt,
     };
-    let x_q = x_q.expect("a site that rounds its input also quantizes it");
+    let x_q = x_q.expect("a site with an activation format quantizes its input");
+    let kept = || x_hp.expect("kept by a training forward (`keeps_rounding`)");
     match plan.backward {
-        BackwardMode::HighPrecision => Ok(WgradFrom::Own(x_hp)),
+        BackwardMode::HighPrecision => Ok(WgradFrom::Own(kept())),
         BackwardMode::Dequantized => k.round_bf16(x_q, len).map(WgradFrom::Own),
-        BackwardMode::Quantized if shape.rows == 0 => Ok(WgradFrom::Own(x_hp)),
-        BackwardMode::Quantized => {
-            let fmt = plan
-                .activation_format()
-                .expect("a quantized site has a format");
-            k.quantize(SiteQuant::ColsPadded, x_hp.borrow(), shape, &fmt, None)
-                .map(WgradFrom::Own)
-        }
+        BackwardMode::Quantized if shape.rows == 0 => Ok(WgradFrom::Own(kept())),
+        BackwardMode::Quantized => k
+            .quantize(SiteQuant::ColsPadded, kept().borrow(), shape, &fmt, None)
+            .map(WgradFrom::Own),
     }
 }
 
@@ -620,7 +685,7 @@ pub fn forward_on<K: SiteKernels>(
         batch: w.batch,
     };
     let slots = counts.as_mut().map(|c| c.slots(&(0..w.batch), w.batch));
-    let q = multiply(k, plan, x, shape, w, y, slots)?;
+    let q = multiply(k, plan, x, shape, w, y, slots, true)?;
     match wgrad_operand(k, plan, q, shape)? {
         Some(kept) => Ok(kept),
         None => k.copy(x, n * w.in_dim * w.batch),
@@ -667,9 +732,12 @@ fn multiply_groups<K: SiteKernels>(
                 }
                 return Ok(());
             };
-            let x_hp = rounded_input(k, &fmt, xg, shape)?;
-            let src = x_hp.as_ref().map_or(xg, Borrow::borrow);
-            k.quantize_rows_to(src, shape, &fmt, slots, operand.borrow_mut(), at)?;
+            let x_hp = rounded_input(k, g.plan, xg, shape, keep)?;
+            let (src, what) = match &x_hp {
+                Some(x_hp) => (x_hp.borrow(), Reads::Input),
+                None => (xg, reads(&fmt)),
+            };
+            k.quantize_rows_to(src, what, shape, &fmt, slots, operand.borrow_mut(), at)?;
             let Some(kept) = kept.as_mut() else {
                 return Ok(());
             };
@@ -715,7 +783,7 @@ pub fn apply_on<K: SiteKernels>(
     w: &SiteWeight<'_, K::Buf>,
     y: &mut K::Buf,
 ) -> Result<(), K::Error> {
-    let groups = plan_groups(plans, w.batch);
+    let groups = forward_groups(plans, w.batch);
     let operands = Operands::all(&groups, forward_operands);
     if groups.iter().all(|g| rounded_by_gemm(k, g.plan, operands)) {
         // Every run's input goes to the GEMM as it is.
@@ -730,7 +798,7 @@ pub fn apply_on<K: SiteKernels>(
         cols: w.in_dim,
         batch: w.batch,
     };
-    multiply(k, groups[0].plan, x, shape, w, y, None).map(|_| ())
+    multiply(k, groups[0].plan, x, shape, w, y, None, false).map(|_| ())
 }
 
 /// dy's dgrad and wgrad operands as the site's backward mode makes them (`None`: dy itself; the
@@ -855,6 +923,16 @@ pub struct HostKernels;
 pub fn computes_as(a: &SitePlan, b: &SitePlan) -> bool {
     a == b
         || (a.precision == b.precision && matches!(a.precision, Precision::Fp32 | Precision::Bf16))
+}
+
+/// Whether a site's forward computes the same under plans `a` and `b`: the same precision and
+/// activation format (the second-level scale, its shards and the MXFP8 scale rule); the backward
+/// mode changes only what a training forward keeps. A run's weights are prepared under its own
+/// plan, so only the activation's quantization is shared. Recipes that differ only in their
+/// backward (mxfp8, mxfp8-hp, mxfp8-dq) quantize a rollout's activations as one group.
+pub fn forwards_as(a: &SitePlan, b: &SitePlan) -> bool {
+    computes_as(a, b)
+        || (a.precision == b.precision && a.activation_format() == b.activation_format())
 }
 
 impl SiteKernels for HostKernels {
@@ -1241,12 +1319,14 @@ mod tests {
     /// device stepping several runs does it. Its GEMMs check that operands said to hold BF16
     /// values do (or, with `gemm_rounds`, round them as a tensor-core GEMM does), and note what
     /// each was told (in call order); `roundings` counts the BF16 roundings made before them
-    /// (`round_bf16`, BF16 quantization).
+    /// (`round_bf16`, BF16 quantization). With `loads_rounded` its quantizer reads a rounding
+    /// as a device's does (`quantize_rounding`), uncounted.
     #[derive(Default)]
     struct Blocked {
         gemms: std::cell::RefCell<Vec<Operands>>,
         gemm_rounds: bool,
         roundings: std::cell::Cell<usize>,
+        loads_rounded: bool,
     }
 
     impl SiteKernels for Blocked {
@@ -1287,6 +1367,20 @@ mod tests {
                 out.extend(q);
             }
             Ok(out)
+        }
+        fn quantize_rounding(
+            &self,
+            x: &[f32],
+            shape: Blocks,
+            fmt: &QuantFormat,
+            counts: Option<CountSlots<'_, [QuantStats]>>,
+        ) -> Result<Vec<f32>, Self::Error> {
+            let len = shape.rows * shape.cols * shape.batch;
+            let rounded = match self.loads_rounded {
+                true => HostKernels.round_bf16(x, len)?,
+                false => self.round_bf16(x, len)?,
+            };
+            self.quantize(SiteQuant::Rows, &rounded, shape, fmt, counts)
         }
         fn gemm(
             &self,
@@ -1562,6 +1656,146 @@ mod tests {
             let differ = fast.iter().zip(&each).position(|(a, b)| a != b);
             assert_eq!(differ, None, "{case:?}: first output that differs");
             assert_eq!(rounding.roundings.get(), roundings, "{case:?}: roundings");
+        }
+    }
+
+    /// An inference pass quantizes the inputs of runs whose forwards compute alike as one group,
+    /// whatever their backward modes, and each run's output is bit for bit its plan's alone:
+    /// three MXFP8 runs of three backward modes round (and quantize) once, beside an NVFP4
+    /// pair (per-token and per-tensor second scales: two groups) and a BF16 run.
+    #[test]
+    fn an_inference_pass_quantizes_runs_of_one_forward_as_one_group() {
+        use BackwardMode::{Dequantized, HighPrecision, Quantized};
+        let (n, k, m, per_run) = (5, 64, 32, 2);
+        let per_tensor = SitePlan {
+            act_scale: crate::formats::SecondScale::PerTensor,
+            ..plan(Precision::Nvfp4, HighPrecision)
+        };
+        let cases: [(Vec<SitePlan>, usize); 3] = [
+            (
+                vec![
+                    plan(Precision::Mxfp8, HighPrecision),
+                    plan(Precision::Mxfp8, Dequantized),
+                    plan(Precision::Mxfp8, Quantized),
+                ],
+                1,
+            ),
+            (
+                vec![
+                    plan(Precision::Bf16, HighPrecision),
+                    plan(Precision::Nvfp4, Dequantized),
+                    plan(Precision::Nvfp4, HighPrecision),
+                    per_tensor,
+                    plan(Precision::Mxfp8, Quantized),
+                ],
+                // BF16's rounding, one per-token NVFP4 group, per-tensor, MXFP8.
+                4,
+            ),
+            (
+                vec![
+                    plan(Precision::Mxfp8, HighPrecision),
+                    plan(Precision::Nvfp4, Dequantized),
+                    plan(Precision::Mxfp8, Dequantized),
+                ],
+                3,
+            ),
+        ];
+        for (plans, roundings) in cases {
+            let batch = plans.len() * per_run;
+            let (xl, yl) = (n * k, n * m);
+            let x = data(batch * xl, 0.5);
+            let w: Vec<f32> = (0..batch)
+                .flat_map(|b| {
+                    let p = &plans[b / per_run];
+                    prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
+                        .w_fwd()
+                        .to_vec()
+                })
+                .collect();
+            let apply = |k_: &Blocked, plans: &[SitePlan], blocks: std::ops::Range<usize>| {
+                let nb = blocks.len();
+                let site = SiteWeight {
+                    fwd: &w[blocks.start * m * k..blocks.end * m * k],
+                    bwd: &w[blocks.start * m * k..blocks.end * m * k],
+                    out_dim: m,
+                    in_dim: k,
+                    batch: nb,
+                };
+                let xs = &x[blocks.start * xl..blocks.end * xl];
+                let mut y = vec![0.0f32; nb * yl];
+                infallible(apply_on(k_, plans, xs, n, &site, &mut y));
+                y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let joint_k = Blocked::default();
+            let joint = apply(&joint_k, &plans, 0..batch);
+            let case: Vec<_> = plans.iter().map(|p| (p.precision, p.backward)).collect();
+            assert_eq!(joint_k.roundings.get(), roundings, "{case:?}: roundings");
+            for (r, p) in plans.iter().enumerate() {
+                let blocks = r * per_run..(r + 1) * per_run;
+                let alone = apply(&Blocked::default(), std::slice::from_ref(p), blocks.clone());
+                let got = &joint[blocks.start * yl..blocks.end * yl];
+                assert_eq!(got, &alone[..], "{case:?}: run {r}");
+            }
+        }
+    }
+
+    /// A quantizer that rounds its input as it loads leaves no rounded copy where nothing reads
+    /// it: an inference pass rounds nothing, a training forward only what its backward reads
+    /// (the `HighPrecision` and `Quantized` modes' kept rounding; the `Dequantized` mode rounds
+    /// the quantized input for its wgrad), alone and in groups of several plans, with the same
+    /// bits as rounding first.
+    #[test]
+    fn a_quantizer_that_rounds_as_it_loads_leaves_no_copy_nothing_reads() {
+        use BackwardMode::{Dequantized, HighPrecision, Quantized};
+        let (n, k, m, per_run) = (5, 64, 32, 2);
+        let mx = |b| plan(Precision::Mxfp8, b);
+        let nv = |b| plan(Precision::Nvfp4, b);
+        // Plans, and the roundings of a training forward with a quantizer that loads rounded.
+        let cases: [(Vec<SitePlan>, usize); 5] = [
+            (vec![mx(HighPrecision)], 1),
+            (vec![mx(Dequantized)], 1),
+            (vec![nv(Quantized)], 1),
+            (vec![nv(Dequantized), mx(HighPrecision), nv(Dequantized)], 3),
+            (vec![mx(Dequantized), nv(Dequantized)], 2),
+        ];
+        for (plans, forward_roundings) in cases {
+            let batch = plans.len() * per_run;
+            let x = data(batch * n * k, 0.5);
+            let w: Vec<f32> = (0..batch)
+                .flat_map(|b| {
+                    let p = &plans[b / per_run];
+                    prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
+                        .w_fwd()
+                        .to_vec()
+                })
+                .collect();
+            let site = SiteWeight {
+                fwd: &w[..],
+                bwd: &w[..],
+                out_dim: m,
+                in_dim: k,
+                batch,
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            // (y and the kept operand of a training forward, y of an inference pass), roundings.
+            let passes = |kernels: &Blocked| {
+                let mut y = vec![0.0f32; batch * n * m];
+                let kept = infallible(forward_on(kernels, &plans, &x, n, &site, &mut y, None));
+                let trained = kernels.roundings.replace(0);
+                let mut y_inf = vec![0.0f32; batch * n * m];
+                infallible(apply_on(kernels, &plans, &x, n, &site, &mut y_inf));
+                let inferred = kernels.roundings.get();
+                ([bits(&y), bits(&kept), bits(&y_inf)], (trained, inferred))
+            };
+            let loading = Blocked {
+                loads_rounded: true,
+                ..Blocked::default()
+            };
+            let (fast, roundings) = passes(&loading);
+            let (slow, _) = passes(&Blocked::default());
+            let case: Vec<_> = plans.iter().map(|p| (p.precision, p.backward)).collect();
+            assert_eq!(fast, slow, "{case:?}: the same bits");
+            assert_eq!(roundings, (forward_roundings, 0), "{case:?}: roundings");
         }
     }
 

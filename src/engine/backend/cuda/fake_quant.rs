@@ -11,7 +11,7 @@
 //! CPU's own special case (`fake_quantize_bf16`). NaN results carry the host's NaN bits (see
 //! `dequant.cu`). All work is queued on the quantizer's stream.
 
-use super::quant::{CountInto, counts_in_slots};
+use super::quant::{CountInto, counts_in_slots, rounds_as_it_loads};
 use super::{CudaError, CudaQuantizer, DeviceQuantized};
 use crate::engine::linear::CountSlots;
 use crate::formats::fp8_block::TILE;
@@ -208,6 +208,41 @@ impl CudaFakeQuantizer {
         out: &mut CudaSlice<f32>,
         acc: Option<CountSlots<'_, CudaSlice<u64>>>,
     ) -> Result<(), CudaError> {
+        self.fake_quantize_rows_reading(x, (rows, cols), fmt, out, acc, false)
+    }
+
+    /// [`Self::fake_quantize_rows_counted`] of `x`'s BF16 rounding (`round_bf16(x)`, what a
+    /// site quantizes) without a rounded copy where the quantizer rounds as it loads
+    /// ([`rounds_as_it_loads`]: MXFP8, per-token NVFP4); through a rounded copy otherwise.
+    pub fn fake_quantize_rows_of_rounding(
+        &self,
+        x: &CudaSlice<f32>,
+        (rows, cols): (usize, usize),
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
+    ) -> Result<(), CudaError> {
+        if rounds_as_it_loads(fmt, Axis::Row) {
+            return self.fake_quantize_rows_reading(x, (rows, cols), fmt, out, acc, true);
+        }
+        let n = rows * cols;
+        check_len("x", x.len(), n)?;
+        let mut rounded = super::output_buffer(self.q.stream(), n.max(1))?;
+        self.round_bf16(x, &mut rounded, n)?;
+        self.fake_quantize_rows_counted(&rounded, rows, cols, fmt, out, acc)
+    }
+
+    /// [`Self::fake_quantize_rows_counted`], of `x`'s BF16 rounding formed as the quantizer
+    /// loads when `round_in` (only where [`rounds_as_it_loads`]).
+    fn fake_quantize_rows_reading(
+        &self,
+        x: &CudaSlice<f32>,
+        (rows, cols): (usize, usize),
+        fmt: &QuantFormat,
+        out: &mut CudaSlice<f32>,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
+        round_in: bool,
+    ) -> Result<(), CudaError> {
         let slots = acc.as_ref().map_or(1, |a| a.slots);
         if let Some(a) = &acc {
             check_counts(a.counts.len(), 3 * (a.first + a.slots))?;
@@ -263,7 +298,7 @@ impl CudaFakeQuantizer {
             }
             None => CountInto::Unread,
         };
-        self.q.quantize_counting(src, q, into)?;
+        self.q.quantize_rounding(src, q, into, round_in)?;
         let dnan = self.default_nan;
         let (n64, rows64, cols64) = (n as u64, rows as u64, cols as u64);
         match *fmt {

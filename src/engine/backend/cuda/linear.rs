@@ -20,8 +20,8 @@ use super::fake_quant::CudaFakeQuantizer;
 use super::staging::Staging;
 use super::{CudaDevice, CudaError, CudaQuantizer};
 use crate::engine::linear::{
-    self, Blocks, CountSlots, DgradOperand, Operands, PreparedWeight, RunCounts, SiteKernels,
-    SiteQuant, SiteWeight,
+    self, Blocks, CountSlots, DgradOperand, Operands, PreparedWeight, Reads, RunCounts,
+    SiteKernels, SiteQuant, SiteWeight,
 };
 use crate::formats::mxfp8::MX_BLOCK;
 use crate::formats::nvfp4::NV_BLOCK;
@@ -695,11 +695,13 @@ impl CudaLinear {
     }
 
     /// One quantization of a single block, or of several stacked blocks where that is the
-    /// same thing.
+    /// same thing, of what `reads` says (the BF16 rounding only for `Rows`).
+    #[allow(clippy::too_many_arguments)]
     fn quantize_one(
         &self,
         kind: SiteQuant,
         x: &CudaSlice<f32>,
+        reads: Reads,
         (rows, cols): (usize, usize),
         fmt: &QuantFormat,
         out: &mut CudaSlice<f32>,
@@ -708,12 +710,23 @@ impl CudaLinear {
         if rows == 0 {
             return Ok(());
         }
-        match kind {
-            SiteQuant::Rows => self
+        match (kind, reads) {
+            (SiteQuant::Rows, Reads::Input) => self
                 .fq
                 .fake_quantize_rows_counted(x, rows, cols, fmt, out, acc),
-            SiteQuant::RowsPadded => self.fq.fake_quantize_rows_padded(x, rows, cols, fmt, out),
-            SiteQuant::ColsPadded => self.fq.fake_quantize_cols_padded(x, rows, cols, fmt, out),
+            (SiteQuant::Rows, Reads::Bf16Rounding) => {
+                self.fq
+                    .fake_quantize_rows_of_rounding(x, (rows, cols), fmt, out, acc)
+            }
+            (SiteQuant::RowsPadded, Reads::Input) => {
+                self.fq.fake_quantize_rows_padded(x, rows, cols, fmt, out)
+            }
+            (SiteQuant::ColsPadded, Reads::Input) => {
+                self.fq.fake_quantize_cols_padded(x, rows, cols, fmt, out)
+            }
+            (kind, reads) => Err(CudaError::Shape(format!(
+                "{kind:?} quantization of {reads:?}: only rows read a rounding as they load"
+            ))),
         }
     }
 }
@@ -950,10 +963,12 @@ impl OnWeight<'_> {
     /// together where that is the same thing (row-local formats; columns when `rows` divides
     /// into blocks), one by one otherwise (a per-tensor NVFP4 scale, a column block that would
     /// straddle two experts).
+    #[allow(clippy::too_many_arguments)]
     fn quantize_blocks(
         &self,
         kind: SiteQuant,
         x: &CudaSlice<f32>,
+        reads: Reads,
         Blocks { rows, cols, batch }: Blocks,
         fmt: &QuantFormat,
         mut acc: Option<CountSlots<'_, CudaSlice<u64>>>,
@@ -969,7 +984,7 @@ impl OnWeight<'_> {
         let aligned = kind != SiteQuant::ColsPadded || rows.is_multiple_of(fmt.required_multiple());
         if batch == 1 || (!per_tensor && aligned) {
             self.lin
-                .quantize_one(kind, x, (rows * batch, cols), fmt, out, acc)
+                .quantize_one(kind, x, reads, (rows * batch, cols), fmt, out, acc)
         } else {
             let mut b = 0;
             self.lin
@@ -977,7 +992,8 @@ impl OnWeight<'_> {
                 .per_block(x, out, (batch, rows * cols), |blk, q| {
                     let slot = acc.as_mut().map(|a| a.part(b, batch));
                     b += 1;
-                    self.lin.quantize_one(kind, blk, (rows, cols), fmt, q, slot)
+                    self.lin
+                        .quantize_one(kind, blk, reads, (rows, cols), fmt, q, slot)
                 })
         }
     }
@@ -1013,7 +1029,21 @@ impl SiteKernels for OnWeight<'_> {
             SiteQuant::RowsPadded => self.lin.stream.alloc_zeros(len.max(1))?,
             _ => self.lin.output(len)?,
         };
-        self.quantize_blocks(kind, x, shape, fmt, acc, &mut out)?;
+        self.quantize_blocks(kind, x, Reads::Input, shape, fmt, acc, &mut out)?;
+        Ok(out)
+    }
+
+    /// The quantizer rounds as it loads where it can (MXFP8, per-token NVFP4).
+    fn quantize_rounding(
+        &self,
+        x: &CudaSlice<f32>,
+        shape: Blocks,
+        fmt: &QuantFormat,
+        acc: Option<CountSlots<'_, CudaSlice<u64>>>,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.lin.output(shape.batch * shape.rows * shape.cols)?;
+        let (kind, reads) = (SiteQuant::Rows, Reads::Bf16Rounding);
+        self.quantize_blocks(kind, x, reads, shape, fmt, acc, &mut out)?;
         Ok(out)
     }
 
@@ -1021,6 +1051,7 @@ impl SiteKernels for OnWeight<'_> {
     fn quantize_rows_to(
         &self,
         x: &CudaSlice<f32>,
+        reads: Reads,
         shape: Blocks,
         fmt: &QuantFormat,
         acc: Option<CountSlots<'_, CudaSlice<u64>>>,
@@ -1030,14 +1061,15 @@ impl SiteKernels for OnWeight<'_> {
         let len = shape.batch * shape.rows * shape.cols;
         check_range(at, len, dst.len())?;
         if !self.views(len) {
-            let q = self.quantize(SiteQuant::Rows, x, shape, fmt, acc)?;
+            let mut q = self.lin.output(len)?;
+            self.quantize_blocks(SiteQuant::Rows, x, reads, shape, fmt, acc, &mut q)?;
             return self.place(dst, at, (&q, 0), len);
         }
         let (base, _in_use) = dst.device_ptr_mut(&self.lin.stream);
         // SAFETY: the range lies inside dst's allocation (checked above), which outlives this
         // call, and dst is borrowed mutably for it, so nothing else reads or writes it meanwhile.
         let mut view = unsafe { self.view_at(base, at, len) };
-        self.quantize_blocks(SiteQuant::Rows, x, shape, fmt, acc, &mut view)
+        self.quantize_blocks(SiteQuant::Rows, x, reads, shape, fmt, acc, &mut view)
     }
 
     fn gemm(

@@ -92,6 +92,13 @@ __device__ __forceinline__ u16 bf16_rne(float x) {
     return (u16)((u + 0x7FFFu + lsb) >> 16);
 }
 
+// bf16::round_bf16: a quantizer that reads its input's BF16 rounding (`round_in`) forms it as it
+// loads, the same bits as quantizing a rounded copy.
+__device__ __forceinline__ float bf16_val(float x) { return bitsf((u32)bf16_rne(x) << 16); }
+__device__ __forceinline__ float4 bf16_val4(float4 v) {
+    return make_float4(bf16_val(v.x), bf16_val(v.y), bf16_val(v.z), bf16_val(v.w));
+}
+
 // e8m0::e8m0_ceil_from_f32 (TE float_to_e8m0).
 __device__ __forceinline__ u32 e8m0_ceil(float v) {
     if (is_nan(v)) return 0xFF;
@@ -285,7 +292,7 @@ __device__ __forceinline__ u32 mx_encode4(float v0, float v1, float v2, float v3
 template <int ELEM, int RULE>
 __device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__restrict__ codes,
                                           u8 *__restrict__ scales, u64 n4, float max_elem,
-                                          float rcp_max, int emax, u64 *stats) {
+                                          float rcp_max, int emax, u64 *stats, int round_in) {
     // Count slots: gridDim.y tensors of n4 float4s back to back, the y-th counted in stats[3y..].
     x += (u64)blockIdx.y * n4;
     codes += (u64)blockIdx.y * n4;
@@ -301,6 +308,7 @@ __device__ __forceinline__ void mxfp8_row(const float4 *__restrict__ x, u32 *__r
         for (int k = 0; k < U; k++) {
             u64 i = base + k * 32 + lane;
             v[k] = i < n4 ? x[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            if (round_in) v[k] = bf16_val4(v[k]);
         }
 #pragma unroll
         for (int k = 0; k < U; k++) {
@@ -431,8 +439,9 @@ __device__ __forceinline__ void mxfp8_col_tile(const float *__restrict__ x, u8 *
 #define MX_KERNELS(SUFFIX, E, R)                                                                       \
     extern "C" __global__ void mxfp8_row_##SUFFIX(const float4 *__restrict__ x, u32 *__restrict__ codes, \
                                                   u8 *__restrict__ scales, u64 n4, float max_elem,     \
-                                                  float rcp_max, int emax, u64 *stats) {                \
-        mxfp8_row<E, R>(x, codes, scales, n4, max_elem, rcp_max, emax, stats);                         \
+                                                  float rcp_max, int emax, u64 *stats,                  \
+                                                  int round_in) {                                       \
+        mxfp8_row<E, R>(x, codes, scales, n4, max_elem, rcp_max, emax, stats, round_in);               \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256, 4) mxfp8_col_##SUFFIX(                          \
         const float *__restrict__ x, u8 *__restrict__ codes, u8 *__restrict__ scales, u64 rows,         \
@@ -607,9 +616,10 @@ __device__ __forceinline__ uint2 nv_block16(const float4 *v, float vec_max, floa
     return make_uint2(lo, hi);
 }
 
-__device__ __forceinline__ void nv_load16(const float4 *__restrict__ x, u64 b, float4 *v) {
+// Block b's 16 values, BF16-rounded as they load when `round_in`.
+__device__ __forceinline__ void nv_load16(const float4 *__restrict__ x, u64 b, float4 *v, int round_in) {
 #pragma unroll
-    for (int k = 0; k < 4; k++) v[k] = x[4 * b + k];
+    for (int k = 0; k < 4; k++) v[k] = round_in ? bf16_val4(x[4 * b + k]) : x[4 * b + k];
 }
 
 // Count slots of the per-token kernels: gridDim.y tensors of nsegs segments back to back (the
@@ -641,7 +651,7 @@ __device__ __forceinline__ void nv_token_slot(const float4 *__restrict__ &x, uin
 // than a chunk are read twice (amax, then encode).
 extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
     const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
-    u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats) {
+    u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats, int round_in) {
     __shared__ u32 s_key[3][NV_CHUNK];
     nv_token_slot(x, codes, scales, row_keys, nsegs, L, stats);
     u32 t = threadIdx.x;
@@ -662,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
 #pragma unroll
             for (int q = 0; q < NV_B; q++) {
                 u32 b = t + q * NV_T;
-                if (b < nb) nv_load16(x, b0 + b, v[q]);
+                if (b < nb) nv_load16(x, b0 + b, v[q], round_in);
             }
             u32 pn = p == 2 ? 0 : p + 1;
             for (u32 i = t; i < spc; i += NV_T) s_key[pn][i] = 0;
@@ -711,7 +721,7 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
             u32 k = 0;
             for (u32 b = t; b < L; b += NV_T) {
                 float4 v[4];
-                nv_load16(x, b0 + b, v);
+                nv_load16(x, b0 + b, v, round_in);
                 k = max(k, amax16_key(amax16(v)));
             }
             k = block_max(k, s_key[0]);
@@ -720,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_token16(
             float mult = s_enc * rcp6, s_dec = __frcp_rn(s_enc);
             for (u32 b = t; b < L; b += NV_T) {
                 float4 v[4];
-                nv_load16(x, b0 + b, v);
+                nv_load16(x, b0 + b, v, round_in);
                 u32 sc;
                 codes[b0 + b] = nv_block16(v, amax16(v), mult, s_dec, &sc, &sat, &under);
                 scales[b0 + b] = (u8)sc;
@@ -754,7 +764,7 @@ __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_gen
 
 extern "C" __global__ void __launch_bounds__(SG_T, 1) nvfp4_token_staged(
     const float4 *__restrict__ x, uint2 *__restrict__ codes, u8 *__restrict__ scales,
-    u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats) {
+    u32 *__restrict__ row_keys, u64 nsegs, u32 L, float rcp6, u64 *stats, int round_in) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ float4 stage[]; // [SG_STAGES][SG_CHUNK * 4]
     __shared__ u32 s_key[SG_STAGES][SG_CHUNK];
@@ -807,7 +817,10 @@ extern "C" __global__ void __launch_bounds__(SG_T, 1) nvfp4_token_staged(
         float4 v[4];
         if (ok) {
 #pragma unroll
-            for (int k = 0; k < 4; k++) v[k] = sv[4 * b + ((k + rot) & 3)];
+            for (int k = 0; k < 4; k++) {
+                v[k] = sv[4 * b + ((k + rot) & 3)];
+                if (round_in) v[k] = bf16_val4(v[k]);
+            }
         }
         float bm = ok ? amax16(v) : 0.0f;
         u32 key = amax16_key(bm);
@@ -871,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(NV_T) nvfp4_tensor16(
 #pragma unroll
         for (int q = 0; q < NV_B; q++) {
             u64 b = g + q * NV_T;
-            if (b < nblocks) nv_load16(x, b, v[q]);
+            if (b < nblocks) nv_load16(x, b, v[q], 0);
         }
 #pragma unroll
         for (int q = 0; q < NV_B; q++) {

@@ -192,6 +192,12 @@ pub fn counts_in_slots(fmt: &QuantFormat, axis: Axis) -> bool {
         )
 }
 
+/// Whether the quantizer can read `fmt` along `axis` from its input's BF16 rounding, rounding
+/// each value as it loads ([`CudaQuantizer::quantize_rounding`]): the same row kernels.
+pub fn rounds_as_it_loads(fmt: &QuantFormat, axis: Axis) -> bool {
+    counts_in_slots(fmt, axis)
+}
+
 /// Amax keys (|x| bits, maxed as integers so NaN wins) as FP32 amax values, NaN as the CPU's
 /// `f32::NAN`.
 /// `nvfp4_token_staged` if this device can run it: TMA bulk copies (compute capability 9.0+) and
@@ -401,8 +407,28 @@ impl CudaQuantizer {
         q: &mut DeviceQuantized,
         into: CountInto<'_>,
     ) -> Result<(), CudaError> {
+        self.quantize_rounding(x, q, into, false)
+    }
+
+    /// [`Self::quantize_counting`] of `x`'s BF16 rounding when `round_in`: the bytes of
+    /// quantizing `round_bf16(x)`, each value rounded as the kernel loads it, so no rounded copy
+    /// is made. Only where [`rounds_as_it_loads`] (`CudaError::Shape` otherwise).
+    pub fn quantize_rounding(
+        &self,
+        x: &CudaSlice<f32>,
+        q: &mut DeviceQuantized,
+        into: CountInto<'_>,
+        round_in: bool,
+    ) -> Result<(), CudaError> {
         let (rows, cols, axis) = (q.rows, q.cols, q.axis);
         validate_len(x.len(), rows, cols, &q.format, axis)?;
+        if round_in && !rounds_as_it_loads(&q.format, axis) {
+            return Err(CudaError::Shape(format!(
+                "{:?} along {axis:?} cannot round its input as it loads; round it first",
+                q.format
+            )));
+        }
+        let round_i = i32::from(round_in);
         let s = &self.stream;
         let grid = self.grid;
         let DeviceQuantized {
@@ -479,7 +505,11 @@ impl CudaQuantizer {
                     let n4 = n64 / 4 / slots as u64;
                     let mut b = s.launch_builder(&self.k.mxfp8_row[e][r]);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&n4);
-                    b.arg(&max).arg(&rcp_max).arg(&emax).arg(stats);
+                    b.arg(&max)
+                        .arg(&rcp_max)
+                        .arg(&emax)
+                        .arg(stats)
+                        .arg(&round_i);
                     // SAFETY: n is a multiple of 32 (validated) and each slot's rows a whole
                     // number of rows: slot y's n4 float4 loads, u32 code stores and n4/8 scale
                     // stores start at y·n4 and stay inside `src`, `codes` and `scales_u8`; its
@@ -506,6 +536,7 @@ impl CudaQuantizer {
                     let mut b = s.launch_builder(f);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
                     b.arg(&slot_segs).arg(&seg_blocks).arg(&rcp6).arg(stats);
+                    b.arg(&round_i);
                     let cfg = LaunchConfig {
                         shared_mem_bytes: STAGED_SMEM,
                         ..cfg_slots(self.staged_grid, STAGED_THREADS, slots)
@@ -518,6 +549,7 @@ impl CudaQuantizer {
                     let mut b = s.launch_builder(&self.k.nvfp4_token);
                     b.arg(src).arg(codes).arg(scales_u8).arg(&mut *row_keys);
                     b.arg(&slot_segs).arg(&seg_blocks).arg(&rcp6).arg(stats);
+                    b.arg(&round_i);
                     // SAFETY: cols is a multiple of 16·shards, so the n/16 blocks are exactly the
                     // br·shards segments of seg_blocks blocks, slot y's the y-th slot_segs of
                     // them; each block index b < n/16 reads floats 16b..16b+16 of `src` and
