@@ -452,7 +452,9 @@ pub trait SiteKernels {
     /// Whether [`SiteKernels::gemm`] rounds operands it is told hold BF16 values
     /// ([`Operands::Bf16`]) to BF16 itself, as a tensor-core GEMM that reads them as BF16 does.
     /// Then a pass that keeps nothing for a backward ([`apply_on`]) gives a BF16 site's input
-    /// to the GEMM unrounded: rounding twice is rounding once, so the product is the same.
+    /// to the GEMM unrounded, and a backward whose GEMMs both round gives them dy unrounded
+    /// where no group quantizes it: rounding twice is rounding once, so the products are the
+    /// same.
     fn gemm_rounds_to_bf16(&self) -> bool {
         false
     }
@@ -808,15 +810,21 @@ type DyOperands<K> = (
     Option<<K as SiteKernels>::Owned>,
 );
 
+/// `rounded_by_gemms`: both GEMMs round their operands to BF16 themselves, so dy goes to them
+/// unrounded where the mode does not quantize it (rounding twice is rounding once).
 fn dy_operands<K: SiteKernels>(
     k: &K,
     plan: &SitePlan,
     dy: &K::Buf,
     shape: Blocks,
+    rounded_by_gemms: bool,
 ) -> Result<DyOperands<K>, K::Error> {
     let Some(fmt) = plan.activation_format() else {
         return Ok((None, None));
     };
+    if rounded_by_gemms && !dy_quantized(plan) {
+        return Ok((None, None));
+    }
     let dy_hp = k.round_bf16(dy, shape.rows * shape.cols * shape.batch)?;
     if dy_quantized(plan) {
         // dgrad contracts over m (row blocks of dy); wgrad over n (column blocks of dy).
@@ -847,6 +855,11 @@ pub fn backward_on<K: SiteKernels>(
         return dx.map_or(Ok(()), |dx| k.fill_zero(dx));
     }
     let groups = plan_groups(plans, batch);
+    let (dgrad, wgrad) = (
+        Operands::all(&groups, dgrad_operands),
+        Operands::all(&groups, wgrad_operands),
+    );
+    let rounded_by_gemms = k.gemm_rounds_to_bf16() && dgrad == wgrad && wgrad == Operands::Bf16;
     let (own_d, own_w) = match &groups[..] {
         [g] => {
             let shape = Blocks {
@@ -854,8 +867,10 @@ pub fn backward_on<K: SiteKernels>(
                 cols: m,
                 batch,
             };
-            dy_operands(k, g.plan, dy, shape)?
+            dy_operands(k, g.plan, dy, shape, rounded_by_gemms)?
         }
+        // No group quantizes dy and the GEMMs round it: every run's dy as it is.
+        _ if rounded_by_gemms && !groups.iter().any(|g| dy_quantized(g.plan)) => (None, None),
         _ => {
             // Each group's operands into a tensor of every run's rows; the wgrad ones into a
             // second where some group quantizes dy, whose wgrad operand is then its own.
@@ -873,7 +888,7 @@ pub fn backward_on<K: SiteKernels>(
                     batch: g.blocks.len(),
                 };
                 k.with_range(dy, at, glen, |dyg| {
-                    let (d, wq) = dy_operands(k, g.plan, dyg, shape)?;
+                    let (d, wq) = dy_operands(k, g.plan, dyg, shape, rounded_by_gemms)?;
                     let d = d.as_ref().map_or(dyg, Borrow::borrow);
                     let wq = wq.as_ref().map_or(d, Borrow::borrow);
                     k.place(d_all.borrow_mut(), at, (d, 0), glen)?;
@@ -889,7 +904,6 @@ pub fn backward_on<K: SiteKernels>(
     let dy_d = own_d.as_ref().map_or(dy, Borrow::borrow);
     let dy_w = own_w.as_ref().map_or(dy_d, Borrow::borrow);
     if let Some(dx) = dx {
-        let operands = Operands::all(&groups, dgrad_operands);
         k.gemm(
             (dy_d, false),
             (w.bwd, false),
@@ -897,10 +911,9 @@ pub fn backward_on<K: SiteKernels>(
             (n, m, kd),
             batch,
             false,
-            operands,
+            dgrad,
         )?;
     }
-    let operands = Operands::all(&groups, wgrad_operands);
     k.gemm(
         (dy_w, true),
         (x_bwd, false),
@@ -908,7 +921,7 @@ pub fn backward_on<K: SiteKernels>(
         (m, n, kd),
         batch,
         true,
-        operands,
+        wgrad,
     )
 }
 
@@ -1796,6 +1809,73 @@ mod tests {
             let case: Vec<_> = plans.iter().map(|p| (p.precision, p.backward)).collect();
             assert_eq!(fast, slow, "{case:?}: the same bits");
             assert_eq!(roundings, (forward_roundings, 0), "{case:?}: roundings");
+        }
+    }
+
+    /// A backward whose dgrad and wgrad GEMMs round their operands to BF16 gives them dy
+    /// unrounded where no group quantizes it, with the same dx and dW bits as rounding first:
+    /// no rounding of dy at all (one plan, or several none of which quantizes dy), one for a
+    /// group that quantizes it (MXFP8 `Quantized`: BF16 operands), and every group's as before
+    /// where a GEMM is FP32 (NVFP4 `Quantized`).
+    #[test]
+    fn a_backward_leaves_dy_rounding_to_gemms_that_round() {
+        use BackwardMode::{Dequantized, HighPrecision, Quantized};
+        let (n, k, m, per_run) = (5, 64, 32, 2);
+        let bf = plan(Precision::Bf16, HighPrecision);
+        let mx = |b| plan(Precision::Mxfp8, b);
+        let nv = |b| plan(Precision::Nvfp4, b);
+        // Plans, and the backward's roundings with GEMMs that round (rounding first: one a group).
+        let cases: [(Vec<SitePlan>, usize); 6] = [
+            (vec![bf], 0),
+            (vec![mx(HighPrecision)], 0),
+            (vec![mx(Quantized)], 1),
+            (vec![nv(Dequantized), mx(HighPrecision), bf], 0),
+            (vec![nv(Quantized), mx(HighPrecision)], 2),
+            (vec![mx(Quantized), bf, mx(Dequantized)], 1),
+        ];
+        for (plans, roundings) in cases {
+            let batch = plans.len() * per_run;
+            let x = data(batch * n * k, 0.5);
+            let dy = data(batch * n * m, 1.5);
+            let prepared: Vec<PreparedWeight> = (0..batch)
+                .map(|b| prepare_weight(&plans[b / per_run], &data(m * k, 3.0 + b as f32), m, k))
+                .collect();
+            let fwd: Vec<f32> = prepared.iter().flat_map(|p| p.w_fwd().to_vec()).collect();
+            let bwd: Vec<f32> = prepared.iter().flat_map(|p| p.w_bwd().to_vec()).collect();
+            let site = SiteWeight {
+                fwd: &fwd[..],
+                bwd: &bwd[..],
+                out_dim: m,
+                in_dim: k,
+                batch,
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            // dx and dW, and the backward's roundings.
+            let pass = |kernels: &Blocked| {
+                let mut y = vec![0.0f32; batch * n * m];
+                let kept = infallible(forward_on(kernels, &plans, &x, n, &site, &mut y, None));
+                kernels.roundings.set(0);
+                let (mut dx, mut dw) = (vec![0.0f32; batch * n * k], data(batch * m * k, 2.5));
+                let dx_ = Some(&mut dx[..]);
+                infallible(backward_on(
+                    kernels, &plans, &kept, n, &site, &dy, dx_, &mut dw,
+                ));
+                ([bits(&dx), bits(&dw)], kernels.roundings.get())
+            };
+            let rounding = Blocked {
+                gemm_rounds: true,
+                ..Blocked::default()
+            };
+            let (fast, fast_roundings) = pass(&rounding);
+            let (slow, slow_roundings) = pass(&Blocked::default());
+            let case: Vec<_> = plans.iter().map(|p| (p.precision, p.backward)).collect();
+            assert_eq!(fast, slow, "{case:?}: dx and dW");
+            assert_eq!(fast_roundings, roundings, "{case:?}: roundings");
+            let groups = plan_groups(&plans, batch).len();
+            assert_eq!(
+                slow_roundings, groups,
+                "{case:?}: roundings, rounding first"
+            );
         }
     }
 
