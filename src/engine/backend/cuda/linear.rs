@@ -26,7 +26,7 @@ use crate::engine::linear::{
 use crate::formats::mxfp8::MX_BLOCK;
 use crate::formats::nvfp4::NV_BLOCK;
 use crate::formats::{QuantFormat, SecondScale};
-use crate::recipe::{Precision, SitePlan};
+use crate::recipe::SitePlan;
 use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
@@ -409,21 +409,39 @@ impl CudaLinear {
             return Ok(DevicePrepared { w_fwd, w_bwd: None });
         };
         let fq = &self.fq;
-        let mut w_hp = super::output_buffer(s, n)?;
-        fq.round_bf16(w, &mut w_hp, n)?;
         let mut w_fwd = super::output_buffer(s, n)?;
+        if fmt == QuantFormat::Bf16 {
+            // A BF16 site's operand is its BF16-rounded weight, for the dgrad too.
+            fq.round_bf16(w, &mut w_fwd, n)?;
+            return Ok(DevicePrepared { w_fwd, w_bwd: None });
+        }
+        let dgrad = linear::dgrad_operand(plan);
+        // The rounded weight where the dgrad operand is made from it; otherwise the quantizer
+        // reads the rounding as it loads.
+        let w_hp = match dgrad {
+            DgradOperand::DequantizedBf16 => None,
+            DgradOperand::HighPrecision | DgradOperand::ColumnQuantized => {
+                let mut w_hp = super::output_buffer(s, n)?;
+                fq.round_bf16(w, &mut w_hp, n)?;
+                Some(w_hp)
+            }
+        };
         let (row_fmt, rows, cols) = rows_as.unwrap_or((fmt, batch * out_dim, in_dim));
-        fq.fake_quantize_rows(&w_hp, rows, cols, &row_fmt, &mut w_fwd)?;
-        let w_bwd = match linear::dgrad_operand(plan) {
-            // A BF16 site's forward operand is its BF16-rounded weight already.
-            DgradOperand::HighPrecision if plan.precision == Precision::Bf16 => None,
-            DgradOperand::HighPrecision => Some(w_hp),
+        match &w_hp {
+            Some(w_hp) => fq.fake_quantize_rows(w_hp, rows, cols, &row_fmt, &mut w_fwd)?,
+            None => {
+                fq.fake_quantize_rows_of_rounding(w, (rows, cols), &row_fmt, &mut w_fwd, None)?
+            }
+        }
+        let w_bwd = match dgrad {
+            DgradOperand::HighPrecision => w_hp,
             DgradOperand::DequantizedBf16 => {
                 let mut b = super::output_buffer(s, n)?;
                 fq.round_bf16(&w_fwd, &mut b, n)?;
                 Some(b)
             }
             DgradOperand::ColumnQuantized if batch == 1 => {
+                let w_hp = w_hp.expect("rounded above");
                 let mut b = super::output_buffer(s, n)?;
                 fq.fake_quantize_cols_padded(&w_hp, out_dim, in_dim, &fmt, &mut b)?;
                 Some(b)
