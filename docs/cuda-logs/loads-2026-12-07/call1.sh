@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# This stop's head (b77bde7: inference passes quantize runs of one forward as one group; quantizers read a BF16
-# rounding as they load; dy unrounded to GEMMs that round) against 911d589 (target/gpuz/base/lockstep.xz) in one call: GPU tests,
+# This stop's head (bd85c71: inference passes quantize runs of one forward as one group; quantizers read a BF16
+# rounding as they load; dy unrounded to GEMMs that round; weights prepared with fewer roundings) against 911d589 (target/gpuz/base/lockstep.xz) in one call: GPU tests,
 # the nightly alternated and its metrics compared, sweep throughput, the step benchmark, and a
 # kernel profile of the nightly's two batches (2 steps) for both builds.
 set -u
