@@ -156,6 +156,18 @@ fn start_split_sweep(dir: &Path) -> (Child, Vec<String>, std::sync::mpsc::Receiv
     (child, pids, rx)
 }
 
+/// The lines still to come from the sweep's output: read until both pipes close (the readers
+/// stop at end of file once the sweep and its workers are gone) or `limit` passes. A sweep that
+/// has exited may not have had its last lines read yet.
+fn rest_of(rx: &std::sync::mpsc::Receiver<String>, limit: Duration) -> Vec<String> {
+    let t0 = Instant::now();
+    let mut lines = Vec::new();
+    while let Ok(line) = rx.recv_timeout(limit.saturating_sub(t0.elapsed())) {
+        lines.push(line);
+    }
+    lines
+}
+
 fn wait(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let t0 = Instant::now();
     loop {
@@ -193,7 +205,7 @@ fn a_worker_that_dies_fails_its_runs_and_the_sweep() {
     }
     signal(&sweep.id().to_string(), libc::SIGTERM);
     let status = wait(&mut sweep, Duration::from_secs(120));
-    seen.extend(rx.try_iter());
+    seen.extend(rest_of(&rx, Duration::from_secs(30)));
     let all = seen.join("\n");
     assert!(!status.success(), "{all}");
     assert!(all.contains(&reported), "{all}");
@@ -211,7 +223,7 @@ fn stopping_the_sweep_stops_every_worker() {
     let (mut sweep, pids, rx) = start_split_sweep(tmp.path());
     signal(&sweep.id().to_string(), libc::SIGTERM);
     let status = wait(&mut sweep, Duration::from_secs(120));
-    let all: Vec<String> = rx.try_iter().collect();
+    let all = rest_of(&rx, Duration::from_secs(30));
     assert_eq!(status.code(), Some(143), "{}", all.join("\n"));
     for pid in &pids {
         assert!(
