@@ -1617,6 +1617,19 @@ mod tests {
         }
     }
 
+    /// The forward operands of `per_run` weights `[m, k]` a run, each prepared under its run's
+    /// plan, stacked.
+    fn forward_stack(plans: &[SitePlan], per_run: usize, m: usize, k: usize) -> Vec<f32> {
+        (0..plans.len() * per_run)
+            .flat_map(|b| {
+                let p = &plans[b / per_run];
+                prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
+                    .w_fwd()
+                    .to_vec()
+            })
+            .collect()
+    }
+
     /// An inference pass on a device whose GEMM rounds BF16 operands itself gives BF16 sites'
     /// inputs to the GEMM unrounded, and computes the same bits as rounding them first: alone,
     /// BF16 groups of two backward modes, beside an MXFP8 group (whose input is still rounded
@@ -1638,14 +1651,7 @@ mod tests {
         for (plans, roundings) in cases {
             let batch = plans.len() * per_run;
             let x = data(batch * n * k, 0.5);
-            let w: Vec<f32> = (0..batch)
-                .flat_map(|b| {
-                    let p = &plans[b / per_run];
-                    prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
-                        .w_fwd()
-                        .to_vec()
-                })
-                .collect();
+            let w = forward_stack(&plans, per_run, m, k);
             let site = SiteWeight {
                 fwd: &w[..],
                 bwd: &w[..],
@@ -1717,14 +1723,7 @@ mod tests {
             let batch = plans.len() * per_run;
             let (xl, yl) = (n * k, n * m);
             let x = data(batch * xl, 0.5);
-            let w: Vec<f32> = (0..batch)
-                .flat_map(|b| {
-                    let p = &plans[b / per_run];
-                    prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
-                        .w_fwd()
-                        .to_vec()
-                })
-                .collect();
+            let w = forward_stack(&plans, per_run, m, k);
             let apply = |k_: &Blocked, plans: &[SitePlan], blocks: std::ops::Range<usize>| {
                 let nb = blocks.len();
                 let site = SiteWeight {
@@ -1774,14 +1773,7 @@ mod tests {
         for (plans, forward_roundings) in cases {
             let batch = plans.len() * per_run;
             let x = data(batch * n * k, 0.5);
-            let w: Vec<f32> = (0..batch)
-                .flat_map(|b| {
-                    let p = &plans[b / per_run];
-                    prepare_weight(p, &data(m * k, 3.0 + b as f32), m, k)
-                        .w_fwd()
-                        .to_vec()
-                })
-                .collect();
+            let w = forward_stack(&plans, per_run, m, k);
             let site = SiteWeight {
                 fwd: &w[..],
                 bwd: &w[..],
