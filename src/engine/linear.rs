@@ -1651,7 +1651,7 @@ mod tests {
         for (plans, roundings) in cases {
             let batch = plans.len() * per_run;
             let x = data(batch * n * k, 0.5);
-            let w = forward_stack(&plans, per_run, m, k);
+            let w = forward_stack(plans, per_run, m, k);
             let site = SiteWeight {
                 fwd: &w[..],
                 bwd: &w[..],
